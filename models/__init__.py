@@ -1,0 +1,23 @@
+"""Model files, selected by the ``architectures`` entry of a checkpoint's config.json."""
+from __future__ import annotations
+
+from models.gemma import GemmaForCausalLM
+from models.gemma2 import Gemma2ForCausalLM
+from models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "GemmaForCausalLM": GemmaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+}
+
+
+def model_class_for(architectures) -> type:
+    """The model class for a checkpoint, or a ValueError listing what is supported."""
+    for name in architectures or ():
+        if name in MODEL_REGISTRY:
+            return MODEL_REGISTRY[name]
+    raise ValueError(f"unsupported architecture {architectures!r}; supported: {sorted(MODEL_REGISTRY)}")
+
+
+__all__ = ["MODEL_REGISTRY", "model_class_for", "LlamaForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM"]

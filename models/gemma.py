@@ -1,0 +1,27 @@
+"""Gemma: the Llama block with (1 + w) RMSNorm, GeLU-tanh MLP and sqrt(hidden)-scaled embeddings."""
+from __future__ import annotations
+
+from models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    norm_unit_offset = True
+
+    @staticmethod
+    def activation_of(cfg) -> str:
+        # Gemma checkpoints name it hidden_act or hidden_activation; both mean GeLU-tanh.
+        return getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "gelu_pytorch_tanh"
+
+
+class GemmaModel(LlamaModel):
+    layer_class = GemmaDecoderLayer
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.embed_scale = cfg.hidden_size ** 0.5
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma (v1) causal LM."""
+
+    model_class = GemmaModel

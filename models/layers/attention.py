@@ -1,0 +1,58 @@
+"""Paged attention layer: writes this step's K/V into the cache, then attends through the ops.
+
+The KV cache of one layer is a pair of tensors ``[num_kv_heads, num_blocks, block_size,
+head_dim]`` (the page layout the Pallas kernels take). They are updated in place with
+``index_copy_`` on a flattened view and marked as donated buffers: without donation the
+compiled step would copy the whole cache every call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pallas_kernels import paged_attention, prefill_attention
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, all device tensors of fixed (bucketed) shape.
+
+    Prefill (one sequence): ``block_tables [1, L / block_size]``, ``positions [L]``.
+    Decode (a batch, one token each): ``block_tables [B, max_blocks]``, ``context_lens [B]``.
+    ``slot_mapping [T]`` is where each token's K/V goes (padding -> the null block).
+    """
+
+    is_prefill: bool
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Scatter k, v ``[T, kv_heads, d]`` into the paged caches at ``slot_mapping [T]``."""
+    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    if k_cache.device.type == "xla":
+        torch.ops.xla.dynamo_set_buffer_donor_(k_cache, True)
+        torch.ops.xla.dynamo_set_buffer_donor_(v_cache, True)
+    head_offsets = torch.arange(kv_heads, device=k.device)[:, None] * (num_blocks * block_size)
+    index = (head_offsets + slot_mapping[None, :]).reshape(-1)
+    k_cache.view(-1, head_dim).index_copy_(0, index, k.transpose(0, 1).reshape(-1, head_dim))
+    v_cache.view(-1, head_dim).index_copy_(0, index, v.transpose(0, 1).reshape(-1, head_dim))
+
+
+def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,
+                            meta: AttentionMetadata, *, scale: float,
+                            soft_cap: Optional[float] = None,
+                            sliding_window: Optional[int] = None) -> torch.Tensor:
+    """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` -> attention output ``[T, heads, d]``."""
+    k_cache, v_cache = kv_cache
+    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.is_prefill:
+        return prefill_attention(q, k_cache, v_cache, meta.block_tables[0], meta.positions,
+                                 scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    return paged_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables,
+                           scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)

@@ -1,0 +1,21 @@
+"""Kernels behind an op registry: one folder per op (reference.py is the spec, ops.py the op).
+
+``register_all()`` fills the shared registry; it runs when an engine starts, not on import.
+"""
+from pallas_kernels.paged_attention.ops import paged_attention
+from pallas_kernels.prefill_attention.ops import prefill_attention
+from pallas_kernels.registry import REGISTRY, OpRegistry, Provider
+
+
+def register_all(registry: OpRegistry = REGISTRY) -> OpRegistry:
+    """Register every op's providers once; later calls are no-ops."""
+    from pallas_kernels.paged_attention import ops as paged_ops
+    from pallas_kernels.prefill_attention import ops as prefill_ops
+
+    for module in (paged_ops, prefill_ops):
+        if module.OP_NAME not in registry.ops():
+            module.register(registry)
+    return registry
+
+
+__all__ = ["REGISTRY", "OpRegistry", "Provider", "paged_attention", "prefill_attention", "register_all"]

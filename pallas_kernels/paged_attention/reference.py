@@ -1,0 +1,54 @@
+"""THE reference for paged decode attention: the executable spec and the CPU path.
+
+Shapes:
+  q             [batch, num_heads, head_dim]             one query token per sequence
+  k_pages       [num_kv_heads, num_blocks, block_size, head_dim]
+  v_pages       [num_kv_heads, num_blocks, block_size, head_dim]
+  context_lens  [batch] int   tokens of context (including the current one)
+  block_tables  [batch, max_blocks] int   page ids; entries past the context are ignored
+Returns [batch, num_heads, head_dim] in q's dtype. Scores are computed in fp32.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def attention_scores_mask(scores: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor,
+                          soft_cap: Optional[float], sliding_window: Optional[int]) -> torch.Tensor:
+    """Soft-cap then mask ``scores [..., q, k]``: causal, and the sliding window if given."""
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+    allowed = key_pos <= query_pos
+    if sliding_window is not None:
+        allowed = allowed & (key_pos > query_pos - sliding_window)
+    return scores.masked_fill(~allowed, float("-inf"))
+
+
+def gather_pages(pages: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, num_blocks, bs, d] and [..., max_blocks] -> [..., kv_heads, max_blocks*bs, d]."""
+    kv_heads, _, block_size, head_dim = pages.shape
+    gathered = pages[:, block_table.reshape(-1)]  # [kv_heads, N*max_blocks, bs, d]
+    lead = block_table.shape[:-1]
+    gathered = gathered.reshape(kv_heads, *lead, block_table.shape[-1] * block_size, head_dim)
+    return gathered.movedim(0, len(lead))
+
+
+def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                    context_lens: torch.Tensor, block_tables: torch.Tensor, *, scale: float,
+                    soft_cap: Optional[float] = None,
+                    sliding_window: Optional[int] = None) -> torch.Tensor:
+    """Attention of each sequence's one query over its paged context (GQA-aware)."""
+    batch, num_heads, head_dim = q.shape
+    kv_heads = k_pages.shape[0]
+    group = num_heads // kv_heads
+    k = gather_pages(k_pages, block_tables).float()  # [batch, kv_heads, L, d]
+    v = gather_pages(v_pages, block_tables).float()
+    qg = q.float().reshape(batch, kv_heads, group, head_dim) * scale
+    scores = torch.einsum("bhgd,bhld->bhgl", qg, k)
+    key_pos = torch.arange(k.shape[2], device=q.device).view(1, 1, 1, -1)
+    query_pos = (context_lens - 1).view(batch, 1, 1, 1)
+    scores = attention_scores_mask(scores, key_pos, query_pos, soft_cap, sliding_window)
+    out = torch.einsum("bhgl,bhld->bhgd", torch.softmax(scores, dim=-1), v)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)

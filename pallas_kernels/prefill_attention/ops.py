@@ -1,0 +1,20 @@
+"""The ``prefill_attention`` op: its providers and the call models use."""
+from __future__ import annotations
+
+from pallas_kernels.prefill_attention import reference
+from pallas_kernels.registry import REGISTRY, Provider
+
+OP_NAME = "prefill_attention"
+
+
+def register(registry=REGISTRY) -> None:
+    """Register this op's providers (the reference accepts every call)."""
+    registry.register(OP_NAME, Provider("reference", reference.prefill_attention, priority=0,
+                                        is_reference=True))
+
+
+def prefill_attention(q, k_pages, v_pages, block_table, positions, *, scale, soft_cap=None,
+                      sliding_window=None):
+    """Causal prefill attention over paged context; see ``reference.prefill_attention``."""
+    return REGISTRY.dispatch(OP_NAME, q, k_pages, v_pages, block_table, positions,
+                             scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)

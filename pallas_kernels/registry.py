@@ -1,0 +1,114 @@
+"""The op registry: one op, several providers, picked by priority and a selection string.
+
+A provider declares a static ``supported()`` (can it run here at all: platform, installed
+packages) and a per-call ``supports_args(*args, **kwargs)`` (shapes, dtypes, block
+constraints). Among the enabled providers of an op the one with the highest priority whose
+checks pass runs. The torch reference of each op is registered with the lowest priority and
+accepts everything, so dispatch always succeeds.
+
+The selection string names which non-reference providers are enabled, by op name:
+``"all"`` (default), ``"none"``, ``"all,-paged_attention"``, ``"none,+gmm"``.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+
+def _always() -> bool:
+    return True
+
+
+def _accept_all(*args, **kwargs) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One implementation of an op."""
+
+    name: str
+    fn: Callable
+    priority: int
+    supported: Callable[[], bool] = _always
+    supports_args: Callable[..., bool] = _accept_all
+    is_reference: bool = False
+
+    def source_hash(self) -> str:
+        """Hash of the provider's source: a change to a kernel invalidates compiled graphs."""
+        try:
+            source = inspect.getsource(inspect.getmodule(self.fn))
+        except (OSError, TypeError):
+            source = self.name
+        return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+class OpRegistry:
+    """Providers per op name, with the selection that enables or disables them."""
+
+    def __init__(self):
+        self._providers: Dict[str, List[Provider]] = {}
+        self._enabled: Dict[str, bool] = {}
+        self._usable_cache: Dict[str, List[Provider]] = {}
+
+    def register(self, op: str, provider: Provider) -> None:
+        providers = self._providers.setdefault(op, [])
+        if any(p.name == provider.name for p in providers):
+            raise ValueError(f"op {op!r} already has a provider named {provider.name!r}")
+        providers.append(provider)
+        providers.sort(key=lambda p: -p.priority)
+        self._refresh()
+
+    def ops(self) -> List[str]:
+        return sorted(self._providers)
+
+    def providers(self, op: str) -> List[Provider]:
+        if op not in self._providers:
+            raise KeyError(f"unknown op {op!r}; known ops: {self.ops()}")
+        return list(self._providers[op])
+
+    def configure(self, selection: str = "all") -> None:
+        """Apply a selection string such as ``"all,-paged_attention"``."""
+        parts = [p.strip() for p in selection.split(",") if p.strip()]
+        if not parts or parts[0] not in ("all", "none"):
+            raise ValueError(f"op selection must start with 'all' or 'none', got {selection!r}")
+        enabled = {op: parts[0] == "all" for op in self._providers}
+        for part in parts[1:]:
+            sign, op = part[0], part[1:]
+            if sign not in "+-" or op not in self._providers:
+                raise ValueError(f"bad op selection item {part!r}; use +op or -op with op in {self.ops()}")
+            enabled[op] = sign == "+"
+        self._enabled = enabled
+        self._refresh()
+
+    def _refresh(self) -> None:
+        # Static checks run once per registration or configuration, never while tracing:
+        # state that changed under torch.compile would fail its guards and recompile.
+        self._usable_cache = {
+            op: [p for p in providers if (p.is_reference or self._enabled.get(op, True)) and p.supported()]
+            for op, providers in self._providers.items()}
+
+    def _usable(self, op: str) -> List[Provider]:
+        if op not in self._usable_cache:
+            raise KeyError(f"unknown op {op!r}; known ops: {self.ops()} (call pallas_kernels.register_all())")
+        return self._usable_cache[op]
+
+    def select(self, op: str, *args, **kwargs) -> Provider:
+        """The provider that runs this call."""
+        for provider in self._usable(op):
+            if provider.is_reference or provider.supports_args(*args, **kwargs):
+                return provider
+        raise RuntimeError(f"op {op!r} has no reference provider")
+
+    def dispatch(self, op: str, *args, **kwargs):
+        return self.select(op, *args, **kwargs).fn(*args, **kwargs)
+
+    def fingerprint(self) -> str:
+        """Source hashes of the usable providers: part of the compile-cache key."""
+        parts = [f"{op}:{p.name}:{p.source_hash()}" for op in self.ops() for p in self._usable(op)]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+REGISTRY = OpRegistry()

@@ -1,0 +1,108 @@
+"""Build random-weight checkpoints (Llama, Gemma, Gemma-2) with a freshly trained tokenizer.
+
+Used by the tests (tiny models) and the benchmark (a ~100M-parameter Gemma-shaped model).
+Weights are drawn with std 1/sqrt(fan_in) and the residual writers are scaled up, so the
+models produce peaked, input-dependent distributions; with the default init a random model
+repeats one token and a parity check against it would prove nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from typing import Dict
+
+import torch
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
+_SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "shi", "po", "ve", "zu", "an", "el", "or", "is"]
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+GEMMA_100M = dict(vocab_size=8192, hidden_size=768, intermediate_size=3072, num_hidden_layers=10,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=96, max_position_embeddings=1024)
+
+
+def _corpus(num_lines: int, seed: int):
+    rng = random.Random(seed)
+    words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(400)]
+    for _ in range(num_lines):
+        yield " ".join(rng.choice(words) for _ in range(rng.randint(4, 16))) + "."
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0):
+    """A byte-level BPE tokenizer trained on synthetic text, wrapped for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(4000, seed), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def _config(arch: str, sizes: Dict, vocab_size: int):
+    from transformers import Gemma2Config, GemmaConfig, LlamaConfig
+
+    common = dict(sizes, vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)
+    if arch == "gemma":
+        return GemmaConfig(**common, hidden_act="gelu_pytorch_tanh")
+    if arch == "gemma2":
+        return Gemma2Config(**common, sliding_window=32, query_pre_attn_scalar=sizes["head_dim"],
+                            attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    raise ValueError(f"unknown architecture {arch!r}; use llama, gemma or gemma2")
+
+
+@torch.no_grad()
+def _scale_weights(model, residual_gain: float, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() == 2:
+            fan_in = param.shape[1] if "embed" not in name else 1
+            std = fan_in ** -0.5
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                std *= residual_gain
+            if "embed" in name and getattr(model.config, "model_type", "").startswith("gemma"):
+                std = model.config.hidden_size ** -0.5  # Gemma multiplies embeddings by sqrt(hidden)
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
+        elif "norm" in name:
+            offset = 0.0 if getattr(model.config, "model_type", "").startswith("gemma") else 1.0
+            param.copy_(offset + 0.1 * torch.randn(param.shape, generator=generator))
+
+
+def build(out_dir: str, arch: str = "llama", sizes: Dict = TINY, seed: int = 0,
+          residual_gain: float = 4.0) -> str:
+    """Write a random checkpoint of ``arch`` to ``out_dir`` (reused if already there)."""
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = train_tokenizer(sizes["vocab_size"], seed)
+    config = _config(arch, sizes, len(tokenizer))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _scale_weights(model, residual_gain, seed)
+    tmp = out_dir + ".partial"
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="checkpoint directory to write")
+    parser.add_argument("--arch", default="gemma", choices=["llama", "gemma", "gemma2"])
+    parser.add_argument("--size", default="100m", choices=["tiny", "100m"])
+    args = parser.parse_args()
+    print(build(args.out, args.arch, TINY if args.size == "tiny" else GEMMA_100M))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""tpu_executor: TPU-first LLM inference on PyTorch/XLA (CPU XLA for development)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="tpu_executor",
+    version="0.1.0",
+    description="TPU-first LLM inference backend on PyTorch/XLA with paged KV cache and bucketed compilation",
+    python_requires=">=3.10,<3.13",
+    packages=find_packages(include=["tpu_executor*", "models*", "pallas_kernels*"]),
+    install_requires=[
+        # torch_xla 2.9 is the last release; it needs exactly torch 2.9.0 and jax 0.7.1.
+        "torch==2.9.0",
+        "torch_xla==2.9.0",
+        "jax==0.7.1",
+        "jaxlib==0.7.1",
+        "ray>=2.50,<3",
+        "transformers>=5.0,<6",
+        "safetensors>=0.5",
+        "tokenizers>=0.21",
+        "tqdm>=4.66",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        # The default model ships as GGUF: transformers needs gguf (and accelerate) to read it.
+        "models": ["gguf>=0.10", "accelerate>=1.0"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "gguf>=0.10", "accelerate>=1.0"],
+        "tpu": ["torch_xla[tpu]==2.9.0"],
+    },
+)

@@ -1,0 +1,6 @@
+"""tpu_executor: a TPU-first LLM inference engine on PyTorch/XLA."""
+from tpu_executor.llm import LLM
+from tpu_executor.request import CompletionOutput, RequestOutput
+from tpu_executor.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

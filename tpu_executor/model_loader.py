@@ -1,0 +1,111 @@
+"""Checkpoint loading: config.json, safetensors shards, strict tensor-name checking.
+
+Every failure names the file and what to do: a missing config or weight file, a corrupt
+safetensors file, a tensor the model does not have, a tensor the checkpoint lacks, or a shape
+that does not match.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Dict, Iterator, List, Tuple
+
+import torch
+
+from models import model_class_for
+
+# Checkpoint tensors that carry no weights of ours (recomputed or tied).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message says which file and why."""
+
+
+def load_hf_config(path: str):
+    """The transformers config of the checkpoint at ``path``."""
+    from transformers import AutoConfig
+
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise CheckpointError(f"{config_file} is missing: {path!r} is not a Hugging Face checkpoint")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{config_file} cannot be read: {err}") from err
+
+
+def checkpoint_limit(hf_config) -> int:
+    """The context length the checkpoint was trained for."""
+    return int(getattr(hf_config, "max_position_embeddings", 2048))
+
+
+def safetensors_files(path: str) -> List[str]:
+    """The weight files listed by the index, or every *.safetensors file."""
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_file):
+        with open(index_file) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, n) for n in names]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise CheckpointError(f"weight files listed in {index_file} are missing: {missing}")
+        return files
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weight files in {path!r}")
+    return files
+
+
+def iterate_tensors(files: List[str]) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the shards; corrupt files raise CheckpointError."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as shard:
+                for name in shard.keys():
+                    yield name, shard.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as err:
+            raise CheckpointError(f"weight file {file} is corrupt or unreadable: {err}") from err
+
+
+def _expected_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    return dict(model.state_dict())
+
+
+def load_weights(model: torch.nn.Module, files: List[str]) -> None:
+    """Copy the checkpoint into ``model``; every model tensor must come from it exactly once."""
+    expected = _expected_tensors(model)
+    tied = getattr(model, "tie_word_embeddings", False)
+    loaded, unexpected = set(), []
+    for name, tensor in iterate_tensors(files):
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        target = expected.get(name)
+        if target is None:
+            unexpected.append(name)
+            continue
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)} in the checkpoint "
+                                  f"but the model expects {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor.to(target.dtype))
+        loaded.add(name)
+    missing = sorted(set(expected) - loaded)
+    if unexpected or missing:
+        raise CheckpointError(f"checkpoint does not match the model: missing {missing[:8]}"
+                              f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                              f"{' ...' if len(unexpected) > 8 else ''}")
+
+
+def load_model(path: str, dtype: torch.dtype) -> torch.nn.Module:
+    """Build the model named by the checkpoint's config and load its weights (on the CPU)."""
+    hf_config = load_hf_config(path)
+    model_class = model_class_for(getattr(hf_config, "architectures", None))
+    files = safetensors_files(path)
+    with torch.device("cpu"):
+        model = model_class(hf_config)
+    load_weights(model, files)
+    return model.to(dtype).eval()

@@ -1,0 +1,87 @@
+"""Requests and their outputs (pure Python, shared by every device path)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from tpu_executor.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+@dataclass
+class Request:
+    """One sequence being generated: prompt, outputs so far and scheduling state.
+
+    A request with ``n > 1`` samples is several ``Request`` objects (one per sample) that the
+    engine groups back into one ``RequestOutput``.
+    """
+
+    request_id: str
+    prompt_token_ids: List[int]
+    sampling_params: SamplingParams
+    seed: int
+    eos_token_id: Optional[int] = None
+    output_token_ids: List[int] = field(default_factory=list)
+    output_logprobs: List[Dict[int, float]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    cumulative_logprob: float = 0.0
+    stop_reason: Optional[object] = None
+    error: Optional[str] = None
+
+    @property
+    def all_token_ids(self) -> List[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def finish_reason(self) -> Optional[str]:
+        return self.status.value if self.is_finished else None
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request: text, token ids, cumulative and per-token log-probs."""
+
+    index: int
+    text: str
+    token_ids: List[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[List[Dict[int, float]]]
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[object] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLM.generate`` returns per prompt (vLLM's shape)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: List[int]
+    outputs: List[CompletionOutput]
+    finished: bool
+    error: Optional[str] = None

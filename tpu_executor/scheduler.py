@@ -1,0 +1,174 @@
+"""Continuous-batching scheduler (pure Python).
+
+Each step first gives every running request a slot for one more token (preempting the most
+recently admitted requests by recompute when blocks run out), then admits waiting requests as
+prefills while ``max_num_seqs``, ``max_num_batched_tokens`` and the free blocks allow. A
+preempted request loses its blocks and returns to the front of the queue; its prompt and the
+tokens it already produced are prefilled again, so nothing it generated is lost.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Tuple
+
+from tpu_executor.config import SchedulerConfig
+from tpu_executor.kv_cache_manager import KVCacheManager
+from tpu_executor.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SamplingMeta:
+    """What the device sampler needs for one row; ``step`` is the output position (seeding),
+    ``num_logprobs`` is -1 when the request wants no log-probs."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    step: int
+    num_logprobs: int
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    """Compute ``token_ids`` at positions ``start_pos...`` (earlier ones are prefix-cached)."""
+
+    request_id: str
+    token_ids: Tuple[int, ...]
+    start_pos: int
+    block_ids: Tuple[int, ...]
+    sampling: SamplingMeta
+
+
+@dataclass(frozen=True)
+class DecodeWork:
+    """Compute one token (the last sampled) at ``position``."""
+
+    request_id: str
+    token_id: int
+    position: int
+    block_ids: Tuple[int, ...]
+    sampling: SamplingMeta
+
+
+@dataclass
+class SchedulerOutput:
+    """The work of one engine step (sent to every worker)."""
+
+    prefills: List[PrefillWork] = field(default_factory=list)
+    decodes: List[DecodeWork] = field(default_factory=list)
+    preempted: List[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One sampled token with its log-prob and, if asked for, the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: Optional[Dict[int, float]] = None
+
+
+def sampling_meta(request: Request) -> SamplingMeta:
+    params = request.sampling_params
+    return SamplingMeta(params.temperature, params.top_k, params.top_p, params.min_p,
+                        request.seed, len(request.output_token_ids),
+                        -1 if params.logprobs is None else params.logprobs)
+
+
+class Scheduler:
+    """Decides the prefill and decode work of each step and owns the request queues."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: Deque[Request] = deque()
+        self.running: List[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark a request finished (any status) and give its blocks back."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache.free(request.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens - self._schedule_decodes(out)
+        self._schedule_prefills(out, budget)
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> int:
+        index = 0
+        while index < len(self.running):
+            request = self.running[index]
+            while not self.kv_cache.allocate(request.request_id, request.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                out.decodes.append(DecodeWork(
+                    request.request_id, request.all_token_ids[-1], request.num_tokens - 1,
+                    tuple(self.kv_cache.block_ids(request.request_id)), sampling_meta(request)))
+                index += 1
+        return len(out.decodes)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            tokens = request.all_token_ids
+            cached, num_cached = self.kv_cache.find_cached_prefix(tokens)
+            num_new = len(tokens) - num_cached
+            if num_new > budget and (out.prefills or out.decodes):
+                break
+            if not self.kv_cache.allocate(request.request_id, len(tokens), cached):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            self.running.append(request)
+            budget -= num_new
+            out.prefills.append(PrefillWork(
+                request.request_id, tuple(tokens[num_cached:]), num_cached,
+                tuple(self.kv_cache.block_ids(request.request_id)), sampling_meta(request)))
+
+    def update(self, sampled: Dict[str, SampledToken], requests: Dict[str, Request]) -> List[Request]:
+        """Record each sampled token; returns the requests that got one (still running)."""
+        updated = []
+        for request_id, token in sampled.items():
+            request = requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while its step ran
+            request.num_computed_tokens = request.num_tokens
+            self.kv_cache.cache_computed_blocks(request_id, request.all_token_ids,
+                                                request.num_computed_tokens)
+            request.output_token_ids.append(token.token_id)
+            request.cumulative_logprob += token.logprob
+            if token.top_logprobs is not None:
+                request.output_logprobs.append({token.token_id: token.logprob, **token.top_logprobs})
+            updated.append(request)
+        return updated

@@ -1,0 +1,151 @@
+"""A worker owns one device: it loads the model there, sizes and allocates the KV cache, and
+runs the model runner. ``init_device`` is the only place that reads or sets device
+environment variables. Executors drive workers only through ``collective_rpc`` method names.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from tpu_executor.config import EngineConfig
+from tpu_executor.model_loader import load_model
+from tpu_executor.model_runner import ModelRunner
+from tpu_executor.scheduler import SampledToken, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _tpu_present() -> bool:
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+class Worker:
+    """One device's share of the engine (rank 0 of 1 until tensor parallelism lands)."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        self.dtype = _DTYPES[config.model.dtype]
+        self.device: Optional[torch.device] = None
+        self.model = None
+        self.runner: Optional[ModelRunner] = None
+
+    # ---- device -------------------------------------------------------------------------
+    def init_device(self) -> str:
+        """Pick the device and start its runtime; returns a description of it."""
+        from pallas_kernels import register_all
+
+        register_all()
+        torch.manual_seed(self.config.model.seed)
+        if self.config.device.device == "cpu":
+            self.device = torch.device("cpu")
+            return "cpu (native eager torch)"
+        os.environ.setdefault("PJRT_DEVICE", "TPU" if _tpu_present() else "CPU")
+        import torch_xla
+        import torch_xla.runtime as xr
+
+        self._init_compile_cache(xr)
+        self.device = torch_xla.device()
+        return f"xla ({os.environ['PJRT_DEVICE']})"
+
+    def _init_compile_cache(self, xr) -> None:
+        cache_dir = self.config.compile.cache_dir
+        if cache_dir is None:
+            return
+        import torch_xla
+
+        if torch_xla._XLAC._xla_computation_cache_is_initialized():
+            # One cache per process: a second engine in the same process shares the first's.
+            logger.info("XLA compile cache already initialised in this process; keeping it")
+            return
+        path = os.path.join(cache_dir, f"rank{self.rank}")
+        os.makedirs(path, exist_ok=True)
+        xr.initialize_cache(path, readonly=False)
+
+    @property
+    def on_tpu(self) -> bool:
+        return self.device.type == "xla" and os.environ.get("PJRT_DEVICE") == "TPU"
+
+    # ---- model and cache ----------------------------------------------------------------
+    def load_model(self) -> int:
+        """Load the checkpoint onto the device; returns the weights' size in bytes."""
+        self.model = load_model(self.config.model.model, self.dtype).to(self.device)
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def cache_block_bytes(self) -> int:
+        """Bytes of one KV block across all layers (K and V)."""
+        model = self.model
+        per_layer = model.num_kv_heads * self.config.cache.block_size * model.head_dim
+        return 2 * len(model.model.layers) * per_layer * torch.tensor([], dtype=self.dtype).element_size()
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks fit: the configured count, else memory left after weights and a
+        profiling run (TPU: measured by ``xm.get_memory_info``; CPU: the memory budget)."""
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            num_blocks = cache.num_blocks
+        else:
+            num_blocks = int(self._free_cache_bytes() // self.cache_block_bytes())
+        needed = self.config.max_blocks_per_seq + 1
+        if num_blocks < needed:
+            raise ValueError(f"the KV cache holds {num_blocks} blocks but one max_model_len "
+                             f"({self.config.max_model_len}) sequence needs {needed}; raise "
+                             "memory_budget_bytes / memory_utilization or lower max_model_len")
+        return num_blocks
+
+    def _free_cache_bytes(self) -> int:
+        cache = self.config.cache
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if not self.on_tpu:
+            return cache.memory_budget_bytes - weights
+        import torch_xla.core.xla_model as xm
+
+        self._profile_run()
+        info = xm.get_memory_info(self.device)
+        return int(info["bytes_limit"] * cache.memory_utilization) - int(info["peak_bytes_used"])
+
+    def _profile_run(self) -> None:
+        """Run the largest prefill once with a minimal cache so the peak activation memory shows."""
+        from tpu_executor.scheduler import PrefillWork, SamplingMeta
+
+        blocks = self.config.max_blocks_per_seq + 1
+        runner = ModelRunner(self.config, self.model, self._allocate_cache(blocks), self.device)
+        length = self.config.prefill_buckets[-1]
+        work = PrefillWork("profile", tuple([0] * length), 0, tuple(range(1, blocks)),
+                           SamplingMeta(0.0, 0, 1.0, 0.0, 0, 0, -1))
+        runner.execute(SchedulerOutput(prefills=[work]))
+
+    def _allocate_cache(self, num_blocks: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        shape = (self.model.num_kv_heads, num_blocks, self.config.cache.block_size, self.model.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                   torch.zeros(shape, dtype=self.dtype, device=self.device))
+                  for _ in self.model.model.layers]
+        if self.device.type == "xla":
+            import torch_xla
+
+            # Materialise the zeros now: a lazy zeros tensor fed to the first compiled step
+            # would give that step a different graph than every later one.
+            torch_xla.sync()
+        return caches
+
+    def init_cache(self, num_blocks: int) -> None:
+        """Allocate per-layer K/V tensors (donated buffers) and build the model runner."""
+        self.runner = ModelRunner(self.config, self.model, self._allocate_cache(num_blocks), self.device)
+
+    def warmup(self, show_progress: bool = True) -> int:
+        """Compile every bucket; returns the number of XLA compilations it took."""
+        if self.device.type == "xla":
+            self.runner.warmup(show_progress and self.rank == 0)
+        return self.runner.guard.compiled_during_warmup
+
+    def execute_model(self, scheduled: SchedulerOutput) -> Dict[str, SampledToken]:
+        return self.runner.execute(scheduled)
+
+    def compilations_since_warmup(self) -> int:
+        return self.runner.guard.new_compilations() if self.device.type == "xla" else 0
