@@ -8,6 +8,7 @@ buckets. Strict mode raises; default mode logs once per new compilation.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 from typing import Sequence, Tuple
 
@@ -43,35 +44,39 @@ def compile_counts() -> Tuple[int, int]:
 
 
 class CompileGuard:
-    """Counts compilations since warm-up finished and enforces the zero-recompilation rule."""
+    """Counts the compilations that happen inside this runner's steps after warm-up.
+
+    The counters are process-wide, so the guard only attributes the difference across its own
+    calls (another engine in the same process compiling in between does not count).
+    """
 
     def __init__(self, strict: bool):
         self.strict = strict
-        self._baseline = None
+        self.warmed_up = False
         self.compiled_during_warmup = 0
-        self._start = None
+        self.compiled_after_warmup = 0
+        self._warmup_start = (0, 0)
 
     def begin_warmup(self) -> None:
-        self._start = compile_counts()
+        self._warmup_start = compile_counts()
 
     def end_warmup(self) -> None:
-        self._baseline = compile_counts()
-        self.compiled_during_warmup = self._baseline[0] - self._start[0]
+        self.compiled_during_warmup = compile_counts()[0] - self._warmup_start[0]
+        self.warmed_up = True
 
-    def new_compilations(self) -> int:
-        """XLA compilations plus dynamo graphs since warm-up (0 when all is well)."""
-        if self._baseline is None:
-            return 0
-        now = compile_counts()
-        return (now[0] - self._baseline[0]) + (now[1] - self._baseline[1])
-
-    def check(self, what: str) -> None:
-        """Call after each compiled step; raises in strict mode if it compiled."""
-        new = self.new_compilations()
+    @contextlib.contextmanager
+    def watch(self, what: str):
+        """Wrap one serving step; raises (strict) or logs if it compiled anything."""
+        before = compile_counts()
+        yield
+        if not self.warmed_up:
+            return
+        after = compile_counts()
+        new = (after[0] - before[0]) + (after[1] - before[1])
         if new == 0:
             return
-        message = f"{new} compilation(s) after warm-up (last step: {what}); a shape escaped the buckets"
+        self.compiled_after_warmup += new
+        message = f"{new} compilation(s) after warm-up in {what}; a shape escaped the buckets"
         if self.strict:
             raise RecompilationError(message)
         logger.warning(message)
-        self._baseline = compile_counts()

@@ -141,9 +141,9 @@ class ModelRunner:
         for work in scheduled.prefills:
             bucket = pick_bucket(self.config.prefill_buckets, work.start_pos + len(work.token_ids))
             inputs = prefill_inputs(work, bucket, self.block_size).to(self.device)
-            logits = self._prefill_fn(*inputs.as_args(), self.kv_caches)
-            results.update(self._sample([work], logits, batch=1))
-            self.guard.check(f"prefill bucket {bucket}")
+            with self.guard.watch(f"prefill bucket {bucket}"):
+                logits = self._prefill_fn(*inputs.as_args(), self.kv_caches)
+                results.update(self._sample([work], logits, batch=1))
         if scheduled.decodes:
             results.update(self._run_decode(scheduled.decodes))
         return results
@@ -153,10 +153,9 @@ class ModelRunner:
         needed = max(item.position // self.block_size + 1 for item in work)
         width = pick_bucket(self.config.decode_context_blocks, needed)
         inputs = decode_inputs(work, batch, width, self.block_size).to(self.device)
-        logits = self._decode_fn(*inputs.as_args(), self.kv_caches)
-        results = self._sample(work, logits, batch)
-        self.guard.check(f"decode bucket batch={batch} blocks={width}")
-        return results
+        with self.guard.watch(f"decode bucket batch={batch} blocks={width}"):
+            logits = self._decode_fn(*inputs.as_args(), self.kv_caches)
+            return self._sample(work, logits, batch)
 
     def _sample(self, work, logits: torch.Tensor, batch: int) -> Dict[str, SampledToken]:
         metas = [item.sampling for item in work]

@@ -90,6 +90,7 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
+        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -135,6 +136,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:

@@ -148,4 +148,4 @@ class Worker:
         return self.runner.execute(scheduled)
 
     def compilations_since_warmup(self) -> int:
-        return self.runner.guard.new_compilations() if self.device.type == "xla" else 0
+        return self.runner.guard.compiled_after_warmup
