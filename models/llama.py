@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.layers.attention import AttentionMetadata, paged_attention_forward
+from models.layers.linear import Linear, VocabEmbedding
 from models.layers.norm import RMSNorm
 from models.layers.rotary import rope_from_config
 
@@ -37,9 +38,9 @@ class LlamaMLP(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,10 +59,10 @@ class LlamaAttention(nn.Module):
                              f"num_key_value_heads {self.num_kv_heads}")
         self.head_dim = head_dim_of(cfg)
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.rotary = rope_from_config(cfg, self.head_dim)
         # Hooks for Gemma-2; plain Llama uses 1/sqrt(head_dim), no soft-cap, no window.
         self.scale = self.head_dim ** -0.5
@@ -108,7 +109,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.layer_class.norm_unit_offset)
         self.embed_scale: Optional[float] = None  # Gemma scales embeddings by sqrt(hidden)
@@ -134,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.model_class(cfg)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.final_logit_softcap: Optional[float] = None
 
     @property
@@ -150,8 +151,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        head = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        logits = (hidden @ head).float()
         if self.final_logit_softcap is not None:
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return logits

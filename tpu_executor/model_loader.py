@@ -14,6 +14,7 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 
 from models import model_class_for
+from models.layers.linear import weight_loader
 
 # Checkpoint tensors that carry no weights of ours (recomputed or tied).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -71,27 +72,25 @@ def iterate_tensors(files: List[str]) -> Iterator[Tuple[str, torch.Tensor]]:
             raise CheckpointError(f"weight file {file} is corrupt or unreadable: {err}") from err
 
 
-def _expected_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    return dict(model.state_dict())
-
-
 def load_weights(model: torch.nn.Module, files: List[str]) -> None:
-    """Copy the checkpoint into ``model``; every model tensor must come from it exactly once."""
-    expected = _expected_tensors(model)
+    """Load the checkpoint into ``model``: every parameter must come from it exactly once.
+
+    Each parameter's own ``weight_loader`` converts the checkpoint tensor to its layout.
+    """
+    expected = dict(model.named_parameters())
     tied = getattr(model, "tie_word_embeddings", False)
     loaded, unexpected = set(), []
     for name, tensor in iterate_tensors(files):
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
-        target = expected.get(name)
-        if target is None:
+        param = expected.get(name)
+        if param is None:
             unexpected.append(name)
             continue
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)} in the checkpoint "
-                                  f"but the model expects {tuple(target.shape)}")
-        with torch.no_grad():
-            target.copy_(tensor.to(target.dtype))
+        try:
+            weight_loader(param)(param, tensor)
+        except ValueError as err:
+            raise CheckpointError(f"tensor {name}: {err}") from err
         loaded.add(name)
     missing = sorted(set(expected) - loaded)
     if unexpected or missing:
