@@ -20,13 +20,13 @@ _SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "shi", "po", "ve", "zu", "an",
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
 FINAL_NORM_SCALE = 3.0
-GEMMA_100M = dict(vocab_size=8192, hidden_size=768, intermediate_size=3072, num_hidden_layers=10,
+GEMMA_100M = dict(vocab_size=8192, hidden_size=768, intermediate_size=3072, num_hidden_layers=11,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=96, max_position_embeddings=1024)
 
 
-def _corpus(num_lines: int, seed: int):
+def _corpus(num_lines: int, seed: int, num_words: int):
     rng = random.Random(seed)
-    words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(400)]
+    words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(num_words)]
     for _ in range(num_lines):
         yield " ".join(rng.choice(words) for _ in range(rng.randint(4, 16))) + "."
 
@@ -41,7 +41,8 @@ def train_tokenizer(vocab_size: int, seed: int = 0):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_corpus(4000, seed), trainer=trainer)
+    # Enough distinct words that BPE reaches the requested vocabulary size.
+    tok.train_from_iterator(_corpus(4000, seed, max(400, vocab_size)), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                                    eos_token="</s>")
 

@@ -95,10 +95,12 @@ class SchedulerConfig:
 class CompileConfig:
     """Bucketed static shapes and the compile cache.
 
-    ``prefill_buckets`` are padded context lengths of one prefill; ``decode_buckets`` are
+    ``prefill_buckets`` are padded token counts of one prefill call, which packs up to
+    ``max_prefill_seqs`` prompts (their cached + new tokens); ``decode_buckets`` are
     padded decode batch sizes; ``decode_context_buckets`` pad the longest context of a decode
     batch (the attention reads that many cache slots per sequence). Each list is cut at the
-    engine's limit (max_model_len, max_num_seqs), which becomes its last bucket. ``strict`` makes any compilation after warm-up an error.
+    engine's limit (max_model_len, max_num_seqs), which becomes its last bucket; prefill
+    buckets above max_model_len are kept (they hold several prompts). ``strict`` makes any compilation after warm-up an error.
     ``cache_dir`` holds the persistent XLA cache (``None`` disables it).
     """
 
@@ -109,6 +111,7 @@ class CompileConfig:
     cache_dir: Optional[str] = field(
         default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "tpu_executor", "xla"))
     max_logprobs: int = 20
+    max_prefill_seqs: int = 8
 
     def __post_init__(self):
         object.__setattr__(self, "prefill_buckets", _sorted_positive("prefill_buckets", self.prefill_buckets))
@@ -116,6 +119,7 @@ class CompileConfig:
         object.__setattr__(self, "decode_context_buckets",
                            _sorted_positive("decode_context_buckets", self.decode_context_buckets))
         _require(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        _require(self.max_prefill_seqs >= 1, f"max_prefill_seqs must be >= 1, got {self.max_prefill_seqs}")
 
 
 @dataclass(frozen=True)
@@ -159,8 +163,11 @@ class EngineConfig:
 
     @property
     def prefill_buckets(self) -> Tuple[int, ...]:
-        """Padded prefill lengths, the last one covering ``max_model_len``."""
-        return effective_buckets(self.compile.prefill_buckets, self.max_model_len, self.cache.block_size)
+        """Padded prefill token counts; at least one covers ``max_model_len``."""
+        buckets = self.compile.prefill_buckets
+        if buckets[-1] >= self.max_model_len:
+            return buckets
+        return effective_buckets(buckets, self.max_model_len, self.cache.block_size)
 
     @property
     def decode_batch_buckets(self) -> Tuple[int, ...]:

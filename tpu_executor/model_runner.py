@@ -8,12 +8,13 @@ runs eagerly.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 import torch
 from tqdm import tqdm
 
-from models.layers.attention import AttentionMetadata
+from models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from tpu_executor.compilation import CompileGuard, pick_bucket
 from tpu_executor.config import EngineConfig
 from tpu_executor.kv_cache_manager import NULL_BLOCK
@@ -25,40 +26,68 @@ logger = logging.getLogger(__name__)
 _GREEDY = SamplingMeta(0.0, 0, 1.0, 0.0, 0, 0, -1)
 
 
-class StepInputs:
-    """The model step's tensors (host side until ``to``)."""
+@dataclass
+class PaddingStats:
+    """Real versus padded work, to judge the buckets (tokens for prefill, rows x context
+    slots for decode attention, rows for decode)."""
 
-    FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "logits_indices")
+    prefill_real: int = 0
+    prefill_padded: int = 0
+    decode_rows_real: int = 0
+    decode_rows_padded: int = 0
 
-    def __init__(self, **tensors: torch.Tensor):
-        for name in self.FIELDS:
-            setattr(self, name, tensors[name])
-
-    def to(self, device: torch.device) -> "StepInputs":
-        return StepInputs(**{name: getattr(self, name).to(device) for name in self.FIELDS})
-
-    def as_args(self) -> Tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, name) for name in self.FIELDS)
-
-
-def prefill_inputs(work: PrefillWork, bucket: int, block_size: int) -> StepInputs:
-    """One sequence's new tokens at the front of a ``bucket``-long padded row."""
-    num_new = len(work.token_ids)
-    positions = torch.zeros(bucket, dtype=torch.int64)
-    positions[:num_new] = torch.arange(work.start_pos, work.start_pos + num_new)
-    input_ids = torch.zeros(bucket, dtype=torch.int64)
-    input_ids[:num_new] = torch.tensor(work.token_ids, dtype=torch.int64)
-    blocks = torch.full((bucket // block_size,), NULL_BLOCK, dtype=torch.int64)
-    blocks[:len(work.block_ids)] = torch.tensor(work.block_ids, dtype=torch.int64)
-    slots = blocks[positions // block_size] * block_size + positions % block_size
-    slots[num_new:] = NULL_BLOCK * block_size
-    return StepInputs(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                      block_tables=blocks[None, :],
-                      context_lens=torch.tensor([work.start_pos + num_new], dtype=torch.int64),
-                      logits_indices=torch.tensor([num_new - 1], dtype=torch.int64))
+    def waste(self) -> Dict[str, float]:
+        def frac(real, padded):
+            return 1.0 - real / padded if padded else 0.0
+        return {"prefill": frac(self.prefill_real, self.prefill_padded),
+                "decode_rows": frac(self.decode_rows_real, self.decode_rows_padded)}
 
 
-def decode_inputs(work: Sequence[DecodeWork], batch: int, width: int, block_size: int) -> StepInputs:
+def pack_prefills(work: Sequence[PrefillWork], max_tokens: int, max_seqs: int) -> List[List[PrefillWork]]:
+    """Group prefills, in order, into packs of at most ``max_seqs`` sequences whose contexts
+    (cached + new tokens) add up to at most ``max_tokens``."""
+    packs: List[List[PrefillWork]] = []
+    used = max_tokens + 1
+    for item in work:
+        size = item.start_pos + len(item.token_ids)
+        if used + size > max_tokens or len(packs[-1]) == max_seqs:
+            packs.append([])
+            used = 0
+        packs[-1].append(item)
+        used += size
+    return packs
+
+
+def _slots(block_ids: Sequence[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    blocks = torch.tensor(block_ids, dtype=torch.int64)
+    return blocks[positions // block_size] * block_size + positions % block_size
+
+
+def prefill_inputs(pack: Sequence[PrefillWork], bucket: int, max_seqs: int, block_size: int) -> Dict[str, torch.Tensor]:
+    """Several sequences' new tokens packed into one ``bucket``-long row, with their contexts
+    (prefix-cached and new) as the keys. Padding queries and keys share segment -1."""
+    t = {name: torch.zeros(bucket, dtype=torch.int64) for name in
+         ("input_ids", "positions", "slot_mapping", "context_slots", "key_positions")}
+    t["query_segments"] = torch.full((bucket,), -1, dtype=torch.int64)
+    t["key_segments"] = torch.full((bucket,), -1, dtype=torch.int64)
+    t["logits_indices"] = torch.zeros(max_seqs, dtype=torch.int64)
+    query_at = key_at = 0
+    for segment, item in enumerate(pack):
+        num_new, num_ctx = len(item.token_ids), item.start_pos + len(item.token_ids)
+        q, k = slice(query_at, query_at + num_new), slice(key_at, key_at + num_ctx)
+        t["input_ids"][q] = torch.tensor(item.token_ids, dtype=torch.int64)
+        t["positions"][q] = torch.arange(item.start_pos, num_ctx)
+        t["slot_mapping"][q] = _slots(item.block_ids, t["positions"][q], block_size)
+        t["query_segments"][q] = segment
+        t["key_positions"][k] = torch.arange(num_ctx)
+        t["context_slots"][k] = _slots(item.block_ids, t["key_positions"][k], block_size)
+        t["key_segments"][k] = segment
+        t["logits_indices"][segment] = query_at + num_new - 1
+        query_at, key_at = query_at + num_new, key_at + num_ctx
+    return t
+
+
+def decode_inputs(work: Sequence[DecodeWork], batch: int, width: int, block_size: int) -> Dict[str, torch.Tensor]:
     """A decode batch padded to ``batch`` rows and ``width`` block-table entries."""
     input_ids = torch.zeros(batch, dtype=torch.int64)
     positions = torch.zeros(batch, dtype=torch.int64)
@@ -69,9 +98,12 @@ def decode_inputs(work: Sequence[DecodeWork], batch: int, width: int, block_size
         positions[row] = item.position
         tables[row, :len(item.block_ids)] = torch.tensor(item.block_ids, dtype=torch.int64)
         slots[row] = item.block_ids[item.position // block_size] * block_size + item.position % block_size
-    return StepInputs(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                      block_tables=tables, context_lens=positions + 1,
-                      logits_indices=torch.arange(batch, dtype=torch.int64))
+    return {"input_ids": input_ids, "positions": positions, "slot_mapping": slots,
+            "block_tables": tables, "context_lens": positions + 1}
+
+
+def _to(tensors: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
+    return {name: t.to(device) for name, t in tensors.items()}
 
 
 def sampling_tensors(metas: Sequence[SamplingMeta], batch: int) -> Dict[str, torch.Tensor]:
@@ -98,6 +130,8 @@ class ModelRunner:
         self.device = device
         self.block_size = config.cache.block_size
         self.guard = CompileGuard(config.compile.strict)
+        self.padding = PaddingStats()
+        self.max_prefill_seqs = config.compile.max_prefill_seqs
         compiled = device.type == "xla"
         if compiled:
             _raise_dynamo_limits(self.num_graphs())
@@ -118,43 +152,50 @@ class ModelRunner:
         return model + len(self._sampler_variants())
 
     def _sampler_variants(self) -> List[Tuple[int, int, bool]]:
-        batches = sorted(set(self.config.decode_batch_buckets) | {1})
+        batches = sorted(set(self.config.decode_batch_buckets) | {self.max_prefill_seqs})
         logprob_options = sorted({0, self.config.compile.max_logprobs})
         return [(b, n, g) for b in batches for n in logprob_options for g in (True, False)]
 
-    def _prefill_step(self, input_ids, positions, slot_mapping, block_tables, context_lens,
-                      logits_indices, kv_caches):
-        meta = AttentionMetadata(True, positions, slot_mapping, block_tables, context_lens)
-        hidden = self.model(input_ids, kv_caches, meta)
+    def _prefill_step(self, input_ids, positions, slot_mapping, context_slots, key_positions,
+                      key_segments, query_segments, logits_indices, kv_caches):
+        prefill = PrefillMetadata(context_slots, key_positions, key_segments, query_segments)
+        hidden = self.model(input_ids, kv_caches, AttentionMetadata(positions, slot_mapping, prefill=prefill))
         return self.model.compute_logits(hidden[logits_indices])
 
-    def _decode_step(self, input_ids, positions, slot_mapping, block_tables, context_lens,
-                     logits_indices, kv_caches):
-        meta = AttentionMetadata(False, positions, slot_mapping, block_tables, context_lens)
-        hidden = self.model(input_ids, kv_caches, meta)
-        return self.model.compute_logits(hidden[logits_indices])
+    def _decode_step(self, input_ids, positions, slot_mapping, block_tables, context_lens, kv_caches):
+        decode = DecodeMetadata(block_tables, context_lens)
+        hidden = self.model(input_ids, kv_caches, AttentionMetadata(positions, slot_mapping, decode=decode))
+        return self.model.compute_logits(hidden)
 
     @torch.no_grad()
     def execute(self, scheduled: SchedulerOutput) -> Dict[str, SampledToken]:
-        """Run every prefill, then the decode batch; sample one token for each."""
+        """Run the prefills (packed), then the decode batch; sample one token for each."""
         results: Dict[str, SampledToken] = {}
-        for work in scheduled.prefills:
-            bucket = pick_bucket(self.config.prefill_buckets, work.start_pos + len(work.token_ids))
-            inputs = prefill_inputs(work, bucket, self.block_size).to(self.device)
-            with self.guard.watch(f"prefill bucket {bucket}"):
-                logits = self._prefill_fn(*inputs.as_args(), self.kv_caches)
-                results.update(self._sample([work], logits, batch=1))
+        buckets = self.config.prefill_buckets
+        for pack in pack_prefills(scheduled.prefills, buckets[-1], self.max_prefill_seqs):
+            results.update(self._run_prefill(pack))
         if scheduled.decodes:
             results.update(self._run_decode(scheduled.decodes))
         return results
+
+    def _run_prefill(self, pack: Sequence[PrefillWork]) -> Dict[str, SampledToken]:
+        bucket = pick_bucket(self.config.prefill_buckets, sum(w.start_pos + len(w.token_ids) for w in pack))
+        inputs = _to(prefill_inputs(pack, bucket, self.max_prefill_seqs, self.block_size), self.device)
+        self.padding.prefill_real += sum(len(w.token_ids) for w in pack)
+        self.padding.prefill_padded += bucket
+        with self.guard.watch(f"prefill bucket {bucket}"):
+            logits = self._prefill_fn(**inputs, kv_caches=self.kv_caches)
+            return self._sample(pack, logits, self.max_prefill_seqs)
 
     def _run_decode(self, work: Sequence[DecodeWork]) -> Dict[str, SampledToken]:
         batch = pick_bucket(self.config.decode_batch_buckets, len(work))
         needed = max(item.position // self.block_size + 1 for item in work)
         width = pick_bucket(self.config.decode_context_blocks, needed)
-        inputs = decode_inputs(work, batch, width, self.block_size).to(self.device)
+        inputs = _to(decode_inputs(work, batch, width, self.block_size), self.device)
+        self.padding.decode_rows_real += len(work)
+        self.padding.decode_rows_padded += batch
         with self.guard.watch(f"decode bucket batch={batch} blocks={width}"):
-            logits = self._decode_fn(*inputs.as_args(), self.kv_caches)
+            logits = self._decode_fn(**inputs, kv_caches=self.kv_caches)
             return self._sample(work, logits, batch)
 
     def _sample(self, work, logits: torch.Tensor, batch: int) -> Dict[str, SampledToken]:
@@ -173,15 +214,15 @@ class ModelRunner:
         cfg = self.config
         progress = tqdm(total=self.num_graphs(), desc="compiling buckets", disable=not show_progress)
         for bucket in cfg.prefill_buckets:
-            dummy = PrefillWork("warmup", (0,), 0, (NULL_BLOCK,), _GREEDY)
-            inputs = prefill_inputs(dummy, bucket, self.block_size).to(self.device)
-            self._prefill_fn(*inputs.as_args(), self.kv_caches).cpu()
+            dummy = [PrefillWork("warmup", (0,), 0, (NULL_BLOCK,), _GREEDY)]
+            inputs = _to(prefill_inputs(dummy, bucket, self.max_prefill_seqs, self.block_size), self.device)
+            self._prefill_fn(**inputs, kv_caches=self.kv_caches).cpu()
             progress.update()
         for batch in cfg.decode_batch_buckets:
             for width in cfg.decode_context_blocks:
                 dummy = [DecodeWork("warmup", 0, 0, (NULL_BLOCK,), _GREEDY)]
-                inputs = decode_inputs(dummy, batch, width, self.block_size).to(self.device)
-                self._decode_fn(*inputs.as_args(), self.kv_caches).cpu()
+                inputs = _to(decode_inputs(dummy, batch, width, self.block_size), self.device)
+                self._decode_fn(**inputs, kv_caches=self.kv_caches).cpu()
                 progress.update()
         vocab = self.model.config.vocab_size
         for batch, num_logprobs, all_greedy in self._sampler_variants():

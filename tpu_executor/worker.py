@@ -147,5 +147,8 @@ class Worker:
     def execute_model(self, scheduled: SchedulerOutput) -> Dict[str, SampledToken]:
         return self.runner.execute(scheduled)
 
+    def padding_waste(self) -> Dict[str, float]:
+        return self.runner.padding.waste()
+
     def compilations_since_warmup(self) -> int:
         return self.runner.guard.compiled_after_warmup

@@ -16,19 +16,35 @@ from pallas_kernels import paged_attention, prefill_attention
 
 
 @dataclass
+class PrefillMetadata:
+    """Packed prefill: keys are read from the pages at ``context_slots`` (all ``[K]``)."""
+
+    context_slots: torch.Tensor
+    key_positions: torch.Tensor
+    key_segments: torch.Tensor
+    query_segments: torch.Tensor
+
+
+@dataclass
+class DecodeMetadata:
+    """Decode batch: ``block_tables [B, max_blocks]``, ``context_lens [B]``."""
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step attention inputs, all device tensors of fixed (bucketed) shape.
 
-    Prefill (one sequence): ``block_tables [1, L / block_size]``, ``positions [L]``.
-    Decode (a batch, one token each): ``block_tables [B, max_blocks]``, ``context_lens [B]``.
-    ``slot_mapping [T]`` is where each token's K/V goes (padding -> the null block).
+    ``positions [T]`` and ``slot_mapping [T]`` (where each token's K/V goes; padding -> the
+    null block) are common; exactly one of ``prefill`` / ``decode`` is set.
     """
 
-    is_prefill: bool
     positions: torch.Tensor
     slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
+    prefill: Optional[PrefillMetadata] = None
+    decode: Optional[DecodeMetadata] = None
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -51,8 +67,11 @@ def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` -> attention output ``[T, heads, d]``."""
     k_cache, v_cache = kv_cache
     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-    if meta.is_prefill:
-        return prefill_attention(q, k_cache, v_cache, meta.block_tables[0], meta.positions,
+    if meta.prefill is not None:
+        p = meta.prefill
+        return prefill_attention(q, k_cache, v_cache, p.context_slots, p.key_positions,
+                                 p.key_segments, meta.positions, p.query_segments,
                                  scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    return paged_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables,
+    d = meta.decode
+    return paged_attention(q, k_cache, v_cache, d.context_lens, d.block_tables,
                            scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)

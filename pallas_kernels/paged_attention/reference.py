@@ -15,15 +15,11 @@ from typing import Optional
 import torch
 
 
-def attention_scores_mask(scores: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor,
-                          soft_cap: Optional[float], sliding_window: Optional[int]) -> torch.Tensor:
-    """Soft-cap then mask ``scores [..., q, k]``: causal, and the sliding window if given."""
-    if soft_cap is not None:
-        scores = torch.tanh(scores / soft_cap) * soft_cap
-    allowed = key_pos <= query_pos
-    if sliding_window is not None:
-        allowed = allowed & (key_pos > query_pos - sliding_window)
-    return scores.masked_fill(~allowed, float("-inf"))
+def soft_cap_scores(scores: torch.Tensor, soft_cap: Optional[float]) -> torch.Tensor:
+    """Gemma-2's logit soft-capping: cap * tanh(scores / cap)."""
+    if soft_cap is None:
+        return scores
+    return torch.tanh(scores / soft_cap) * soft_cap
 
 
 def gather_pages(pages: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -46,9 +42,14 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     k = gather_pages(k_pages, block_tables).float()  # [batch, kv_heads, L, d]
     v = gather_pages(v_pages, block_tables).float()
     qg = q.float().reshape(batch, kv_heads, group, head_dim) * scale
-    scores = torch.einsum("bhgd,bhld->bhgl", qg, k)
+    # k as [.., d, L]: XLA's CPU backend is several times slower contracting the minor
+    # dimension of both operands.
+    scores = soft_cap_scores(torch.matmul(qg, k.transpose(2, 3)), soft_cap)
     key_pos = torch.arange(k.shape[2], device=q.device).view(1, 1, 1, -1)
     query_pos = (context_lens - 1).view(batch, 1, 1, 1)
-    scores = attention_scores_mask(scores, key_pos, query_pos, soft_cap, sliding_window)
-    out = torch.einsum("bhgl,bhld->bhgd", torch.softmax(scores, dim=-1), v)
+    allowed = key_pos <= query_pos
+    if sliding_window is not None:
+        allowed = allowed & (key_pos > query_pos - sliding_window)
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    out = torch.matmul(probs, v)
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)

@@ -13,8 +13,9 @@ def register(registry=REGISTRY) -> None:
                                         is_reference=True))
 
 
-def prefill_attention(q, k_pages, v_pages, block_table, positions, *, scale, soft_cap=None,
-                      sliding_window=None):
-    """Causal prefill attention over paged context; see ``reference.prefill_attention``."""
-    return REGISTRY.dispatch(OP_NAME, q, k_pages, v_pages, block_table, positions,
-                             scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+def prefill_attention(q, k_pages, v_pages, context_slots, key_positions, key_segments,
+                      query_positions, query_segments, *, scale, soft_cap=None, sliding_window=None):
+    """Packed, segment-causal prefill attention over paged context; see the reference."""
+    return REGISTRY.dispatch(OP_NAME, q, k_pages, v_pages, context_slots, key_positions,
+                             key_segments, query_positions, query_segments, scale=scale,
+                             soft_cap=soft_cap, sliding_window=sliding_window)

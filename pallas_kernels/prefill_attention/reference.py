@@ -1,17 +1,21 @@
 """THE reference for prefill attention over paged context: the executable spec and CPU path.
 
-One sequence's padded prompt attends causally to its context, all of it read from the pages
-(the new tokens' K/V are written before the call, so a prefix-cached part needs no special
-case).
+Several prompts are packed into one row of tokens; segment ids keep them apart. Every key is
+read from the pages (the new tokens' K/V are written before the call), so context that came
+from the prefix cache needs no special case.
 
 Shapes:
-  q            [num_tokens, num_heads, head_dim]   query tokens (real ones first, then padding)
-  k_pages      [num_kv_heads, num_blocks, block_size, head_dim]
-  v_pages      [num_kv_heads, num_blocks, block_size, head_dim]
-  block_table  [context_blocks] int   pages of the context, in order (padding -> any page)
-  positions    [num_tokens] int       absolute position of each query token
-Returns [num_tokens, num_heads, head_dim] in q's dtype. Query i sees keys at positions
-<= positions[i] (and > positions[i] - sliding_window). Scores are computed in fp32.
+  q                [num_tokens, num_heads, head_dim]
+  k_pages, v_pages [num_kv_heads, num_blocks, block_size, head_dim]
+  context_slots    [num_keys] int   flat slot (block * block_size + offset) of each key
+  key_positions    [num_keys] int   position of each key within its sequence
+  key_segments     [num_keys] int   which packed sequence a key belongs to
+  query_positions  [num_tokens] int
+  query_segments   [num_tokens] int
+Returns [num_tokens, num_heads, head_dim] in q's dtype. Query i sees key j when their segments
+match and key_positions[j] <= query_positions[i] (and > query_positions[i] - sliding_window).
+Every query must see at least one key (padding: give padding queries and keys one shared
+segment), otherwise its row is NaN. Scores are computed in fp32.
 """
 from __future__ import annotations
 
@@ -19,23 +23,35 @@ from typing import Optional
 
 import torch
 
-from pallas_kernels.paged_attention.reference import attention_scores_mask, gather_pages
+from pallas_kernels.paged_attention.reference import soft_cap_scores
+
+
+def gather_slots(pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, num_blocks, bs, d] gathered at flat slots [N] -> [kv_heads, N, d]."""
+    kv_heads, _, _, head_dim = pages.shape
+    return pages.reshape(kv_heads, -1, head_dim).index_select(1, slots)
 
 
 def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                      block_table: torch.Tensor, positions: torch.Tensor, *, scale: float,
+                      context_slots: torch.Tensor, key_positions: torch.Tensor,
+                      key_segments: torch.Tensor, query_positions: torch.Tensor,
+                      query_segments: torch.Tensor, *, scale: float,
                       soft_cap: Optional[float] = None,
                       sliding_window: Optional[int] = None) -> torch.Tensor:
-    """Causal attention of ``q`` over the context held in ``block_table``'s pages."""
+    """Segment-causal attention of packed queries over keys read from the pages."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_pages.shape[0]
     group = num_heads // kv_heads
-    k = gather_pages(k_pages, block_table).float()  # [kv_heads, L, d]
-    v = gather_pages(v_pages, block_table).float()
-    qg = q.float().reshape(num_tokens, kv_heads, group, head_dim) * scale
-    scores = torch.einsum("thgd,hld->hgtl", qg, k)
-    key_pos = torch.arange(k.shape[1], device=q.device).view(1, 1, 1, -1)
-    query_pos = positions.view(1, 1, -1, 1)
-    scores = attention_scores_mask(scores, key_pos, query_pos, soft_cap, sliding_window)
-    out = torch.einsum("hgtl,hld->thgd", torch.softmax(scores, dim=-1), v)
-    return out.reshape(num_tokens, num_heads, head_dim).to(q.dtype)
+    k = gather_slots(k_pages, context_slots).float()  # [kv_heads, num_keys, d]
+    v = gather_slots(v_pages, context_slots).float()
+    qg = q.float().reshape(num_tokens, kv_heads, group, head_dim).permute(1, 2, 0, 3) * scale
+    # k as [kv_heads, d, keys]: XLA's CPU backend is several times slower contracting the
+    # minor dimension of both operands.
+    scores = soft_cap_scores(torch.matmul(qg, k.transpose(1, 2)[:, None]), soft_cap)
+    allowed = (key_segments[None, :] == query_segments[:, None]) & \
+        (key_positions[None, :] <= query_positions[:, None])
+    if sliding_window is not None:
+        allowed = allowed & (key_positions[None, :] > query_positions[:, None] - sliding_window)
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    out = torch.matmul(probs, v[:, None])  # [kv_heads, group, tokens, d]
+    return out.permute(2, 0, 1, 3).reshape(num_tokens, num_heads, head_dim).to(q.dtype)

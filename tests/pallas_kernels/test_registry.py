@@ -43,16 +43,24 @@ def test_fingerprint_changes_with_selection():
 
 
 def test_paged_decode_equals_prefill_on_the_last_token():
-    """The two references agree: decoding token t equals prefill's row t over the same pages."""
+    """The two references agree: decoding token t equals prefill's row t over the same pages,
+    also when another sequence is packed before it."""
     gen = torch.Generator().manual_seed(0)
     kv_heads, heads, dim, block, blocks = 2, 4, 8, 4, 10
     k_pages = torch.randn(kv_heads, blocks, block, dim, generator=gen)
     v_pages = torch.randn(kv_heads, blocks, block, dim, generator=gen)
     table = torch.tensor([3, 7, 1, 9])
     q = torch.randn(16, heads, dim, generator=gen)
+    # Pack: segment 0 is 5 tokens in block 2, segment 1 is our 16 tokens.
+    other = torch.arange(8, 13)
+    ours = table.repeat_interleave(block) * block + torch.arange(16) % block
+    slots = torch.cat([other, ours])
+    positions = torch.cat([torch.arange(5), torch.arange(16)])
+    segments = torch.cat([torch.zeros(5, dtype=torch.int64), torch.ones(16, dtype=torch.int64)])
+    packed_q = torch.cat([torch.randn(5, heads, dim, generator=gen), q])
     for soft_cap, window in [(None, None), (5.0, 6)]:
-        full = prefill_attention(q, k_pages, v_pages, table, torch.arange(16), scale=0.3,
-                                 soft_cap=soft_cap, sliding_window=window)
+        full = prefill_attention(packed_q, k_pages, v_pages, slots, positions, segments, positions,
+                                 segments, scale=0.3, soft_cap=soft_cap, sliding_window=window)[5:]
         for t in (0, 5, 15):
             one = paged_attention(q[t:t + 1], k_pages, v_pages, torch.tensor([t + 1]), table[None],
                                   scale=0.3, soft_cap=soft_cap, sliding_window=window)
