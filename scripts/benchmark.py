@@ -42,7 +42,7 @@ def run_engine(path: str, prompts: List[List[int]], device: str) -> Dict:
 
     start = time.perf_counter()
     llm = LLM(model=path, device=device, max_model_len=MAX_LEN + NEW_TOKENS, max_num_seqs=NUM_PROMPTS,
-              prefill_buckets=(32, 64, 128, 192, 256, 320), decode_buckets=(8, 16, 32),
+              prefill_buckets=(128, 256, 320, 384, 448, 512), decode_buckets=(8, 16, 32),
               decode_context_buckets=(160, 320))
     warmup = time.perf_counter() - start
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

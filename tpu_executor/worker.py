@@ -5,6 +5,7 @@ environment variables. Executors drive workers only through ``collective_rpc`` m
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 import os
 from typing import Dict, List, Optional, Tuple
@@ -41,30 +42,36 @@ class Worker:
         """Pick the device and start its runtime; returns a description of it."""
         from pallas_kernels import register_all
 
-        register_all()
+        registry = register_all()
         torch.manual_seed(self.config.model.seed)
         if self.config.device.device == "cpu":
             self.device = torch.device("cpu")
             return "cpu (native eager torch)"
         os.environ.setdefault("PJRT_DEVICE", "TPU" if _tpu_present() else "CPU")
         import torch_xla
-        import torch_xla.runtime as xr
 
-        self._init_compile_cache(xr)
+        if os.environ["PJRT_DEVICE"] == "TPU":
+            # PJRT's CPU client cannot deserialize executables, so the cache only helps on TPU.
+            self._init_compile_cache(registry.fingerprint())
         self.device = torch_xla.device()
         return f"xla ({os.environ['PJRT_DEVICE']})"
 
-    def _init_compile_cache(self, xr) -> None:
+    def _init_compile_cache(self, kernels_fingerprint: str) -> None:
+        """Persistent XLA cache, one directory per (model, shapes, kernels) and rank."""
+        import torch_xla
+        import torch_xla.runtime as xr
+
         cache_dir = self.config.compile.cache_dir
         if cache_dir is None:
             return
-        import torch_xla
-
         if torch_xla._XLAC._xla_computation_cache_is_initialized():
             # One cache per process: a second engine in the same process shares the first's.
             logger.info("XLA compile cache already initialised in this process; keeping it")
             return
-        path = os.path.join(cache_dir, f"rank{self.rank}")
+        cfg = self.config
+        key = hashlib.sha256(repr((os.path.abspath(cfg.model.model), cfg.model.dtype, cfg.max_model_len,
+                                   cfg.cache.block_size, kernels_fingerprint)).encode()).hexdigest()[:16]
+        path = os.path.join(cache_dir, key, f"rank{self.rank}")
         os.makedirs(path, exist_ok=True)
         xr.initialize_cache(path, readonly=False)
 

@@ -22,13 +22,16 @@ def soft_cap_scores(scores: torch.Tensor, soft_cap: Optional[float]) -> torch.Te
     return torch.tanh(scores / soft_cap) * soft_cap
 
 
-def gather_pages(pages: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """[kv_heads, num_blocks, bs, d] and [..., max_blocks] -> [..., kv_heads, max_blocks*bs, d]."""
-    kv_heads, _, block_size, head_dim = pages.shape
-    gathered = pages[:, block_table.reshape(-1)]  # [kv_heads, N*max_blocks, bs, d]
-    lead = block_table.shape[:-1]
-    gathered = gathered.reshape(kv_heads, *lead, block_table.shape[-1] * block_size, head_dim)
-    return gathered.movedim(0, len(lead))
+def gather_pages(pages: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, num_blocks, bs, d] and [batch, max_blocks] -> [batch, kv_heads, max_blocks*bs, d]."""
+    kv_heads, num_blocks, block_size, head_dim = pages.shape
+    batch, width = block_tables.shape
+    # One contiguous row per (head, page): XLA's CPU gather is ~2x faster on this form than
+    # on advanced indexing of the page dimension.
+    rows = pages.reshape(kv_heads * num_blocks, block_size * head_dim)
+    heads = torch.arange(kv_heads, device=pages.device)
+    index = (block_tables[:, None, :] + heads[None, :, None] * num_blocks).reshape(-1)
+    return rows.index_select(0, index).reshape(batch, kv_heads, width * block_size, head_dim)
 
 
 def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
