@@ -2,8 +2,6 @@
 
 ``register_all()`` fills the shared registry; it runs when an engine starts, not on import.
 """
-from pallas_kernels.paged_attention.ops import paged_attention
-from pallas_kernels.prefill_attention.ops import prefill_attention
 from pallas_kernels.registry import REGISTRY, OpRegistry, Provider
 
 
@@ -18,4 +16,4 @@ def register_all(registry: OpRegistry = REGISTRY) -> OpRegistry:
     return registry
 
 
-__all__ = ["REGISTRY", "OpRegistry", "Provider", "paged_attention", "prefill_attention", "register_all"]
+__all__ = ["REGISTRY", "OpRegistry", "Provider", "register_all"]

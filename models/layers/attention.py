@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from pallas_kernels import paged_attention, prefill_attention
+from pallas_kernels.paged_attention.ops import paged_attention
+from pallas_kernels.prefill_attention.ops import prefill_attention
 
 
 @dataclass

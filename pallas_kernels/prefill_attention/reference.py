@@ -44,10 +44,10 @@ def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
     group = num_heads // kv_heads
     k = gather_slots(k_pages, context_slots).float()  # [kv_heads, num_keys, d]
     v = gather_slots(v_pages, context_slots).float()
-    qg = q.float().reshape(num_tokens, kv_heads, group, head_dim).permute(1, 2, 0, 3) * scale
-    # k as [kv_heads, d, keys]: XLA's CPU backend is several times slower contracting the
-    # minor dimension of both operands.
-    scores = soft_cap_scores(torch.matmul(qg, k.transpose(1, 2)[:, None]), soft_cap)
+    # Query heads of one KV head folded into the rows: one matmul per KV head (GQA).
+    qg = (q.float() * scale).reshape(num_tokens, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    scores = torch.matmul(qg.reshape(kv_heads, group * num_tokens, head_dim), k.transpose(1, 2))
+    scores = soft_cap_scores(scores.reshape(kv_heads, group, num_tokens, -1), soft_cap)
     allowed = (key_segments[None, :] == query_segments[:, None]) & \
         (key_positions[None, :] <= query_positions[:, None])
     if sliding_window is not None:
