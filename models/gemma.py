@@ -5,6 +5,8 @@ from models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):
+    """Llama's block with Gemma's (1 + w) norms and GeLU-tanh MLP."""
+
     norm_unit_offset = True
 
     @staticmethod
@@ -14,6 +16,8 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
 
 
 class GemmaModel(LlamaModel):
+    """Gemma's stack: embeddings scaled by sqrt(hidden_size)."""
+
     layer_class = GemmaDecoderLayer
 
     def __init__(self, cfg):

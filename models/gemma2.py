@@ -36,6 +36,8 @@ class Gemma2DecoderLayer(GemmaDecoderLayer):
 
 
 class Gemma2Model(GemmaModel):
+    """Gemma's stack with Gemma-2 blocks."""
+
     layer_class = Gemma2DecoderLayer
 
 

@@ -27,11 +27,3 @@ def smollm2_path():
 
     return prepare()
 
-
-def tiny_engine_options(**overrides):
-    """Small buckets so tiny-model engines compile in seconds."""
-    options = dict(max_model_len=320, max_num_seqs=8, prefill_buckets=(32, 128, 320),
-                   decode_buckets=(2, 8), decode_context_buckets=(128, 320), cache_dir=None,
-                   show_progress=False)
-    options.update(overrides)
-    return options

@@ -6,7 +6,6 @@ relations between them (e.g. buckets versus the model's context length).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
@@ -180,10 +179,6 @@ class EngineConfig:
         tokens = effective_buckets(self.compile.decode_context_buckets, self.max_model_len,
                                    self.cache.block_size)
         return tuple(t // self.cache.block_size for t in tokens)
-
-    def replace(self, **changes) -> "EngineConfig":
-        """A copy with some sub-configs replaced (validated again)."""
-        return dataclasses.replace(self, **changes)
 
 
 def resolve_max_model_len(checkpoint_limit: int, user_limit: Optional[int],

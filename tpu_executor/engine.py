@@ -70,6 +70,7 @@ class LLMEngine:
         self._groups: Dict[str, RequestGroup] = {}
         self._group_of: Dict[str, RequestGroup] = {}
         self._requests: Dict[str, Request] = {}
+        self._deferred: List[RequestGroup] = []
         self._seed_rng = random.Random(config.model.seed)
         self._counter = itertools.count()
 
@@ -88,6 +89,12 @@ class LLMEngine:
         self.stats.compilations = max(self._timed("warmup", "warmup", show_progress))
 
     # ---- requests -----------------------------------------------------------------------
+    def prepare_prompt(self, prompt: PromptType, params: SamplingParams) -> List[int]:
+        """The prompt's token ids, validated against the model and the engine's limits."""
+        token_ids = self._prompt_token_ids(prompt)
+        self._validate(token_ids, params)
+        return token_ids
+
     def _prompt_token_ids(self, prompt: PromptType) -> List[int]:
         if isinstance(prompt, str):
             if not prompt:
@@ -111,14 +118,16 @@ class LLMEngine:
             raise ValueError(f"logprobs {params.logprobs} exceeds max_logprobs "
                              f"{self.config.compile.max_logprobs} of this engine")
 
-    def add_request(self, prompt: PromptType, params: SamplingParams,
-                    request_id: Optional[str] = None) -> str:
-        """Validate and queue a request; returns its id. Invalid input raises ValueError."""
+    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
+                    prompt_token_ids: Optional[List[int]] = None) -> str:
+        """Validate and queue a request; returns its id. Invalid input raises ValueError.
+
+        ``prompt_token_ids`` skips tokenising and validating again (from ``prepare_prompt``).
+        """
         request_id = request_id if request_id is not None else str(next(self._counter))
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        token_ids = self._prompt_token_ids(prompt)
-        self._validate(token_ids, params)
+        token_ids = prompt_token_ids if prompt_token_ids is not None else self.prepare_prompt(prompt, params)
         samples = []
         for index in range(params.n):
             seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(62)
@@ -132,7 +141,11 @@ class LLMEngine:
         for sample in samples:
             self._requests[sample.request_id] = sample
             self._group_of[sample.request_id] = group
-            self.scheduler.add(sample)
+        # The other samples wait until the first has prefilled the prompt, so their prefill
+        # takes its full blocks from the prefix cache instead of computing them again.
+        self.scheduler.add(samples[0])
+        if len(samples) > 1:
+            self._deferred.append(group)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -156,10 +169,25 @@ class LLMEngine:
         except Exception as err:  # a failed step fails its requests, not the engine
             logger.exception("engine step failed")
             self._fail_step(scheduled, f"{type(err).__name__}: {err}")
+            self._release_deferred_samples()
             return self._collect_finished()
         for request in self.scheduler.update(sampled, self._requests):
             self._process_token(request)
+        self._release_deferred_samples()
         return self._collect_finished()
+
+    def _release_deferred_samples(self) -> None:
+        """Queue the remaining samples of groups whose first sample has been prefilled."""
+        still_waiting = []
+        for group in self._deferred:
+            first = group.samples[0]
+            if first.output_token_ids or first.is_finished:
+                for sample in group.samples[1:]:
+                    if not sample.is_finished:
+                        self.scheduler.add(sample)
+            else:
+                still_waiting.append(group)
+        self._deferred = still_waiting
 
     def _process_token(self, request: Request) -> None:
         group = self._group_of[request.request_id]

@@ -26,6 +26,8 @@ def hash_block(parent: Optional[bytes], token_ids: Sequence[int]) -> bytes:
 
 @dataclass
 class Block:
+    """One page of the cache: who holds it and, when full and computed, its prefix hash."""
+
     block_id: int
     ref_count: int = 0
     block_hash: Optional[bytes] = None
@@ -45,6 +47,7 @@ class KVCacheManager:
         self._cached: Dict[bytes, int] = {}
         self._req_blocks: Dict[str, List[int]] = {}
         self._req_hashes: Dict[str, List[bytes]] = {}
+        self.prefix_hit_tokens = 0  # tokens whose K/V came from the prefix cache
 
     @property
     def num_usable_blocks(self) -> int:
@@ -95,6 +98,7 @@ class KVCacheManager:
         for block_id in cached:
             self._take(block_id)
             table.append(block_id)
+        self.prefix_hit_tokens += len(cached) * self.block_size
         for _ in range(new_needed):
             table.append(self._take_fresh())
         return True
@@ -142,9 +146,6 @@ class KVCacheManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
-
-    def reset_hashes(self, request_id: str) -> None:
-        self._req_hashes.pop(request_id, None)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the accounting is inconsistent (used by tests)."""

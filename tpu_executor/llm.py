@@ -68,9 +68,9 @@ class LLM:
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        for prompt, p in zip(prompts, params):
-            self.engine._validate(self.engine._prompt_token_ids(prompt), p)
-        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        token_ids = [self.engine.prepare_prompt(prompt, p) for prompt, p in zip(prompts, params)]
+        ids = [self.engine.add_request(prompt, p, prompt_token_ids=t)
+               for prompt, p, t in zip(prompts, params, token_ids)]
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: List[str], use_tqdm: bool) -> List[RequestOutput]:

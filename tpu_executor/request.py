@@ -9,6 +9,8 @@ from tpu_executor.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    """Where a request is; the finished values double as vLLM's ``finish_reason``."""
+
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED_STOPPED = "stop"

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 
 def _check(condition: bool, message: str) -> None:
@@ -63,6 +63,3 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
-
-    def stop_strings(self) -> List[str]:
-        return list(self.stop)

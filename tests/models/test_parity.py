@@ -3,8 +3,7 @@ Llama, Gemma and Gemma-2 checkpoints, on the XLA path and the native eager path.
 import pytest
 import torch
 
-from tests.conftest import tiny_engine_options
-from tests.reference import hf_greedy, mixed_prompts
+from tests.common import hf_greedy, mixed_prompts, tiny_engine_options
 from tpu_executor import LLM, SamplingParams
 
 NEW_TOKENS = 64

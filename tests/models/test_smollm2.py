@@ -2,7 +2,7 @@
 over 64 new tokens on a mixed-length batch, on XLA and on the native path; and real text."""
 import pytest
 
-from tests.reference import hf_greedy, mixed_prompts
+from tests.common import hf_greedy, mixed_prompts
 from tpu_executor import LLM, SamplingParams
 
 OPTIONS = dict(max_model_len=320, max_num_seqs=4, prefill_buckets=(64, 320), decode_buckets=(4,),

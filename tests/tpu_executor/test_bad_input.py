@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import tiny_engine_options
+from tests.common import tiny_engine_options
 from tpu_executor import LLM, SamplingParams
 from tpu_executor.model_loader import CheckpointError
 

@@ -6,7 +6,7 @@ The two engines are timed side by side, interleaved, and only a loose ratio is a
 import statistics
 import time
 
-from tests.conftest import tiny_engine_options
+from tests.common import tiny_engine_options
 from tpu_executor import LLM, SamplingParams
 
 BLOCK_BYTES = 8 * 1024  # tiny Llama: 2 layers x (K, V) x 2 kv heads x 16 slots x 16 dims x fp32

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from tests.conftest import tiny_engine_options
+from tests.common import tiny_engine_options
 from tpu_executor import LLM, SamplingParams
 
 
@@ -54,6 +54,17 @@ def test_seeded_sampling_is_reproducible_and_n_samples_differ(llm):
     # The same seed alone in the batch or beside other requests draws the same tokens.
     mixed = llm.generate([prompt, {"prompt_token_ids": [7] * 30}], [params, params], use_tqdm=False)
     assert [c.token_ids for c in mixed[0].outputs] == [c.token_ids for c in first.outputs]
+
+
+def test_n_samples_share_the_prompt_blocks(llm):
+    kv = llm.engine.kv_cache
+    prompt = {"prompt_token_ids": list(range(200, 250))}  # 3 full blocks + 2 tokens
+    before = kv.prefix_hit_tokens
+    out = llm.generate(prompt, SamplingParams(temperature=1.0, n=4, seed=5, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [6] * 4
+    assert kv.prefix_hit_tokens - before == 3 * 48  # samples 2-4 reuse the first one's blocks
+    assert kv.num_free_blocks == kv.num_usable_blocks
 
 
 def test_stop_string_and_text(llm):

@@ -1,4 +1,4 @@
-"""Greedy references from transformers in fp32 (eager attention, one prompt at a time)."""
+"""Shared test helpers: engine options for tiny models, prompts, transformers references."""
 from __future__ import annotations
 
 import random
@@ -28,3 +28,12 @@ def hf_greedy(path: str, prompts: List[List[int]], max_new_tokens: int) -> Tuple
         tokens.append(out.sequences[0, len(prompt):].tolist())
         logprobs.append(torch.log_softmax(torch.cat(out.logits).float(), dim=-1))
     return tokens, logprobs
+
+
+def tiny_engine_options(**overrides):
+    """Small buckets so tiny-model engines compile in seconds."""
+    options = dict(max_model_len=320, max_num_seqs=8, prefill_buckets=(32, 128, 320),
+                   decode_buckets=(2, 8), decode_context_buckets=(128, 320), cache_dir=None,
+                   show_progress=False)
+    options.update(overrides)
+    return options
