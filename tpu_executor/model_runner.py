@@ -1,7 +1,7 @@
 """Model runner: host-side input preparation, bucket padding, compiled model step and sampler.
 
-A prefill runs one sequence padded to a prefill bucket; a decode runs a batch padded to a
-(batch, context-blocks) bucket. Model step and sampler are separately compiled functions, so
+A prefill call packs up to ``max_prefill_seqs`` prompts into one row padded to a prefill
+bucket; a decode runs a batch padded to a (batch, context-blocks) bucket. Model step and sampler are separately compiled functions, so
 their graph counts add instead of multiplying. On the native path (device "cpu") the same code
 runs eagerly.
 """
@@ -28,8 +28,7 @@ _GREEDY = SamplingMeta(0.0, 0, 1.0, 0.0, 0, 0, -1)
 
 @dataclass
 class PaddingStats:
-    """Real versus padded work, to judge the buckets (tokens for prefill, rows x context
-    slots for decode attention, rows for decode)."""
+    """Real versus padded work, to judge the buckets: prefill tokens and decode rows."""
 
     prefill_real: int = 0
     prefill_padded: int = 0
@@ -203,7 +202,7 @@ class ModelRunner:
         wants_logprobs = any(m.num_logprobs > 0 for m in metas)
         num_logprobs = self.config.compile.max_logprobs if wants_logprobs else 0
         all_greedy = all(m.temperature == 0 for m in metas)
-        tensors = {k: v.to(self.device) for k, v in sampling_tensors(metas, batch).items()}
+        tensors = _to(sampling_tensors(metas, batch), self.device)
         out = self._sample_fn(logits, **tensors, num_logprobs=num_logprobs, all_greedy=all_greedy)
         return _to_host(work, out)
 
@@ -227,7 +226,7 @@ class ModelRunner:
         vocab = self.model.config.vocab_size
         for batch, num_logprobs, all_greedy in self._sampler_variants():
             logits = torch.zeros(batch, vocab).to(self.device)  # device data, as in serving
-            tensors = {k: v.to(self.device) for k, v in sampling_tensors([], batch).items()}
+            tensors = _to(sampling_tensors([], batch), self.device)
             self._sample_fn(logits, **tensors, num_logprobs=num_logprobs, all_greedy=all_greedy).token_ids.cpu()
             progress.update()
         progress.close()
