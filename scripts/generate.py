@@ -30,8 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=4)
-    parser.add_argument("--prefill-buckets", type=int, nargs="+", default=[64, 128, 256])
-    parser.add_argument("--decode-buckets", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--prefill-buckets", type=int, nargs="+", default=[128, 256])
+    parser.add_argument("--decode-buckets", type=int, nargs="+", default=[4])
     parser.add_argument("--decode-context-buckets", type=int, nargs="+", default=[256])
     return parser.parse_args(argv)
 
