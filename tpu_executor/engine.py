@@ -17,7 +17,6 @@ from tpu_executor.config import EngineConfig
 from tpu_executor.detokenizer import Detokenizer, DetokenizerState
 from tpu_executor.executor import UniprocExecutor
 from tpu_executor.kv_cache_manager import KVCacheManager
-from tpu_executor.model_loader import load_hf_config
 from tpu_executor.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from tpu_executor.sampling_params import SamplingParams
 from tpu_executor.scheduler import Scheduler
@@ -60,13 +59,13 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.stats = StartupStats()
+        self.vocab_size = 0
         self.executor = executor_class(config)
         self._start_workers(show_progress)
         self.kv_cache = KVCacheManager(self.stats.num_blocks, config.cache.block_size,
                                        config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.detokenizer = Detokenizer(tokenizer, config.max_model_len)
-        self.vocab_size = load_hf_config(config.model.model).vocab_size
         self._groups: Dict[str, RequestGroup] = {}
         self._group_of: Dict[str, RequestGroup] = {}
         self._requests: Dict[str, Request] = {}
@@ -82,7 +81,7 @@ class LLMEngine:
 
     def _start_workers(self, show_progress: bool) -> None:
         self._timed("init_device", "init_device")
-        self._timed("load_model", "load_model")
+        self.vocab_size = self._timed("load_model", "load_model")[0]
         # Every worker must fit the same cache: take the smallest.
         self.stats.num_blocks = min(self._timed("profile", "determine_num_blocks"))
         self._timed("init_cache", "init_cache", self.stats.num_blocks)

@@ -12,9 +12,7 @@ from tpu_executor.model_loader import checkpoint_limit, load_hf_config
 from tpu_executor.request import RequestOutput
 from tpu_executor.sampling_params import SamplingParams
 
-_SECTIONS = {
-    CacheConfig: "cache", SchedulerConfig: "scheduler", CompileConfig: "compile",
-}
+_SECTIONS = (CacheConfig, SchedulerConfig, CompileConfig)
 
 
 def build_engine_config(model: str, device: str = "xla", dtype: str = "float32",

@@ -35,6 +35,7 @@ class Worker:
         self.dtype = _DTYPES[config.model.dtype]
         self.device: Optional[torch.device] = None
         self.model = None
+        self.weight_bytes = 0
         self.runner: Optional[ModelRunner] = None
 
     # ---- device -------------------------------------------------------------------------
@@ -81,9 +82,10 @@ class Worker:
 
     # ---- model and cache ----------------------------------------------------------------
     def load_model(self) -> int:
-        """Load the checkpoint onto the device; returns the weights' size in bytes."""
+        """Load the checkpoint onto the device; returns the model's vocabulary size."""
         self.model = load_model(self.config.model.model, self.dtype).to(self.device)
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return self.model.config.vocab_size
 
     def cache_block_bytes(self) -> int:
         """Bytes of one KV block across all layers (K and V)."""
@@ -108,9 +110,8 @@ class Worker:
 
     def _free_cache_bytes(self) -> int:
         cache = self.config.cache
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if not self.on_tpu:
-            return cache.memory_budget_bytes - weights
+            return cache.memory_budget_bytes - self.weight_bytes
         import torch_xla.core.xla_model as xm
 
         self._profile_run()
