@@ -44,10 +44,17 @@ class Request:
     cumulative_logprob: float = 0.0
     stop_reason: Optional[object] = None
     error: Optional[str] = None
+    _token_ids: List[int] = field(default_factory=list, init=False, repr=False)
 
     @property
     def all_token_ids(self) -> List[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then outputs (read-only). Outputs are only ever appended, so the list is
+        extended with the new ones instead of being rebuilt on every step."""
+        if not self._token_ids:
+            self._token_ids.extend(self.prompt_token_ids)
+        known = len(self._token_ids) - len(self.prompt_token_ids)
+        self._token_ids.extend(self.output_token_ids[known:])
+        return self._token_ids
 
     @property
     def num_tokens(self) -> int:
