@@ -64,18 +64,18 @@ def _config(arch: str, sizes: Dict, vocab_size: int):
 @torch.no_grad()
 def _scale_weights(model, residual_gain: float, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
+    model_type = getattr(model.config, "model_type", "")
+    gemma = model_type.startswith("gemma")
     for name, param in model.named_parameters():
         if param.dim() == 2:
-            fan_in = param.shape[1] if "embed" not in name else 1
-            std = fan_in ** -0.5
+            std = param.shape[1] ** -0.5 if "embed" not in name else 1.0
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 std *= residual_gain
-            if "embed" in name and getattr(model.config, "model_type", "").startswith("gemma"):
+            if "embed" in name and gemma:
                 std = model.config.hidden_size ** -0.5  # Gemma multiplies embeddings by sqrt(hidden)
             param.copy_(torch.randn(param.shape, generator=generator) * std)
         elif "norm" in name:
-            gemma = getattr(model.config, "model_type", "").startswith("gemma")
-            scale = _norm_scale(name, getattr(model.config, "model_type", ""), residual_gain)
+            scale = _norm_scale(name, model_type, residual_gain)
             # Gemma stores (scale - 1): its norms multiply by (1 + weight).
             param.copy_(scale - (1.0 if gemma else 0.0) + 0.1 * torch.randn(param.shape, generator=generator))
 
