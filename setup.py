@@ -13,6 +13,10 @@ setup(
         "torch_xla==2.9.0",
         "jax==0.7.1",
         "jaxlib==0.7.1",
+        # call_jax (JAX kernels inside torch_xla graphs) goes through torchax, which imports
+        # flax; 0.12.0 is the newest flax that accepts jax 0.7.1.
+        "torchax==0.0.13",
+        "flax==0.12.0",
         "ray>=2.50,<3",
         "transformers>=5.0,<6",
         "safetensors>=0.5",

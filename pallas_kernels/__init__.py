@@ -7,10 +7,11 @@ from pallas_kernels.registry import REGISTRY, OpRegistry, Provider
 
 def register_all(registry: OpRegistry = REGISTRY) -> OpRegistry:
     """Register every op's providers once; later calls are no-ops."""
+    from pallas_kernels.gmm import ops as gmm_ops
     from pallas_kernels.paged_attention import ops as paged_ops
     from pallas_kernels.prefill_attention import ops as prefill_ops
 
-    for module in (paged_ops, prefill_ops):
+    for module in (gmm_ops, paged_ops, prefill_ops):
         if module.OP_NAME not in registry.ops():
             module.register(registry)
     return registry

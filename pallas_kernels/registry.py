@@ -12,9 +12,10 @@ The selection string names which non-reference providers are enabled, by op name
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Tuple
 
 
 def _always() -> bool:
@@ -35,14 +36,24 @@ class Provider:
     supported: Callable[[], bool] = _always
     supports_args: Callable[..., bool] = _accept_all
     is_reference: bool = False
+    sources: Tuple[str, ...] = ()  # modules whose code the provider runs, e.g. its kernel
 
     def source_hash(self) -> str:
-        """Hash of the provider's source: a change to a kernel invalidates compiled graphs."""
-        try:
-            source = inspect.getsource(inspect.getmodule(self.fn))
-        except (OSError, TypeError):
-            source = self.name
-        return hashlib.sha256(source.encode()).hexdigest()[:16]
+        """Hash of the provider's source: a change to a kernel invalidates compiled graphs.
+
+        Covers the module defining ``fn`` and every module named in ``sources``; the files
+        are read, not imported, so hashing a TPU kernel does not import JAX.
+        """
+        digest = hashlib.sha256(self.name.encode())
+        module = inspect.getmodule(self.fn)
+        names = ((module.__name__,) if module else ()) + self.sources
+        for name in names:
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.origin is None:
+                raise ValueError(f"provider {self.name!r}: cannot find source module {name!r}")
+            with open(spec.origin, "rb") as source:
+                digest.update(source.read())
+        return digest.hexdigest()[:16]
 
 
 class OpRegistry:

@@ -1,0 +1,75 @@
+"""Binding JAX kernels into torch: custom ops whose XLA implementation is ``call_jax``.
+
+``torch_xla.core.xla_builder.call_jax`` lowers a JAX function (a Pallas kernel included: a
+Mosaic custom call on TPU, plain HLO in interpret mode) and splices it into the lazy torch_xla
+graph. Under torch.compile the call must sit behind a torch custom op with a fake function,
+so dynamo traces shapes without running JAX; the real call happens when the openxla backend
+replays the graph on XLA tensors.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import numpy as np
+import torch
+
+
+def on_tpu() -> bool:
+    """True when torch_xla's PJRT runtime targets TPU (reads configuration, starts nothing)."""
+    try:
+        import torch_xla.runtime as xr
+    except ImportError:
+        return False
+    try:
+        return xr.device_type() == "TPU"
+    except Exception:  # noqa: BLE001 - an unconfigured runtime is simply not a TPU
+        return False
+
+
+def is_xla_tensor(tensor) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "xla"
+
+
+@functools.lru_cache(maxsize=None)
+def jax_backed_op(name: str, schema: str, jax_fn: Callable, fake: Callable):
+    """Define ``torch.ops.pallas_kernels.<name>`` once: XLA impl via call_jax, plus a fake.
+
+    ``schema`` is the argument list in torch's schema language, e.g.
+    ``"(Tensor lhs, Tensor rhs, Tensor group_sizes, *, bool transpose_rhs) -> Tensor"``.
+    The schema ends with ``bool interpret=False`` (interpret mode, for proving the binding on
+    CPU). Keyword arguments reach ``jax_fn`` as static values; ``jax_fn`` must be a module-level
+    function because call_jax caches its lowering by the function's identity.
+    """
+    qualname = f"pallas_kernels::{name}"
+    torch.library.define(qualname, schema)
+
+    def xla_impl(*args, **kwargs):
+        from torch_xla.core.xla_builder import call_jax
+
+        return call_jax(jax_fn, args, kwargs, name=name)
+
+    def fake_impl(*args, interpret=False, **kwargs):
+        return fake(*args, **kwargs)  # the spec's fake knows nothing of interpret mode
+
+    torch.library.impl(qualname, "XLA", xla_impl)
+    torch.library.register_fake(qualname, fake_impl)
+    return getattr(torch.ops.pallas_kernels, name)
+
+
+def torch_to_jax(tensor: torch.Tensor):
+    """A CPU torch tensor as a JAX array of the same dtype (bf16 goes through fp32 exactly)."""
+    import jax.numpy as jnp
+
+    if tensor.dtype == torch.bfloat16:
+        return jnp.asarray(tensor.float().numpy()).astype(jnp.bfloat16)
+    return jnp.asarray(tensor.numpy())
+
+
+def jax_to_torch(array) -> torch.Tensor:
+    """A JAX array as a CPU torch tensor of the same dtype."""
+    import jax.numpy as jnp
+
+    if array.dtype == jnp.bfloat16:
+        return torch.from_numpy(np.asarray(array.astype(jnp.float32))).to(torch.bfloat16)
+    return torch.from_numpy(np.array(array))

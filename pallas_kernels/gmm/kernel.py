@@ -1,0 +1,185 @@
+"""Grouped matmul (MoE experts) as a Pallas TPU kernel.
+
+out[rows of group g] = lhs[rows of group g] @ rhs[g], with the contract of ``reference.gmm``.
+
+How it works: rows are cut into m-tiles of ``tm`` rows. A tile that straddles a group
+boundary is visited once per group it holds, so the work list is a sequence of *visits*
+(m-tile, group), in row order, computed on device with fixed shapes: at most
+``m_tiles + groups - 1`` of them (the static grid size). Each visit multiplies the tile's
+rows that belong to its group (the others are masked to zero) by that group's rhs tile and
+adds into an fp32 accumulator that stays in VMEM while consecutive visits hit the same tile;
+the tile is stored after its last visit. Tiles past the last group get one "empty" visit that
+stores zeros. Surplus visits repeat the last tile with an empty group and do no matmul.
+
+TPU constraints (checked in ``validate`` and documented where they bind):
+- Block shapes: the last two dims of every block must be multiples of (8, 128) or the full
+  array dims. tm is a multiple of 8 (16 for bf16, whose native tile packs two rows per
+  sublane); tk and tn are multiples of 128 or the whole k / n.
+- VMEM: the pipeline double-buffers the lhs, rhs and out blocks, plus one fp32 accumulator
+  of tm x tn. That total must stay under ``VMEM_BUDGET_BYTES`` (the 16 MiB default scoped
+  VMEM limit of v4/v5e; v6e allows 32 MiB) or Mosaic fails to allocate.
+- SMEM: the visit list lives in SMEM as three int32 vectors of length ~(m_tiles + groups),
+  far below its 1 MiB.
+- The group dimension is looked up through scalar prefetch in the rhs index map, so an
+  expert's weights are DMA'd only for visits that need them, once per (k, n) tile.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+VMEM_BUDGET_BYTES = 16 * 1024 * 1024
+LANES = 128
+DTYPES = ("float32", "bfloat16")
+
+
+def sublanes(dtype_name: str) -> int:
+    """Row multiple of a block: 8 for 32-bit types, 16 for bf16 (two rows per sublane)."""
+    return 16 if dtype_name == "bfloat16" else 8
+
+
+def _largest_tile(dim: int, preferred: Tuple[int, ...] = (512, 256, 128)) -> int:
+    for tile in preferred:
+        if dim % tile == 0:
+            return tile
+    return dim  # a block may always span the whole dimension
+
+
+def choose_tiling(m: int, k: int, n: int, dtype_name: str) -> Tuple[int, int, int]:
+    """Default (tm, tk, tn): up to 256 rows, the largest 128-multiple dividing k and n."""
+    row = sublanes(dtype_name)
+    tm = min(256, -(-m // row) * row)
+    return tm, _largest_tile(k), _largest_tile(n)
+
+
+def vmem_bytes(tm: int, tk: int, tn: int, itemsize: int) -> int:
+    """Double-buffered lhs/rhs/out blocks plus the fp32 accumulator."""
+    return 2 * (tm * tk + tk * tn + tm * tn) * itemsize + tm * tn * 4
+
+
+def validate(m: int, k: int, n: int, groups: int, dtype_name: str,
+             tiling: Tuple[int, int, int]) -> None:
+    """Raise ValueError naming the first TPU constraint these shapes break."""
+    tm, tk, tn = tiling
+    if dtype_name not in DTYPES:
+        raise ValueError(f"gmm supports {DTYPES}, got {dtype_name}")
+    if m < 1 or groups < 1:
+        raise ValueError(f"gmm needs at least one row and one group, got m={m} groups={groups}")
+    if tm % sublanes(dtype_name):
+        raise ValueError(f"tm={tm} must be a multiple of {sublanes(dtype_name)} for {dtype_name}")
+    for name, dim, tile in (("k", k, tk), ("n", n, tn)):
+        if dim % tile or (tile % LANES and tile != dim):
+            raise ValueError(f"t{name}={tile} must divide {name}={dim} and be a multiple of "
+                             f"{LANES} (or all of {name})")
+    itemsize = 2 if dtype_name == "bfloat16" else 4
+    need = vmem_bytes(tm, tk, tn, itemsize)
+    if need > VMEM_BUDGET_BYTES:
+        raise ValueError(f"tiling {tiling} needs {need} bytes of VMEM, over the "
+                         f"{VMEM_BUDGET_BYTES}-byte budget; use smaller tiles")
+
+
+def visit_schedule(group_sizes: jax.Array, m: int, tm: int):
+    """(row offsets [groups+2], visit groups [V], visit tiles [V]) with V = m_tiles + groups - 1.
+
+    Group g owns rows [offsets[g], offsets[g+1]); group id ``groups`` is the empty group
+    (offsets[groups] == offsets[groups+1]) used by visits that only store zeros.
+    """
+    groups = group_sizes.shape[0]
+    m_tiles = m // tm
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]])
+    total = ends[-1]
+    first_tile = starts // tm
+    counts = jnp.where(ends > starts, (ends - 1) // tm - first_tile + 1, 0)
+    visits_done = jnp.cumsum(counts)  # visits up to and including group g
+    group_visits = visits_done[-1]
+    v = jnp.arange(m_tiles + groups - 1, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(visits_done, v, side="right"), groups - 1).astype(jnp.int32)
+    in_group = v < group_visits
+    tile_of_group = first_tile[g] + v - (visits_done[g] - counts[g])
+    trailing_tile = jnp.minimum(-(-total // tm) + v - group_visits, m_tiles - 1)
+    tiles = jnp.where(in_group, tile_of_group, trailing_tile)
+    visit_groups = jnp.where(in_group, g, groups)
+    offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), ends, total[None]])
+    return offsets, visit_groups.astype(jnp.int32), tiles.astype(jnp.int32)
+
+
+def _gmm_kernel(offsets, visit_groups, visit_tiles, lhs_ref, rhs_ref, out_ref, acc_ref, *,
+                tm: int, transpose_rhs: bool):
+    v, k_i = pl.program_id(1), pl.program_id(2)
+    last_v, last_k = pl.num_programs(1) - 1, pl.num_programs(2) - 1
+    tile = visit_tiles[v]
+    first_visit = jnp.logical_or(v == 0, visit_tiles[jnp.maximum(v - 1, 0)] != tile)
+    last_visit = jnp.logical_or(v == last_v, visit_tiles[jnp.minimum(v + 1, last_v)] != tile)
+    group = visit_groups[v]
+    start, end = offsets[group], offsets[group + 1]
+
+    @pl.when(jnp.logical_and(first_visit, k_i == 0))
+    def _zero():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(end > start)
+    def _accumulate():
+        rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, lhs_ref.shape, 0)
+        lhs = jnp.where((rows >= start) & (rows < end), lhs_ref[...], 0)
+        contract = ((1,), (1,)) if transpose_rhs else ((1,), (0,))
+        acc_ref[...] += jax.lax.dot_general(lhs, rhs_ref[...], (contract, ((), ())),
+                                            preferred_element_type=jnp.float32)
+
+    @pl.when(jnp.logical_and(last_visit, k_i == last_k))
+    def _store():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("transpose_rhs", "tiling", "interpret"))
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
+        tiling: Optional[Tuple[int, int, int]] = None, interpret: bool = False) -> jax.Array:
+    """Grouped matmul; see ``reference.gmm`` for the contract and the module doc for tiling."""
+    m, k = lhs.shape
+    groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    if rhs.shape[2 if transpose_rhs else 1] != k or rhs.dtype != lhs.dtype:
+        raise ValueError(f"rhs {rhs.dtype}{rhs.shape} does not fit lhs {lhs.dtype}{lhs.shape} "
+                         f"(transpose_rhs={transpose_rhs})")
+    if group_sizes.shape != (groups,):
+        raise ValueError(f"group_sizes must have shape ({groups},), got {group_sizes.shape}")
+    tiling = tiling or choose_tiling(m, k, n, jnp.dtype(lhs.dtype).name)
+    validate(m, k, n, groups, jnp.dtype(lhs.dtype).name, tiling)
+    tm, tk, tn = tiling
+    padded_m = -(-m // tm) * tm  # pad rows to whole tiles; padding rows are in no group
+    lhs = jnp.pad(lhs, ((0, padded_m - m), (0, 0)))
+    schedule = visit_schedule(group_sizes, padded_m, tm)
+    out = _call(lhs, rhs, schedule, n, tiling, transpose_rhs, interpret)
+    return out[:m]
+
+
+def _call(lhs, rhs, schedule, n, tiling, transpose_rhs, interpret):
+    tm, tk, tn = tiling
+    groups = rhs.shape[0]
+    num_visits = schedule[1].shape[0]
+    grid = (n // tn, num_visits, lhs.shape[1] // tk)
+
+    def rhs_map(n_i, v, k_i, offsets, visit_groups, visit_tiles):
+        group = jnp.minimum(visit_groups[v], groups - 1)  # the empty group reads any matrix
+        return (group, n_i, k_i) if transpose_rhs else (group, k_i, n_i)
+
+    rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3, grid=grid,
+        in_specs=[pl.BlockSpec((tm, tk), lambda n_i, v, k_i, o, g, t: (t[v], k_i)),
+                  pl.BlockSpec(rhs_block, rhs_map)],
+        out_specs=pl.BlockSpec((tm, tn), lambda n_i, v, k_i, o, g, t: (t[v], n_i)),
+        scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)])
+    kernel = functools.partial(_gmm_kernel, tm=tm, transpose_rhs=transpose_rhs)
+    return pl.pallas_call(
+        kernel, grid_spec=spec,
+        out_shape=jax.ShapeDtypeStruct((lhs.shape[0], n), lhs.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=interpret,
+    )(*schedule, lhs, rhs)

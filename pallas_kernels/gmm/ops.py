@@ -1,0 +1,126 @@
+"""The ``gmm`` op: its spec (reference, fake, tolerances, cases) and its providers."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pallas_kernels.binding import is_xla_tensor, jax_backed_op, on_tpu
+from pallas_kernels.gmm import reference
+from pallas_kernels.registry import REGISTRY, Provider
+from pallas_kernels.spec import OpCase, OpSpec, Tolerance
+
+OP_NAME = "gmm"
+SCHEMA = ("(Tensor lhs, Tensor rhs, Tensor group_sizes, *, bool transpose_rhs=False, "
+          "bool interpret=False) -> Tensor")
+
+
+def fake(lhs, rhs, group_sizes, *, transpose_rhs=False):
+    """Output shape and dtype, for tracing providers that are opaque custom calls."""
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    return lhs.new_empty(lhs.shape[0], n)
+
+
+def generate_case(rng: np.random.Generator) -> OpCase:
+    """Ragged groups (some empty, rows past the last group) over TPU-legal k and n."""
+    dtype = torch.bfloat16 if rng.random() < 0.5 else torch.float32
+    groups = int(rng.choice([1, 2, 4, 8]))
+    m = int(rng.choice([8, 24, 40, 64, 128, 200, 256, 512]))
+    k, n = int(rng.choice([128, 256, 384])), int(rng.choice([128, 256]))
+    transpose_rhs = bool(rng.random() < 0.5)
+    total = m - int(rng.integers(0, m // 4 + 1))
+    weights = rng.random(groups) * (rng.random(groups) > 0.25)  # about a quarter empty
+    if weights.sum() == 0:
+        weights[0] = 1.0
+    sizes = rng.multinomial(total, weights / weights.sum()).astype(np.int32)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    lhs = torch.randn(m, k, generator=gen).to(dtype)
+    rhs_shape = (groups, n, k) if transpose_rhs else (groups, k, n)
+    rhs = (torch.randn(*rhs_shape, generator=gen) / k ** 0.5).to(dtype)
+    label = f"m={m} k={k} n={n} sizes={sizes.tolist()} T={transpose_rhs} {dtype}"
+    return OpCase((lhs, rhs, torch.from_numpy(sizes)), {"transpose_rhs": transpose_rhs}, label)
+
+
+SPEC = OpSpec(
+    name=OP_NAME, reference=reference.gmm, fake=fake, generate=generate_case,
+    # fp32: accumulation order only. bf16: the output is rounded to bf16 (2**-8 relative).
+    tolerances={torch.float32: Tolerance(atol=1e-4, rtol=1e-4),
+                torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2)})
+
+
+def shape_problem(lhs, rhs, group_sizes, *, transpose_rhs=False, require_whole_tiles=False):
+    """Why our kernel's TPU constraints reject these tensors, or None when they fit."""
+    from pallas_kernels.gmm import kernel
+
+    if lhs.dim() != 2 or rhs.dim() != 3 or group_sizes.dim() != 1:
+        return f"gmm wants lhs [m, k], rhs 3-D and group_sizes 1-D, got {lhs.dim()}/{rhs.dim()}/{group_sizes.dim()}"
+    if group_sizes.dtype != torch.int32 or lhs.dtype != rhs.dtype:
+        return f"gmm wants int32 group sizes and one float dtype, got {group_sizes.dtype}, {lhs.dtype}, {rhs.dtype}"
+    m, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    if rhs.shape[2 if transpose_rhs else 1] != k or group_sizes.shape[0] != rhs.shape[0]:
+        return f"gmm shapes do not fit: lhs {list(lhs.shape)}, rhs {list(rhs.shape)}, groups {list(group_sizes.shape)}"
+    dtype_name = str(lhs.dtype).removeprefix("torch.")
+    tiling = kernel.choose_tiling(m, k, n, dtype_name)
+    if require_whole_tiles and m % tiling[0]:
+        return f"m={m} is not a multiple of tm={tiling[0]}"
+    try:
+        kernel.validate(m, k, n, rhs.shape[0], dtype_name, tiling)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, interpret=False):
+    from pallas_kernels.gmm import kernel
+
+    return kernel.gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, interpret=interpret)
+
+
+def _megablox_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, interpret=False):
+    """JAX's shipped kernel, adapted to our contract: rows past the last group are zero
+    (megablox leaves them undefined)."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
+
+    from pallas_kernels.gmm import kernel
+
+    m, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    tiling = kernel.choose_tiling(m, k, n, jnp.dtype(lhs.dtype).name)
+    out = megablox_gmm(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype, tiling=tiling,
+                       transpose_rhs=transpose_rhs, interpret=interpret)
+    covered = jnp.arange(m)[:, None] < jnp.sum(group_sizes)
+    return jnp.where(covered, out, 0).astype(lhs.dtype)
+
+
+def pallas_op():
+    """``torch.ops.pallas_kernels.gmm_pallas``: our kernel bound through call_jax."""
+    return jax_backed_op("gmm_pallas", SCHEMA, _pallas_gmm, fake)
+
+
+def megablox_op():
+    """``torch.ops.pallas_kernels.gmm_megablox``: JAX's shipped kernel through call_jax."""
+    return jax_backed_op("gmm_megablox", SCHEMA, _megablox_gmm, fake)
+
+
+def _on_xla(problem_fn):
+    def supports_args(lhs, *args, **kwargs):
+        return is_xla_tensor(lhs) and problem_fn(lhs, *args, **kwargs) is None
+    return supports_args
+
+
+def register(registry=REGISTRY) -> None:
+    """Our Pallas kernel first, then megablox, then the reference (which accepts everything)."""
+    registry.register(OP_NAME, Provider(
+        "pallas", lambda *a, **kw: pallas_op()(*a, **kw), priority=20, supported=on_tpu,
+        supports_args=_on_xla(shape_problem), sources=("pallas_kernels.gmm.kernel",)))
+    registry.register(OP_NAME, Provider(
+        "jax_megablox", lambda *a, **kw: megablox_op()(*a, **kw), priority=10, supported=on_tpu,
+        supports_args=_on_xla(lambda *a, **kw: shape_problem(*a, require_whole_tiles=True, **kw)),
+        sources=("pallas_kernels.gmm.kernel", "jax.experimental.pallas.ops.tpu.megablox.gmm")))
+    registry.register(OP_NAME, Provider("reference", reference.gmm, priority=0, is_reference=True))
+
+
+def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False):
+    """Grouped matmul; see ``reference.gmm`` for the contract."""
+    return REGISTRY.dispatch(OP_NAME, lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)

@@ -1,0 +1,35 @@
+"""THE reference for grouped matmul (MoE experts): the executable spec and the CPU path.
+
+Shapes:
+  lhs          [m, k]            rows sorted by group: group 0's rows first, then group 1's, ...
+  rhs          [groups, k, n]    ([groups, n, k] with transpose_rhs=True)
+  group_sizes  [groups] int      rows per group; their sum may be less than m
+Returns [m, n] in lhs's dtype: row r of group g is lhs[r] @ rhs[g]. Rows past
+sum(group_sizes) (and rows a group would place past m) are zero. Accumulates in fp32.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def row_groups(group_sizes: torch.Tensor, m: int) -> torch.Tensor:
+    """Group index of each of m rows; rows past the last group get ``len(group_sizes)``."""
+    ends = torch.cumsum(group_sizes.to(torch.int64), 0)
+    rows = torch.arange(m, device=group_sizes.device)
+    return torch.searchsorted(ends, rows, right=True)
+
+
+def gmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *,
+        transpose_rhs: bool = False) -> torch.Tensor:
+    """Each row times its group's matrix, as one masked batched matmul over groups.
+
+    Fixed shapes only (no data-dependent slicing), so it compiles once per shape under XLA;
+    it does ``groups`` times the work of a real grouped matmul, which is why it is the
+    reference and the CPU path, not the TPU path.
+    """
+    groups = rhs.shape[0]
+    weights = rhs.float().transpose(1, 2) if transpose_rhs else rhs.float()
+    owner = row_groups(group_sizes, lhs.shape[0])
+    mask = owner[None, :] == torch.arange(groups, device=lhs.device)[:, None]  # [groups, m]
+    masked = lhs.float()[None] * mask[:, :, None]
+    return torch.bmm(masked, weights).sum(0).to(lhs.dtype)
