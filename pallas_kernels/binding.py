@@ -71,5 +71,5 @@ def jax_to_torch(array) -> torch.Tensor:
     import jax.numpy as jnp
 
     if array.dtype == jnp.bfloat16:
-        return torch.from_numpy(np.asarray(array.astype(jnp.float32))).to(torch.bfloat16)
+        return torch.from_numpy(np.array(array.astype(jnp.float32))).to(torch.bfloat16)
     return torch.from_numpy(np.array(array))
