@@ -1,14 +1,144 @@
-"""The ``paged_attention`` op: its providers and the call models use."""
+"""The ``paged_attention`` op: its spec (reference, fake, tolerances, cases) and providers."""
 from __future__ import annotations
 
+import numpy as np
+import torch
+
+from pallas_kernels.binding import is_xla_tensor, jax_backed_op, on_tpu
 from pallas_kernels.paged_attention import reference
 from pallas_kernels.registry import REGISTRY, Provider
+from pallas_kernels.spec import OpCase, OpSpec, Tolerance
 
 OP_NAME = "paged_attention"
+SCHEMA = ("(Tensor q, Tensor k_pages, Tensor v_pages, Tensor context_lens, Tensor block_tables, *, "
+          "float scale, float? soft_cap=None, int? sliding_window=None, bool interpret=False) -> Tensor")
+KERNEL_MODULE = "pallas_kernels.paged_attention.kernel"
+
+
+def fake(q, k_pages, v_pages, context_lens, block_tables, *, scale, soft_cap=None,
+         sliding_window=None):
+    """Output shape and dtype, for tracing providers that are opaque custom calls."""
+    return torch.empty_like(q)
+
+
+def random_block_tables(rng: np.random.Generator, lens, block_size: int, width: int):
+    """Distinct random pages for every sequence, zero past each context; returns (tables, pages)."""
+    needed = [-(-int(n) // block_size) for n in lens]
+    num_blocks = sum(needed) + int(rng.integers(1, 8))
+    order = rng.permutation(num_blocks)
+    tables = np.zeros((len(lens), width), np.int32)
+    used = 0
+    for row, count in enumerate(needed):
+        tables[row, :count] = order[used:used + count]
+        used += count
+    return torch.from_numpy(tables), num_blocks
+
+
+def generate_case(rng: np.random.Generator) -> OpCase:
+    """Ragged contexts over TPU-legal pages, GQA groups, soft-cap and window on and off."""
+    dtype = torch.bfloat16 if rng.random() < 0.5 else torch.float32
+    kv_heads, group = int(rng.choice([1, 2, 4])), int(rng.choice([1, 2, 4]))
+    head_dim, block_size = int(rng.choice([128, 256])), int(rng.choice([16, 32]))
+    batch = int(rng.integers(1, 7))
+    lens = rng.integers(1, int(rng.choice([40, 100, 300])) + 1, size=batch)
+    width = -(-int(lens.max()) // block_size) + int(rng.integers(0, 3))
+    tables, num_blocks = random_block_tables(rng, lens, block_size, width)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    pages = [torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+             for _ in range(2)]
+    q = (3 * torch.randn(batch, kv_heads * group, head_dim, generator=gen)).to(dtype)
+    soft_cap = float(rng.choice([5.0, 30.0])) if rng.random() < 0.5 else None
+    window = int(rng.choice([8, 33, 64])) if rng.random() < 0.5 else None
+    kwargs = {"scale": head_dim ** -0.5, "soft_cap": soft_cap, "sliding_window": window}
+    label = (f"lens={lens.tolist()} kv={kv_heads}x{group} d={head_dim} bs={block_size} "
+             f"cap={soft_cap} win={window} {dtype}")
+    return OpCase((q, *pages, torch.from_numpy(lens.astype(np.int32)), tables), kwargs, label)
+
+
+SPEC = OpSpec(
+    name=OP_NAME, reference=reference.paged_attention, fake=fake, generate=generate_case,
+    # fp32: summation order of the online softmax. bf16: the output rounding (2**-8).
+    tolerances={torch.float32: Tolerance(atol=2e-5, rtol=2e-5),
+                torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2)})
+
+
+def shape_problem(q, k_pages, v_pages, context_lens, block_tables, **_):
+    """Why our kernel's TPU constraints reject these tensors, or None when they fit."""
+    from pallas_kernels.paged_attention import kernel
+
+    if q.dim() != 3 or k_pages.dim() != 4 or k_pages.shape != v_pages.shape:
+        return f"paged_attention wants q [b, h, d] and equal 4-D pages, got {list(q.shape)}, {list(k_pages.shape)}"
+    if not q.dtype == k_pages.dtype == v_pages.dtype:
+        return f"q, k and v dtypes differ: {q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
+    ppc = kernel.default_pages_per_chunk(k_pages.shape[2], block_tables.shape[1])
+    try:
+        kernel.validate(tuple(q.shape), tuple(k_pages.shape), str(q.dtype).removeprefix("torch."), ppc)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def shipped_kernel_problem(*args, sliding_window=None, **kwargs):
+    """JAX's kernel has no sliding window; otherwise the same layout limits as ours."""
+    if sliding_window is not None:
+        return "jax's paged_attention has no sliding window"
+    return shape_problem(*args)
+
+
+def _pallas_paged_attention(q, k_pages, v_pages, context_lens, block_tables, *, scale,
+                            soft_cap=None, sliding_window=None, interpret=False):
+    from pallas_kernels.paged_attention import kernel
+
+    return kernel.paged_attention(q, k_pages, v_pages, context_lens, block_tables, scale=scale,
+                                  soft_cap=soft_cap, sliding_window=sliding_window,
+                                  interpret=interpret)
+
+
+def _jax_paged_attention(q, k_pages, v_pages, context_lens, block_tables, *, scale,
+                         soft_cap=None, sliding_window=None, interpret=False):
+    """JAX's shipped kernel adapted to our contract: q pre-scaled in fp32, table width padded
+    to whole compute blocks. It reads K/V rounded to bf16 (fp32 caches lose precision)."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as jax_kernel
+
+    from pallas_kernels.paged_attention import kernel
+
+    if sliding_window is not None:
+        raise ValueError("jax's paged_attention has no sliding window")
+    width = block_tables.shape[1]
+    ppc = kernel.default_pages_per_chunk(k_pages.shape[2], width)
+    tables = jnp.pad(block_tables, ((0, 0), (0, -(-width // ppc) * ppc - width))).astype(jnp.int32)
+    scaled = (q.astype(jnp.float32) * scale).astype(q.dtype)
+    return jax_kernel(scaled, k_pages, v_pages, context_lens.astype(jnp.int32), tables,
+                      attn_logits_soft_cap=soft_cap, pages_per_compute_block=ppc)
+
+
+def pallas_op():
+    """``torch.ops.pallas_kernels.paged_attention_pallas``: our kernel through call_jax."""
+    return jax_backed_op("paged_attention_pallas", SCHEMA, _pallas_paged_attention, fake)
+
+
+def jax_shipped_op():
+    """``torch.ops.pallas_kernels.paged_attention_jax``: JAX's kernel through call_jax."""
+    return jax_backed_op("paged_attention_jax", SCHEMA, _jax_paged_attention, fake)
+
+
+def _on_xla(problem_fn):
+    def supports_args(q, *args, **kwargs):
+        return is_xla_tensor(q) and problem_fn(q, *args, **kwargs) is None
+    return supports_args
 
 
 def register(registry=REGISTRY) -> None:
-    """Register this op's providers (the reference accepts every call)."""
+    """Our Pallas kernel first, JAX's shipped kernel next, the reference last."""
+    registry.register(OP_NAME, Provider(
+        "pallas", lambda *a, **kw: pallas_op()(*a, **kw), priority=20, supported=on_tpu,
+        supports_args=_on_xla(shape_problem), sources=(KERNEL_MODULE,)))
+    # Below ours: it rounds fp32 K/V to bf16 and has no sliding window.
+    registry.register(OP_NAME, Provider(
+        "jax_paged_attention", lambda *a, **kw: jax_shipped_op()(*a, **kw), priority=10,
+        supported=on_tpu, supports_args=_on_xla(shipped_kernel_problem),
+        sources=(KERNEL_MODULE, "jax.experimental.pallas.ops.tpu.paged_attention.paged_attention_kernel")))
     registry.register(OP_NAME, Provider("reference", reference.paged_attention, priority=0,
                                         is_reference=True))
 

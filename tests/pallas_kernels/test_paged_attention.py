@@ -1,0 +1,90 @@
+"""paged_attention: our Pallas kernel (TPU interpret mode) against THE reference and against
+JAX's shipped kernel; constraint errors and registry fallback."""
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from pallas_kernels.paged_attention import kernel, ops
+from tests.pallas_kernels.kernel_cases import NUM_CASES, generated_cases, run_jax
+
+CASES = generated_cases(ops.SPEC, seed=1)
+
+
+def test_kernel_matches_reference_on_generated_cases():
+    """100 cases; pages per grid step cycles through 1, 2 and the default, so the online
+    softmax runs over one chunk and over many."""
+    kinds = set()
+    for index, case in enumerate(CASES):
+        pages_per_chunk = (1, 2, None)[index % 3]
+        run = functools.partial(kernel.paged_attention, pages_per_chunk=pages_per_chunk)
+        ops.SPEC.assert_close(run_jax(run, case), case.run(ops.SPEC.reference), case.label)
+        kwargs = case.kwargs
+        kinds.add((case.args[0].dtype, kwargs["soft_cap"] is None, kwargs["sliding_window"] is None))
+    assert len(CASES) == NUM_CASES and len(kinds) == 8  # both dtypes x cap on/off x window on/off
+
+
+def bf16_representable(case):
+    """JAX's kernel reads K/V as bf16: give both kernels K/V that survive that rounding."""
+    q, k, v, lens, tables = case.args
+    k, v = (t.to(torch.bfloat16).to(t.dtype) for t in (k, v))
+    return dataclasses.replace(case, args=(q, k, v, lens, tables))
+
+
+def test_kernel_agrees_with_jax_shipped_kernel():
+    compared = 0
+    for case in CASES[:30]:
+        if case.kwargs["sliding_window"] is not None:
+            continue
+        case = bf16_representable(case)
+        ours = run_jax(kernel.paged_attention, case)
+        ops.SPEC.assert_close(run_jax(ops._jax_paged_attention, case), ours, case.label)
+        compared += 1
+    assert compared >= 10
+
+
+@pytest.mark.parametrize("q_shape, pages_shape, dtype, message", [
+    ((2, 4, 64), (2, 10, 16, 64), "float32", "multiple of 128"),
+    ((2, 4, 128), (2, 10, 8, 128), "bfloat16", "block_size=8"),
+    ((2, 3, 128), (2, 10, 16, 128), "float32", "multiple of kv_heads"),
+    ((2, 4, 128), (2, 10, 16, 128), "float16", "supports"),
+])
+def test_validate_names_the_constraint(q_shape, pages_shape, dtype, message):
+    with pytest.raises(ValueError, match=message):
+        kernel.validate(q_shape, pages_shape, dtype, 1)
+
+
+def test_vmem_budget_is_enforced():
+    with pytest.raises(ValueError, match="VMEM"):
+        kernel.validate((1, 8, 256), (8, 4096, 256, 256), "float32", 64)
+
+
+def test_direct_call_raises_a_clear_error():
+    import jax.numpy as jnp
+
+    q = jnp.zeros((1, 2, 64), jnp.float32)
+    pages = jnp.zeros((1, 4, 16, 64), jnp.float32)
+    with pytest.raises(ValueError, match="head_dim=64"):
+        kernel.paged_attention(q, pages, pages, jnp.ones(1, jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                               scale=1.0, interpret=True)
+
+
+def test_large_block_tables_are_cut_into_sub_batches(monkeypatch):
+    """A table over the SMEM budget runs as several kernel calls with the same result."""
+    case = next(c for c in CASES if c.args[0].shape[0] >= 4 and c.args[0].dtype == torch.float32)
+    width = case.args[4].shape[1]
+    monkeypatch.setattr(kernel, "SMEM_TABLE_BUDGET_BYTES", 2 * width * 4)  # two rows a call
+    calls = []
+    real_call = kernel._call
+    monkeypatch.setattr(kernel, "_call", lambda q, *a, **kw: calls.append(q.shape[0]) or real_call(q, *a, **kw))
+    run = functools.partial(kernel.paged_attention.__wrapped__, pages_per_chunk=1)
+    ops.SPEC.assert_close(run_jax(run, case), case.run(ops.SPEC.reference), case.label)
+    assert max(calls) <= 2 and sum(calls) == case.args[0].shape[0]
+
+
+def test_shipped_provider_declines_sliding_window():
+    case = next(c for c in CASES if c.kwargs["sliding_window"] is not None and
+                ops.shape_problem(*c.args) is None)
+    assert ops.shape_problem(*case.args, **case.kwargs) is None
+    assert "sliding window" in ops.shipped_kernel_problem(*case.args, **case.kwargs)
