@@ -1,14 +1,113 @@
-"""The ``prefill_attention`` op: its providers and the call models use."""
+"""The ``prefill_attention`` op: its spec (reference, fake, tolerances, cases) and providers."""
 from __future__ import annotations
 
+import numpy as np
+import torch
+
+from pallas_kernels.binding import is_xla_tensor, jax_backed_op, on_tpu
+from pallas_kernels.paged_attention.ops import random_block_tables
 from pallas_kernels.prefill_attention import reference
 from pallas_kernels.registry import REGISTRY, Provider
+from pallas_kernels.spec import OpCase, OpSpec, Tolerance
 
 OP_NAME = "prefill_attention"
+SCHEMA = ("(Tensor q, Tensor k_pages, Tensor v_pages, Tensor context_slots, Tensor key_positions, "
+          "Tensor key_segments, Tensor query_positions, Tensor query_segments, *, float scale, "
+          "float? soft_cap=None, int? sliding_window=None, bool interpret=False) -> Tensor")
+
+
+def fake(q, *args, **kwargs):
+    """Output shape and dtype, for tracing providers that are opaque custom calls."""
+    return torch.empty_like(q)
+
+
+def packed_layout(rng: np.random.Generator, block_size: int):
+    """Up to three prompts, some with prefix-cached blocks, packed like the model runner
+    packs them (padding queries and keys share segment -1). Returns int64 tensors and the
+    number of pages they use."""
+    seqs = int(rng.integers(1, 4))
+    cached = [block_size * int(rng.integers(0, 3)) if rng.random() < 0.5 else 0 for _ in range(seqs)]
+    new = [int(rng.integers(1, 81)) for _ in range(seqs)]
+    tables, num_blocks = random_block_tables(rng, [c + n for c, n in zip(cached, new)], block_size,
+                                             width=-(-(max(cached) + max(new)) // block_size))
+    q_pos, q_seg, k_pos, k_seg, slots = [], [], [], [], []
+    for s, (c, n) in enumerate(zip(cached, new)):
+        positions = np.arange(c + n)
+        q_pos += list(positions[c:]); q_seg += [s] * n
+        k_pos += list(positions); k_seg += [s] * (c + n)
+        slots += list(tables[s, positions // block_size].numpy() * block_size + positions % block_size)
+    pad = int(rng.integers(0, 24))  # bucket padding: queries and one key in segment -1
+    q_pos += [0] * pad; q_seg += [-1] * pad
+    if pad:
+        k_pos.append(0); k_seg.append(-1); slots.append(0)
+    as_long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    layout = tuple(as_long(x) for x in (slots, k_pos, k_seg, q_pos, q_seg))
+    return layout, num_blocks, f"cached={cached} new={new} pad={pad}"
+
+
+def generate_case(rng: np.random.Generator) -> OpCase:
+    """Packed prompts, prefix-cached context, GQA, soft-cap and window on and off."""
+    dtype = torch.bfloat16 if rng.random() < 0.5 else torch.float32
+    kv_heads, group = int(rng.choice([1, 2])), int(rng.choice([1, 2, 4]))
+    head_dim, block_size = 128, int(rng.choice([16, 32]))
+    layout, num_blocks, shape_label = packed_layout(rng, block_size)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    pages = [torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+             for _ in range(2)]
+    q = (3 * torch.randn(layout[3].shape[0], kv_heads * group, head_dim, generator=gen)).to(dtype)
+    soft_cap = float(rng.choice([5.0, 30.0])) if rng.random() < 0.5 else None
+    window = int(rng.choice([8, 33, 64])) if rng.random() < 0.5 else None
+    kwargs = {"scale": head_dim ** -0.5, "soft_cap": soft_cap, "sliding_window": window}
+    label = f"{shape_label} kv={kv_heads}x{group} bs={block_size} cap={soft_cap} win={window} {dtype}"
+    return OpCase((q, *pages, *layout), kwargs, label)
+
+
+SPEC = OpSpec(
+    name=OP_NAME, reference=reference.prefill_attention, fake=fake, generate=generate_case,
+    # fp32: summation order of the online softmax. bf16: the output rounding (2**-8).
+    tolerances={torch.float32: Tolerance(atol=2e-5, rtol=2e-5),
+                torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2)})
+
+
+def shape_problem(q, k_pages, v_pages, context_slots, *args, **kwargs):
+    """Why our kernel's TPU constraints reject these tensors, or None when they fit."""
+    from pallas_kernels.prefill_attention import kernel
+
+    if q.dim() != 3 or k_pages.dim() != 4 or k_pages.shape != v_pages.shape:
+        return f"prefill_attention wants q [t, h, d] and equal 4-D pages, got {list(q.shape)}, {list(k_pages.shape)}"
+    if not q.dtype == k_pages.dtype == v_pages.dtype:
+        return f"q, k and v dtypes differ: {q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
+    dtype_name = str(q.dtype).removeprefix("torch.")
+    blocks = kernel.choose_blocks(q.shape[0], context_slots.shape[0], dtype_name)
+    try:
+        kernel.validate(tuple(q.shape), tuple(k_pages.shape), dtype_name, *blocks)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _pallas_prefill_attention(*args, scale, soft_cap=None, sliding_window=None, interpret=False):
+    from pallas_kernels.prefill_attention import kernel
+
+    return kernel.prefill_attention(*args, scale=scale, soft_cap=soft_cap,
+                                    sliding_window=sliding_window, interpret=interpret)
+
+
+def pallas_op():
+    """``torch.ops.pallas_kernels.prefill_attention_pallas``: our kernel through call_jax."""
+    return jax_backed_op("prefill_attention_pallas", SCHEMA, _pallas_prefill_attention, fake)
+
+
+def _supports_args(q, *args, **kwargs):
+    return is_xla_tensor(q) and shape_problem(q, *args, **kwargs) is None
 
 
 def register(registry=REGISTRY) -> None:
-    """Register this op's providers (the reference accepts every call)."""
+    """Our Pallas kernel, then the reference. JAX ships no kernel with this contract (its
+    flash attention knows neither pages, packed positions, soft-cap nor windows)."""
+    registry.register(OP_NAME, Provider(
+        "pallas", lambda *a, **kw: pallas_op()(*a, **kw), priority=20, supported=on_tpu,
+        supports_args=_supports_args, sources=("pallas_kernels.prefill_attention.kernel",)))
     registry.register(OP_NAME, Provider("reference", reference.prefill_attention, priority=0,
                                         is_reference=True))
 

@@ -1,0 +1,189 @@
+"""Packed prefill attention as a Pallas TPU kernel (flash attention with segment ids).
+
+Contract: ``reference.prefill_attention``. The context's K/V rows are first gathered from the
+pages at ``context_slots`` (one XLA gather: prefill is bound by the matmuls, not by this copy),
+which is how prefix-cached context needs no special case. The kernel then runs flash
+attention: grid (kv head, query block, key block); the query heads of one KV head are folded
+into the rows of each matmul (GQA shares every K/V tile across its group); an online softmax
+keeps (max, sum, fp32 accumulator) in VMEM scratch across key blocks.
+
+Masking is by segment and position, per element. Whole key blocks are skipped when no query
+of the block can see them: a per-(query block, key block) flag computed on device from the
+blocks' segment and position bounds and prefetched into SMEM. That covers keys of other
+packed prompts, keys in a prompt's future (causal), and keys behind a sliding window.
+
+TPU constraints (checked in ``validate``):
+- head_dim is the lane dim of q/k/v blocks: a multiple of 128.
+- block_q rows (second-minor dim of q blocks) are a multiple of 8 (16 for bf16); block_k is
+  the lane dim of the score tile and of the key position/segment blocks: a multiple of 128.
+- Query positions/segments are passed lane-broadcast [tokens, 128] and key ones
+  sublane-broadcast [8, keys] so each block is a legal (8, 128)-tiled 2-D block.
+- VMEM: double-buffered q, k, v, out blocks plus fp32 accumulator and the (max, sum) rows
+  must fit ``VMEM_BUDGET_BYTES`` (16 MiB default scoped limit on v4/v5e).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+LANES, SUBLANES = 128, 8
+VMEM_BUDGET_BYTES = 16 * 1024 * 1024
+DTYPES = ("float32", "bfloat16")
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked block adds nothing
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def choose_blocks(num_tokens: int, num_keys: int, dtype_name: str):
+    """Default (block_q, block_k): up to 128 query rows and 256 keys per grid step."""
+    rows = 16 if dtype_name == "bfloat16" else 8
+    return min(128, _round_up(num_tokens, rows)), min(256, _round_up(num_keys, LANES))
+
+
+def validate(q_shape, pages_shape, dtype_name: str, block_q: int, block_k: int) -> None:
+    """Raise ValueError naming the first TPU constraint these shapes break."""
+    _, heads, head_dim = q_shape
+    kv_heads, _, _, page_dim = pages_shape
+    if dtype_name not in DTYPES:
+        raise ValueError(f"prefill_attention supports {DTYPES}, got {dtype_name}")
+    if page_dim != head_dim or heads % kv_heads:
+        raise ValueError(f"q {tuple(q_shape)} does not fit pages {tuple(pages_shape)}: head_dim "
+                         f"must match and heads must be a multiple of kv_heads")
+    if head_dim % LANES:
+        raise ValueError(f"head_dim={head_dim} must be a multiple of {LANES} (TPU lanes)")
+    rows = 16 if dtype_name == "bfloat16" else 8
+    if block_q % rows or block_k % LANES:
+        raise ValueError(f"block_q={block_q} must be a multiple of {rows} and block_k={block_k} "
+                         f"a multiple of {LANES}")
+    itemsize = 2 if dtype_name == "bfloat16" else 4
+    group_rows = heads // kv_heads * block_q
+    need = (2 * (2 * group_rows + 2 * block_k) * head_dim * itemsize
+            + group_rows * (head_dim + 2 * LANES) * 4)
+    if need > VMEM_BUDGET_BYTES:
+        raise ValueError(f"blocks ({block_q}, {block_k}) need {need} bytes of VMEM, over "
+                         f"{VMEM_BUDGET_BYTES}; use smaller blocks")
+
+
+def blocks_needed(q_pos, q_seg, k_pos, k_seg, block_q, block_k, sliding_window):
+    """[q_blocks * k_blocks] int32: 1 where some query of the block may see some key."""
+    def bounds(x, block):
+        x = x.reshape(-1, block)
+        return x.min(axis=1)[:, None], x.max(axis=1)[:, None]
+
+    (qs_lo, qs_hi), (qp_lo, qp_hi) = bounds(q_seg, block_q), bounds(q_pos, block_q)
+    (ks_lo, ks_hi), (kp_lo, kp_hi) = bounds(k_seg, block_k), bounds(k_pos, block_k)
+    ks_lo, ks_hi, kp_lo, kp_hi = ks_lo.T, ks_hi.T, kp_lo.T, kp_hi.T
+    overlap = (ks_lo <= qs_hi) & (ks_hi >= qs_lo)
+    # Position bounds only prove anything when both blocks hold one and the same prompt.
+    one_prompt = (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo)
+    hidden = one_prompt & (kp_lo > qp_hi)
+    if sliding_window is not None:
+        hidden = hidden | (one_prompt & (kp_hi <= qp_lo - sliding_window))
+    return (overlap & ~hidden).astype(jnp.int32).reshape(-1)
+
+
+def _kernel(needed_ref, q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, out_ref,
+            m_ref, l_ref, acc_ref, *, scale, soft_cap, sliding_window):
+    i, j = pl.program_id(1), pl.program_id(2)
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full_like(m_ref, -jnp.inf)
+        l_ref[...] = jnp.zeros_like(l_ref)
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(needed_ref[i * pl.num_programs(2) + j] == 1)
+    def _attend():
+        group, block_q, head_dim = q_ref.shape
+        q = q_ref[...].reshape(group * block_q, head_dim).astype(jnp.float32) * scale
+        s = jax.lax.dot_general(q, k_ref[...].astype(jnp.float32), (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        if soft_cap is not None:
+            s = jnp.tanh(s / soft_cap) * soft_cap
+        q_pos, k_pos = qpos_ref[:, :1], kpos_ref[:1, :]
+        allowed = (qseg_ref[:, :1] == kseg_ref[:1, :]) & (k_pos <= q_pos)
+        if sliding_window is not None:
+            allowed = allowed & (k_pos > q_pos - sliding_window)
+        s = jnp.where(allowed[None], s.reshape(group, block_q, -1), MASK_VALUE).reshape(s.shape)
+        m_prev = m_ref[:, :1]
+        m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+        p = jnp.exp(s - m_next)
+        alpha = jnp.exp(m_prev - m_next)
+        l_ref[...] = jnp.broadcast_to(alpha * l_ref[:, :1] + p.sum(axis=1, keepdims=True), l_ref.shape)
+        m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
+        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v_ref[...].astype(jnp.float32),
+                                                      preferred_element_type=jnp.float32)
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _finish():
+        out = acc_ref[...] / l_ref[:, :1]
+        out_ref[...] = out.reshape(out_ref.shape).astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "block_q",
+                                             "block_k", "interpret"))
+def prefill_attention(q, k_pages, v_pages, context_slots, key_positions, key_segments,
+                      query_positions, query_segments, *, scale: float,
+                      soft_cap: Optional[float] = None, sliding_window: Optional[int] = None,
+                      block_q: Optional[int] = None, block_k: Optional[int] = None,
+                      interpret: bool = False):
+    """Segment-causal packed prefill attention; see ``reference.prefill_attention``."""
+    num_tokens, heads, head_dim = q.shape
+    kv_heads = k_pages.shape[0]
+    dtype_name = jnp.dtype(q.dtype).name
+    default_q, default_k = choose_blocks(num_tokens, context_slots.shape[0], dtype_name)
+    block_q, block_k = block_q or default_q, block_k or default_k
+    validate(q.shape, k_pages.shape, dtype_name, block_q, block_k)
+    if k_pages.shape != v_pages.shape or not q.dtype == k_pages.dtype == v_pages.dtype:
+        raise ValueError(f"q {q.dtype}, k {k_pages.dtype}{k_pages.shape} and v "
+                         f"{v_pages.dtype}{v_pages.shape} must share a dtype and page shape")
+    tokens_p = _round_up(num_tokens, block_q)
+    keys_p = _round_up(context_slots.shape[0], block_k)
+
+    def pad(x, size, value):
+        return jnp.pad(x.astype(jnp.int32), (0, size - x.shape[0]), constant_values=value)
+
+    # Our padding gets segments no caller uses (-2 queries, -3 keys): never attended.
+    q_pos, q_seg = pad(query_positions, tokens_p, 0), pad(query_segments, tokens_p, -2)
+    k_pos, k_seg = pad(key_positions, keys_p, 0), pad(key_segments, keys_p, -3)
+    slots = pad(context_slots, keys_p, 0)
+    k, v = (pages.reshape(kv_heads, -1, head_dim)[:, slots] for pages in (k_pages, v_pages))
+    group = heads // kv_heads
+    qg = jnp.pad(q, ((0, tokens_p - num_tokens), (0, 0), (0, 0)))
+    qg = qg.reshape(tokens_p, kv_heads, group, head_dim).transpose(1, 2, 0, 3)
+    needed = blocks_needed(q_pos, q_seg, k_pos, k_seg, block_q, block_k, sliding_window)
+    out = _call(needed, qg, k, v, q_pos, q_seg, k_pos, k_seg, block_q, block_k,
+                dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window), interpret)
+    return out.transpose(2, 0, 1, 3).reshape(tokens_p, heads, head_dim)[:num_tokens]
+
+
+def _call(needed, qg, k, v, q_pos, q_seg, k_pos, k_seg, block_q, block_k, options, interpret):
+    kv_heads, group, tokens_p, head_dim = qg.shape
+    keys_p = k.shape[1]
+    q_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda h, i, j, needed: (h, 0, i, 0))
+    kv_spec = pl.BlockSpec((None, block_k, head_dim), lambda h, i, j, needed: (h, j, 0))
+    q_meta = pl.BlockSpec((block_q, LANES), lambda h, i, j, needed: (i, 0))
+    k_meta = pl.BlockSpec((SUBLANES, block_k), lambda h, i, j, needed: (0, j))
+    rows = group * block_q
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(kv_heads, tokens_p // block_q, keys_p // block_k),
+        in_specs=[q_spec, kv_spec, kv_spec, q_meta, q_meta, k_meta, k_meta], out_specs=q_spec,
+        scratch_shapes=[pltpu.VMEM((rows, LANES), jnp.float32),
+                        pltpu.VMEM((rows, LANES), jnp.float32),
+                        pltpu.VMEM((rows, head_dim), jnp.float32)])
+    lanes = lambda x: jnp.broadcast_to(x[:, None], (x.shape[0], LANES))  # noqa: E731
+    sublanes = lambda x: jnp.broadcast_to(x[None, :], (SUBLANES, x.shape[0]))  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_kernel, **options), grid_spec=spec,
+        out_shape=jax.ShapeDtypeStruct(qg.shape, qg.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+    )(needed, qg, k, v, lanes(q_pos), lanes(q_seg), sublanes(k_pos), sublanes(k_seg))

@@ -1,0 +1,62 @@
+"""prefill_attention: our Pallas kernel (TPU interpret mode) against THE reference, block
+skipping, and constraint errors."""
+import functools
+
+import jax.numpy as jnp
+import pytest
+import torch
+
+from pallas_kernels.prefill_attention import kernel, ops
+from tests.pallas_kernels.kernel_cases import NUM_CASES, generated_cases, run_jax
+
+CASES = generated_cases(ops.SPEC, seed=2)
+BLOCKS = ((None, None), (16, 128), (32, 128))  # default, and small blocks that skip a lot
+
+
+def test_kernel_matches_reference_on_generated_cases():
+    kinds = set()
+    for index, case in enumerate(CASES):
+        block_q, block_k = BLOCKS[index % 3]
+        run = functools.partial(kernel.prefill_attention, block_q=block_q, block_k=block_k)
+        ops.SPEC.assert_close(run_jax(run, case), case.run(ops.SPEC.reference), case.label)
+        kinds.add((case.args[0].dtype, case.kwargs["soft_cap"] is None,
+                   case.kwargs["sliding_window"] is None))
+    labels = " ".join(case.label for case in CASES)
+    assert len(CASES) == NUM_CASES and len(kinds) == 8
+    assert "cached=[16" in labels or "cached=[32" in labels  # prefix-cached context ran
+
+
+def test_blocks_needed_skips_future_other_prompts_and_stale_window():
+    """One 256-token prompt then a 128-token one, blocks of 64: the causal upper triangle,
+    the other prompt's blocks and (with a window) old blocks are skipped, nothing else."""
+    pos = jnp.concatenate([jnp.arange(256), jnp.arange(128)]).astype(jnp.int32)
+    seg = jnp.concatenate([jnp.zeros(256), jnp.ones(128)]).astype(jnp.int32)
+    needed = kernel.blocks_needed(pos, seg, pos, seg, 64, 64, None).reshape(6, 6)
+    expected = jnp.zeros((6, 6), jnp.int32)
+    expected = expected.at[:4, :4].set(jnp.tril(jnp.ones((4, 4), jnp.int32)))
+    expected = expected.at[4:, 4:].set(jnp.tril(jnp.ones((2, 2), jnp.int32)))
+    assert (needed == expected).all(), needed
+    windowed = kernel.blocks_needed(pos, seg, pos, seg, 64, 64, 64).reshape(6, 6)
+    assert windowed[3, 1] == 0 and windowed[3, 2] == 1 and windowed[3, 3] == 1
+
+
+@pytest.mark.parametrize("q_shape, pages_shape, dtype, blocks, message", [
+    ((64, 4, 64), (2, 10, 16, 64), "float32", (64, 128), "multiple of 128"),
+    ((64, 4, 128), (2, 10, 16, 128), "bfloat16", (24, 128), "block_q=24"),
+    ((64, 4, 128), (2, 10, 16, 128), "float32", (64, 100), "block_k=100"),
+    ((64, 3, 128), (2, 10, 16, 128), "float32", (64, 128), "multiple of kv_heads"),
+    ((64, 32, 256), (1, 10, 16, 256), "float32", (512, 2048), "VMEM"),
+])
+def test_validate_names_the_constraint(q_shape, pages_shape, dtype, blocks, message):
+    with pytest.raises(ValueError, match=message):
+        kernel.validate(q_shape, pages_shape, dtype, *blocks)
+
+
+def test_supports_args_declines_what_the_kernel_cannot_run():
+    case = CASES[0]
+    q, k, v, *rest = case.args
+    assert ops.shape_problem(q, k, v, *rest) is None
+    small = [t[..., :64].contiguous() for t in (q, k, v)]
+    assert "head_dim=64" in ops.shape_problem(*small, *rest)
+    assert "dtypes differ" in ops.shape_problem(q.half(), k, v, *rest)
+    assert not ops._supports_args(q, k, v, *rest)  # CPU tensors: only the reference runs here
