@@ -3,7 +3,7 @@ call_jax binding inside a torch_xla graph."""
 import pytest
 import torch
 
-from pallas_kernels import OpRegistry
+from pallas_kernels import OpRegistry, Provider
 from pallas_kernels.gmm import kernel, ops, reference
 from tests.pallas_kernels.kernel_cases import (NUM_CASES, check_kernel_against_reference,
                                                generated_cases, run_jax)
@@ -72,9 +72,9 @@ def test_unsupported_args_fall_back_to_the_reference():
     """A provider that would run (forced supported) still declines what breaks its
     constraints, and the registry falls back."""
     registry = OpRegistry()
-    registry.register("gmm", ops.Provider("pallas", lambda *a, **k: "pallas", priority=20,
+    registry.register("gmm", Provider("pallas", lambda *a, **k: "pallas", priority=20,
                                           supports_args=lambda *a, **k: ops.shape_problem(*a, **k) is None))
-    registry.register("gmm", ops.Provider("reference", lambda *a, **k: "reference", priority=0,
+    registry.register("gmm", Provider("reference", lambda *a, **k: "reference", priority=0,
                                           is_reference=True))
     sizes = torch.tensor([4, 4], dtype=torch.int32)
     assert registry.dispatch("gmm", torch.zeros(8, 128), torch.zeros(2, 128, 128), sizes) == "pallas"

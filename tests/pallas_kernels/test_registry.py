@@ -42,6 +42,29 @@ def test_fingerprint_changes_with_selection():
     assert registry.fingerprint() != before
 
 
+def test_source_hash_covers_the_kernel_module():
+    """A provider's hash reads its kernel's file (without importing it): editing the kernel
+    changes the compile-cache key."""
+    plain = Provider("pallas", test_source_hash_covers_the_kernel_module, priority=1)
+    with_kernel = Provider("pallas", test_source_hash_covers_the_kernel_module, priority=1,
+                           sources=("pallas_kernels.gmm.kernel",))
+    assert plain.source_hash() != with_kernel.source_hash()
+    with pytest.raises(ValueError, match="no_such_module"):
+        Provider("x", plain.fn, priority=1, sources=("no_such_module",)).source_hash()
+
+
+def test_every_op_registers_pallas_first_and_the_reference_last():
+    from pallas_kernels import register_all
+
+    registry = register_all(OpRegistry())
+    assert registry.ops() == ["gmm", "paged_attention", "prefill_attention"]
+    for op in registry.ops():
+        names = [p.name for p in registry.providers(op)]
+        assert names[0] == "pallas" and names[-1] == "reference", names
+        # No TPU here: every call lands on the reference.
+        assert registry.select(op, torch.zeros(1)).is_reference
+
+
 def test_paged_decode_equals_prefill_on_the_last_token():
     """The two references agree: decoding token t equals prefill's row t over the same pages,
     also when another sequence is packed before it."""
