@@ -31,6 +31,13 @@ def is_xla_tensor(tensor) -> bool:
     return isinstance(tensor, torch.Tensor) and tensor.device.type == "xla"
 
 
+def on_xla_if_fits(problem_fn: Callable) -> Callable[..., bool]:
+    """A provider's ``supports_args``: XLA tensors whose shapes ``problem_fn`` finds no fault in."""
+    def supports_args(first, *args, **kwargs):
+        return is_xla_tensor(first) and problem_fn(first, *args, **kwargs) is None
+    return supports_args
+
+
 @functools.lru_cache(maxsize=None)
 def jax_backed_op(name: str, schema: str, jax_fn: Callable, fake: Callable):
     """Define ``torch.ops.pallas_kernels.<name>`` once: XLA impl via call_jax, plus a fake.
@@ -55,6 +62,17 @@ def jax_backed_op(name: str, schema: str, jax_fn: Callable, fake: Callable):
     torch.library.impl(qualname, "XLA", xla_impl)
     torch.library.register_fake(qualname, fake_impl)
     return getattr(torch.ops.pallas_kernels, name)
+
+
+def with_int32_indices(op_factory: Callable) -> Callable:
+    """Call ``op_factory()`` with integer tensors cast to int32 first: the engine builds its
+    metadata (lengths, block tables, slots) as int64, TPU kernels index with int32 (with
+    JAX's default x64-off an int64 input would be narrowed anyway, with a warning)."""
+    def call(*args, **kwargs):
+        args = [a.to(torch.int32) if isinstance(a, torch.Tensor) and a.dtype == torch.int64 else a
+                for a in args]
+        return op_factory()(*args, **kwargs)
+    return call
 
 
 def torch_to_jax(tensor: torch.Tensor):

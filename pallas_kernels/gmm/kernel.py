@@ -16,8 +16,8 @@ TPU constraints (checked in ``validate`` and documented where they bind):
   array dims. tm is a multiple of 8 (16 for bf16, whose native tile packs two rows per
   sublane); tk and tn are multiples of 128 or the whole k / n.
 - VMEM: the pipeline double-buffers the lhs, rhs and out blocks, plus one fp32 accumulator
-  of tm x tn. That total must stay under ``VMEM_BUDGET_BYTES`` (the 16 MiB default scoped
-  VMEM limit of v4/v5e; v6e allows 32 MiB) or Mosaic fails to allocate.
+  of tm x tn. That total must stay under the VMEM budget (``tpu_layout``) or Mosaic fails
+  to allocate.
 - SMEM: the visit list lives in SMEM as three int32 vectors of length ~(m_tiles + groups),
   far below its 1 MiB.
 - The group dimension is looked up through scalar prefetch in the rhs index map, so an
@@ -33,14 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-VMEM_BUDGET_BYTES = 16 * 1024 * 1024
-LANES = 128
-DTYPES = ("float32", "bfloat16")
-
-
-def sublanes(dtype_name: str) -> int:
-    """Row multiple of a block: 8 for 32-bit types, 16 for bf16 (two rows per sublane)."""
-    return 16 if dtype_name == "bfloat16" else 8
+from pallas_kernels.tpu_layout import LANES, check_dtype, check_vmem, itemsize, sublanes
 
 
 def _largest_tile(dim: int, preferred: Tuple[int, ...] = (512, 256, 128)) -> int:
@@ -66,8 +59,7 @@ def validate(m: int, k: int, n: int, groups: int, dtype_name: str,
              tiling: Tuple[int, int, int]) -> None:
     """Raise ValueError naming the first TPU constraint these shapes break."""
     tm, tk, tn = tiling
-    if dtype_name not in DTYPES:
-        raise ValueError(f"gmm supports {DTYPES}, got {dtype_name}")
+    check_dtype("gmm", dtype_name)
     if m < 1 or groups < 1:
         raise ValueError(f"gmm needs at least one row and one group, got m={m} groups={groups}")
     if tm % sublanes(dtype_name):
@@ -76,11 +68,7 @@ def validate(m: int, k: int, n: int, groups: int, dtype_name: str,
         if dim % tile or (tile % LANES and tile != dim):
             raise ValueError(f"t{name}={tile} must divide {name}={dim} and be a multiple of "
                              f"{LANES} (or all of {name})")
-    itemsize = 2 if dtype_name == "bfloat16" else 4
-    need = vmem_bytes(tm, tk, tn, itemsize)
-    if need > VMEM_BUDGET_BYTES:
-        raise ValueError(f"tiling {tiling} needs {need} bytes of VMEM, over the "
-                         f"{VMEM_BUDGET_BYTES}-byte budget; use smaller tiles")
+    check_vmem("gmm", vmem_bytes(tm, tk, tn, itemsize(dtype_name)), f"tiling {tiling}")
 
 
 def visit_schedule(group_sizes: jax.Array, m: int, tm: int):

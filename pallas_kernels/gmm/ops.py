@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pallas_kernels.binding import is_xla_tensor, jax_backed_op, on_tpu
+from pallas_kernels.binding import jax_backed_op, on_tpu, on_xla_if_fits
 from pallas_kernels.gmm import reference
 from pallas_kernels.registry import REGISTRY, Provider
 from pallas_kernels.spec import OpCase, OpSpec, Tolerance
@@ -103,20 +103,15 @@ def megablox_op():
     return jax_backed_op("gmm_megablox", SCHEMA, _megablox_gmm, fake)
 
 
-def _on_xla(problem_fn):
-    def supports_args(lhs, *args, **kwargs):
-        return is_xla_tensor(lhs) and problem_fn(lhs, *args, **kwargs) is None
-    return supports_args
-
 
 def register(registry=REGISTRY) -> None:
     """Our Pallas kernel first, then megablox, then the reference (which accepts everything)."""
     registry.register(OP_NAME, Provider(
         "pallas", lambda *a, **kw: pallas_op()(*a, **kw), priority=20, supported=on_tpu,
-        supports_args=_on_xla(shape_problem), sources=("pallas_kernels.gmm.kernel",)))
+        supports_args=on_xla_if_fits(shape_problem), sources=("pallas_kernels.gmm.kernel",)))
     registry.register(OP_NAME, Provider(
         "jax_megablox", lambda *a, **kw: megablox_op()(*a, **kw), priority=10, supported=on_tpu,
-        supports_args=_on_xla(lambda *a, **kw: shape_problem(*a, require_whole_tiles=True, **kw)),
+        supports_args=on_xla_if_fits(lambda *a, **kw: shape_problem(*a, require_whole_tiles=True, **kw)),
         sources=("pallas_kernels.gmm.kernel", "jax.experimental.pallas.ops.tpu.megablox.gmm")))
     registry.register(OP_NAME, Provider("reference", reference.gmm, priority=0, is_reference=True))
 

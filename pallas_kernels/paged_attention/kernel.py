@@ -13,7 +13,7 @@ TPU constraints (checked in ``validate``):
 - block_size is the sublane dim of a page in VMEM; a page DMA'd into a slot of the VMEM
   buffer must start on a tile boundary: a multiple of 8 (16 for bf16, two rows a sublane).
 - VMEM: 2 slots x (K + V) x pages_per_chunk x block_size x head_dim, plus q, out and the
-  fp32 accumulator, must fit ``VMEM_BUDGET_BYTES`` (16 MiB default scoped limit, v4/v5e).
+  fp32 accumulator, must fit the VMEM budget (``tpu_layout``).
 - SMEM holds the block table (int32, flattened: a 2-D SMEM array pads its minor dim to
   128 words) and the context lengths. SMEM is 1 MiB up to v6e; tables larger than
   ``SMEM_TABLE_BUDGET_BYTES`` (half of it, the rest is Mosaic's) are cut into sub-batches,
@@ -29,15 +29,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-LANES = 128
-VMEM_BUDGET_BYTES = 16 * 1024 * 1024
+from pallas_kernels.tpu_layout import (LANES, check_attention_shapes, check_vmem, itemsize,
+                                      sublanes)
+
 SMEM_TABLE_BUDGET_BYTES = 512 * 1024
 CHUNK_TOKENS = 512  # tokens per grid step: amortises the ~0.35 us per-step overhead
-DTYPES = ("float32", "bfloat16")
-
-
-def sublanes(dtype_name: str) -> int:
-    return 16 if dtype_name == "bfloat16" else 8
 
 
 def default_pages_per_chunk(block_size: int, width: int) -> int:
@@ -46,24 +42,16 @@ def default_pages_per_chunk(block_size: int, width: int) -> int:
 
 def validate(q_shape, pages_shape, dtype_name: str, pages_per_chunk: int) -> None:
     """Raise ValueError naming the first TPU constraint these shapes break."""
-    batch, heads, head_dim = q_shape
-    kv_heads, _, block_size, page_dim = pages_shape
-    if dtype_name not in DTYPES:
-        raise ValueError(f"paged_attention supports {DTYPES}, got {dtype_name}")
-    if page_dim != head_dim or heads % kv_heads:
-        raise ValueError(f"q {tuple(q_shape)} does not fit pages {tuple(pages_shape)}: head_dim "
-                         f"must match and heads must be a multiple of kv_heads")
-    if head_dim % LANES:
-        raise ValueError(f"head_dim={head_dim} must be a multiple of {LANES} (TPU lanes)")
+    check_attention_shapes("paged_attention", q_shape, pages_shape, dtype_name)
+    _, heads, head_dim = q_shape
+    kv_heads, _, block_size, _ = pages_shape
     if block_size % sublanes(dtype_name):
         raise ValueError(f"block_size={block_size} must be a multiple of {sublanes(dtype_name)} "
                          f"for {dtype_name} pages")
-    itemsize = 2 if dtype_name == "bfloat16" else 4
+    size = itemsize(dtype_name)
     group = heads // kv_heads
-    need = 4 * pages_per_chunk * block_size * head_dim * itemsize + group * head_dim * (4 * itemsize + 4)
-    if need > VMEM_BUDGET_BYTES:
-        raise ValueError(f"pages_per_chunk={pages_per_chunk} needs {need} bytes of VMEM, over "
-                         f"{VMEM_BUDGET_BYTES}; use fewer pages per chunk")
+    need = 4 * pages_per_chunk * block_size * head_dim * size + group * head_dim * (4 * size + 4)
+    check_vmem("paged_attention", need, f"pages_per_chunk={pages_per_chunk}")
 
 
 def _chunk_range(length, chunk_tokens: int, sliding_window: Optional[int]):

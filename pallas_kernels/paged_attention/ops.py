@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pallas_kernels.binding import is_xla_tensor, jax_backed_op, on_tpu
+from pallas_kernels.binding import jax_backed_op, on_tpu, on_xla_if_fits, with_int32_indices
 from pallas_kernels.paged_attention import reference
 from pallas_kernels.registry import REGISTRY, Provider
 from pallas_kernels.spec import OpCase, OpSpec, Tolerance
@@ -78,11 +78,14 @@ def shape_problem(q, k_pages, v_pages, context_lens, block_tables, **_):
     return None
 
 
-def shipped_kernel_problem(*args, sliding_window=None, **kwargs):
-    """JAX's kernel has no sliding window; otherwise the same layout limits as ours."""
+def shipped_kernel_problem(q, *args, sliding_window=None, **kwargs):
+    """JAX's kernel has no sliding window and reads K/V as bf16 (so it takes bf16 only);
+    otherwise the same layout limits as ours."""
     if sliding_window is not None:
         return "jax's paged_attention has no sliding window"
-    return shape_problem(*args)
+    if q.dtype != torch.bfloat16:
+        return "jax's paged_attention rounds K/V to bf16: it only serves bf16 caches"
+    return shape_problem(q, *args)
 
 
 def _pallas_paged_attention(q, k_pages, v_pages, context_lens, block_tables, *, scale,
@@ -123,21 +126,16 @@ def jax_shipped_op():
     return jax_backed_op("paged_attention_jax", SCHEMA, _jax_paged_attention, fake)
 
 
-def _on_xla(problem_fn):
-    def supports_args(q, *args, **kwargs):
-        return is_xla_tensor(q) and problem_fn(q, *args, **kwargs) is None
-    return supports_args
-
 
 def register(registry=REGISTRY) -> None:
     """Our Pallas kernel first, JAX's shipped kernel next, the reference last."""
     registry.register(OP_NAME, Provider(
-        "pallas", lambda *a, **kw: pallas_op()(*a, **kw), priority=20, supported=on_tpu,
-        supports_args=_on_xla(shape_problem), sources=(KERNEL_MODULE,)))
+        "pallas", with_int32_indices(pallas_op), priority=20, supported=on_tpu,
+        supports_args=on_xla_if_fits(shape_problem), sources=(KERNEL_MODULE,)))
     # Below ours: it rounds fp32 K/V to bf16 and has no sliding window.
     registry.register(OP_NAME, Provider(
-        "jax_paged_attention", lambda *a, **kw: jax_shipped_op()(*a, **kw), priority=10,
-        supported=on_tpu, supports_args=_on_xla(shipped_kernel_problem),
+        "jax_paged_attention", with_int32_indices(jax_shipped_op), priority=10,
+        supported=on_tpu, supports_args=on_xla_if_fits(shipped_kernel_problem),
         sources=(KERNEL_MODULE, "jax.experimental.pallas.ops.tpu.paged_attention.paged_attention_kernel")))
     registry.register(OP_NAME, Provider("reference", reference.paged_attention, priority=0,
                                         is_reference=True))

@@ -19,7 +19,7 @@ TPU constraints (checked in ``validate``):
 - Query positions/segments are passed lane-broadcast [tokens, 128] and key ones
   sublane-broadcast [8, keys] so each block is a legal (8, 128)-tiled 2-D block.
 - VMEM: double-buffered q, k, v, out blocks plus fp32 accumulator and the (max, sum) rows
-  must fit ``VMEM_BUDGET_BYTES`` (16 MiB default scoped limit on v4/v5e).
+  must fit the VMEM budget (``tpu_layout``).
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-LANES, SUBLANES = 128, 8
-VMEM_BUDGET_BYTES = 16 * 1024 * 1024
-DTYPES = ("float32", "bfloat16")
+from pallas_kernels.tpu_layout import (LANES, SUBLANES, check_attention_shapes, check_vmem,
+                                      itemsize, sublanes)
+
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked block adds nothing
 
 
@@ -43,32 +43,21 @@ def _round_up(x: int, multiple: int) -> int:
 
 def choose_blocks(num_tokens: int, num_keys: int, dtype_name: str):
     """Default (block_q, block_k): up to 128 query rows and 256 keys per grid step."""
-    rows = 16 if dtype_name == "bfloat16" else 8
-    return min(128, _round_up(num_tokens, rows)), min(256, _round_up(num_keys, LANES))
+    return min(128, _round_up(num_tokens, sublanes(dtype_name))), min(256, _round_up(num_keys, LANES))
 
 
 def validate(q_shape, pages_shape, dtype_name: str, block_q: int, block_k: int) -> None:
     """Raise ValueError naming the first TPU constraint these shapes break."""
+    check_attention_shapes("prefill_attention", q_shape, pages_shape, dtype_name)
     _, heads, head_dim = q_shape
-    kv_heads, _, _, page_dim = pages_shape
-    if dtype_name not in DTYPES:
-        raise ValueError(f"prefill_attention supports {DTYPES}, got {dtype_name}")
-    if page_dim != head_dim or heads % kv_heads:
-        raise ValueError(f"q {tuple(q_shape)} does not fit pages {tuple(pages_shape)}: head_dim "
-                         f"must match and heads must be a multiple of kv_heads")
-    if head_dim % LANES:
-        raise ValueError(f"head_dim={head_dim} must be a multiple of {LANES} (TPU lanes)")
-    rows = 16 if dtype_name == "bfloat16" else 8
+    rows = sublanes(dtype_name)
     if block_q % rows or block_k % LANES:
         raise ValueError(f"block_q={block_q} must be a multiple of {rows} and block_k={block_k} "
                          f"a multiple of {LANES}")
-    itemsize = 2 if dtype_name == "bfloat16" else 4
-    group_rows = heads // kv_heads * block_q
-    need = (2 * (2 * group_rows + 2 * block_k) * head_dim * itemsize
+    group_rows = heads // pages_shape[0] * block_q
+    need = (2 * (2 * group_rows + 2 * block_k) * head_dim * itemsize(dtype_name)
             + group_rows * (head_dim + 2 * LANES) * 4)
-    if need > VMEM_BUDGET_BYTES:
-        raise ValueError(f"blocks ({block_q}, {block_k}) need {need} bytes of VMEM, over "
-                         f"{VMEM_BUDGET_BYTES}; use smaller blocks")
+    check_vmem("prefill_attention", need, f"blocks ({block_q}, {block_k})")
 
 
 def blocks_needed(q_pos, q_seg, k_pos, k_seg, block_q, block_k, sliding_window):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pallas_kernels.binding import is_xla_tensor, jax_backed_op, on_tpu
+from pallas_kernels.binding import jax_backed_op, on_tpu, on_xla_if_fits, with_int32_indices
 from pallas_kernels.paged_attention.ops import random_block_tables
 from pallas_kernels.prefill_attention import reference
 from pallas_kernels.registry import REGISTRY, Provider
@@ -98,16 +98,12 @@ def pallas_op():
     return jax_backed_op("prefill_attention_pallas", SCHEMA, _pallas_prefill_attention, fake)
 
 
-def _supports_args(q, *args, **kwargs):
-    return is_xla_tensor(q) and shape_problem(q, *args, **kwargs) is None
-
-
 def register(registry=REGISTRY) -> None:
     """Our Pallas kernel, then the reference. JAX ships no kernel with this contract (its
     flash attention knows neither pages, packed positions, soft-cap nor windows)."""
     registry.register(OP_NAME, Provider(
-        "pallas", lambda *a, **kw: pallas_op()(*a, **kw), priority=20, supported=on_tpu,
-        supports_args=_supports_args, sources=("pallas_kernels.prefill_attention.kernel",)))
+        "pallas", with_int32_indices(pallas_op), priority=20, supported=on_tpu,
+        supports_args=on_xla_if_fits(shape_problem), sources=("pallas_kernels.prefill_attention.kernel",)))
     registry.register(OP_NAME, Provider("reference", reference.prefill_attention, priority=0,
                                         is_reference=True))
 

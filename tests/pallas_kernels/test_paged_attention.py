@@ -83,8 +83,22 @@ def test_large_block_tables_are_cut_into_sub_batches(monkeypatch):
     assert max(calls) <= 2 and sum(calls) == case.args[0].shape[0]
 
 
-def test_shipped_provider_declines_sliding_window():
+def test_shipped_provider_declines_sliding_window_and_fp32():
     case = next(c for c in CASES if c.kwargs["sliding_window"] is not None and
                 ops.shape_problem(*c.args) is None)
     assert ops.shape_problem(*case.args, **case.kwargs) is None
     assert "sliding window" in ops.shipped_kernel_problem(*case.args, **case.kwargs)
+    fp32 = next(c for c in CASES if c.args[0].dtype == torch.float32 and c.kwargs["sliding_window"] is None)
+    assert "bf16" in ops.shipped_kernel_problem(*fp32.args, **fp32.kwargs)
+    bf16 = next(c for c in CASES if c.args[0].dtype == torch.bfloat16 and c.kwargs["sliding_window"] is None)
+    assert ops.shipped_kernel_problem(*bf16.args, **bf16.kwargs) is None
+
+
+def test_int64_metadata_reaches_kernels_as_int32():
+    """The engine builds lengths and tables as int64; TPU providers cast them to int32."""
+    from pallas_kernels.binding import with_int32_indices
+
+    seen = []
+    call = with_int32_indices(lambda: lambda *args, **kw: seen.extend(a.dtype for a in args))
+    call(torch.zeros(2), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32))
+    assert seen == [torch.float32, torch.int32, torch.int32]

@@ -4,7 +4,6 @@ import functools
 
 import jax.numpy as jnp
 import pytest
-import torch
 
 from pallas_kernels.prefill_attention import kernel, ops
 from tests.pallas_kernels.kernel_cases import NUM_CASES, generated_cases, run_jax
@@ -59,4 +58,4 @@ def test_supports_args_declines_what_the_kernel_cannot_run():
     small = [t[..., :64].contiguous() for t in (q, k, v)]
     assert "head_dim=64" in ops.shape_problem(*small, *rest)
     assert "dtypes differ" in ops.shape_problem(q.half(), k, v, *rest)
-    assert not ops._supports_args(q, k, v, *rest)  # CPU tensors: only the reference runs here
+    assert not ops.on_xla_if_fits(ops.shape_problem)(q, k, v, *rest)  # CPU tensors: reference only

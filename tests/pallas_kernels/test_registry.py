@@ -88,3 +88,18 @@ def test_paged_decode_equals_prefill_on_the_last_token():
             one = paged_attention(q[t:t + 1], k_pages, v_pages, torch.tensor([t + 1]), table[None],
                                   scale=0.3, soft_cap=soft_cap, sliding_window=window)
             torch.testing.assert_close(one[0], full[t])
+
+
+@pytest.mark.parametrize("op", ["gmm", "paged_attention", "prefill_attention"])
+def test_fake_gives_the_reference_output_shape_and_dtype(op):
+    """The fake that torch.compile traces opaque providers with matches the spec's reference."""
+    import importlib
+
+    import numpy as np
+
+    spec = importlib.import_module(f"pallas_kernels.{op}.ops").SPEC
+    rng = np.random.default_rng(3)
+    for _ in range(10):
+        case = spec.generate(rng)
+        fake, real = case.run(spec.fake), case.run(spec.reference)
+        assert (fake.shape, fake.dtype) == (real.shape, real.dtype), case.label

@@ -1,0 +1,45 @@
+"""TPU layout facts every kernel here is written against, and the checks they share.
+
+- A vreg is 8 sublanes x 128 lanes of 32-bit words; the last two dims of a block must be
+  multiples of (8, 128) or span the whole array. bf16 packs two rows per sublane, so its
+  row (second-minor) multiple is 16.
+- VMEM: Mosaic's default scoped limit is 16 MiB on v4/v5e (32 MiB on v6e); blocks are
+  double-buffered by the pipeline, so a kernel's estimate counts every block twice.
+"""
+from __future__ import annotations
+
+LANES, SUBLANES = 128, 8
+VMEM_BUDGET_BYTES = 16 * 1024 * 1024
+DTYPES = ("float32", "bfloat16")
+
+
+def sublanes(dtype_name: str) -> int:
+    """Row multiple of a block: 8 for 32-bit types, 16 for bf16 (two rows per sublane)."""
+    return 16 if dtype_name == "bfloat16" else SUBLANES
+
+
+def itemsize(dtype_name: str) -> int:
+    return 2 if dtype_name == "bfloat16" else 4
+
+
+def check_dtype(op: str, dtype_name: str) -> None:
+    if dtype_name not in DTYPES:
+        raise ValueError(f"{op} supports {DTYPES}, got {dtype_name}")
+
+
+def check_vmem(op: str, need: int, what: str) -> None:
+    if need > VMEM_BUDGET_BYTES:
+        raise ValueError(f"{op}: {what} needs {need} bytes of VMEM, over the "
+                         f"{VMEM_BUDGET_BYTES}-byte budget; use smaller blocks")
+
+
+def check_attention_shapes(op: str, q_shape, pages_shape, dtype_name: str) -> None:
+    """q [tokens, heads, head_dim] against pages [kv_heads, blocks, block_size, head_dim]."""
+    check_dtype(op, dtype_name)
+    _, heads, head_dim = q_shape
+    kv_heads, _, _, page_dim = pages_shape
+    if page_dim != head_dim or heads % kv_heads:
+        raise ValueError(f"{op}: q {tuple(q_shape)} does not fit pages {tuple(pages_shape)}: "
+                         f"head_dim must match and heads must be a multiple of kv_heads")
+    if head_dim % LANES:
+        raise ValueError(f"{op}: head_dim={head_dim} must be a multiple of {LANES} (TPU lanes)")
