@@ -1,6 +1,8 @@
 """Running a Pallas kernel in TPU interpret mode on an op's generated cases."""
 from __future__ import annotations
 
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -10,6 +12,19 @@ from pallas_kernels.binding import jax_to_torch, torch_to_jax
 from pallas_kernels.spec import OpCase, OpSpec
 
 NUM_CASES = 100
+
+
+def in_fresh_process(fn: Callable, *args):
+    """``fn(*args)`` in a spawned interpreter that never loads torch_xla; exceptions (and
+    assertion messages) come back to the caller.
+
+    Why: jaxlib and torch_xla each bundle their own XLA and LLVM. After torch_xla had compiled
+    graphs in the pytest process, a run of a hundred more JAX compilations segfaulted inside
+    jaxlib's backend_compile_and_load. The binding test keeps the two in one process on
+    purpose (that is the product path); the bulk kernel checks do not need to.
+    """
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def run_jax(kernel: Callable, case: OpCase, interpret_mode: bool = True) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 from pallas_kernels import OpRegistry, Provider
 from pallas_kernels.gmm import kernel, ops, reference
 from tests.pallas_kernels.kernel_cases import (NUM_CASES, check_kernel_against_reference,
-                                               generated_cases, run_jax)
+                                               generated_cases, in_fresh_process, run_jax)
 
 CASES = generated_cases(ops.SPEC, seed=0)
 
@@ -19,24 +19,31 @@ def test_reference_is_a_matmul_per_group():
     assert out[6].abs().max() == 0  # past the last group
 
 
+def check_generated_cases():
+    return check_kernel_against_reference(ops.SPEC, kernel.gmm, CASES)
+
+
 def test_kernel_matches_reference_on_generated_cases():
-    seen = check_kernel_against_reference(ops.SPEC, kernel.gmm, CASES)
+    seen = in_fresh_process(check_generated_cases)
     assert sum(seen.values()) == NUM_CASES and min(seen.values()) > 25, seen
     labels = " ".join(case.label for case in CASES)
     assert "T=True" in labels and "T=False" in labels and ", 0," in labels  # empty groups ran
 
 
-def test_kernel_agrees_with_jax_megablox():
+def compare_with_megablox():
     """Where megablox accepts the shapes (m a multiple of tm), both kernels give the same rows."""
     compared = 0
     for case in CASES[:40]:
         if ops.shape_problem(*case.args, require_whole_tiles=True, **case.kwargs):
             continue
         ours = run_jax(kernel.gmm, case)
-        theirs = run_jax(ops._megablox_gmm, case)
-        ops.SPEC.assert_close(theirs, ours, case.label)
+        ops.SPEC.assert_close(run_jax(ops._megablox_gmm, case), ours, case.label)
         compared += 1
-    assert compared >= 10
+    return compared
+
+
+def test_kernel_agrees_with_jax_megablox():
+    assert in_fresh_process(compare_with_megablox) >= 10
 
 
 @pytest.mark.parametrize("shapes, dtype, message", [
@@ -60,12 +67,23 @@ def test_validate_names_the_constraint(shapes, dtype, message):
     ((2048, 2048, 1024), "VMEM"),
 ])
 def test_kernel_rejects_illegal_tiling(tiling, message):
+    with pytest.raises(ValueError, match=message):
+        kernel.validate(32, 2048, 1024, 2, "bfloat16", tiling)
+
+
+def call_with_illegal_tiling():
     import jax.numpy as jnp
 
-    lhs = jnp.zeros((32, 2048), jnp.bfloat16)
-    rhs = jnp.zeros((2, 2048, 1024), jnp.bfloat16)
-    with pytest.raises(ValueError, match=message):
-        kernel.gmm(lhs, rhs, jnp.array([16, 16], jnp.int32), tiling=tiling, interpret=True)
+    lhs, rhs = jnp.zeros((32, 256), jnp.float32), jnp.zeros((2, 256, 128), jnp.float32)
+    try:
+        kernel.gmm(lhs, rhs, jnp.array([16, 16], jnp.int32), tiling=(32, 192, 128), interpret=True)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_direct_call_raises_a_clear_error():
+    assert "tk=192 must divide k=256" in in_fresh_process(call_with_illegal_tiling)
 
 
 def test_unsupported_args_fall_back_to_the_reference():
@@ -73,9 +91,9 @@ def test_unsupported_args_fall_back_to_the_reference():
     constraints, and the registry falls back."""
     registry = OpRegistry()
     registry.register("gmm", Provider("pallas", lambda *a, **k: "pallas", priority=20,
-                                          supports_args=lambda *a, **k: ops.shape_problem(*a, **k) is None))
+                                      supports_args=lambda *a, **k: ops.shape_problem(*a, **k) is None))
     registry.register("gmm", Provider("reference", lambda *a, **k: "reference", priority=0,
-                                          is_reference=True))
+                                      is_reference=True))
     sizes = torch.tensor([4, 4], dtype=torch.int32)
     assert registry.dispatch("gmm", torch.zeros(8, 128), torch.zeros(2, 128, 128), sizes) == "pallas"
     assert registry.dispatch("gmm", torch.zeros(8, 128), torch.zeros(2, 128, 128),

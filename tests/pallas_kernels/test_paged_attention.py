@@ -7,21 +7,26 @@ import pytest
 import torch
 
 from pallas_kernels.paged_attention import kernel, ops
-from tests.pallas_kernels.kernel_cases import NUM_CASES, generated_cases, run_jax
+from tests.pallas_kernels.kernel_cases import NUM_CASES, generated_cases, in_fresh_process, run_jax
 
 CASES = generated_cases(ops.SPEC, seed=1)
 
 
-def test_kernel_matches_reference_on_generated_cases():
-    """100 cases; pages per grid step cycles through 1, 2 and the default, so the online
-    softmax runs over one chunk and over many."""
+def check_generated_cases():
+    """Pages per grid step cycle through 1, 2 and the default, so the online softmax runs
+    over one chunk and over many."""
     kinds = set()
     for index, case in enumerate(CASES):
         pages_per_chunk = (1, 2, None)[index % 3]
         run = functools.partial(kernel.paged_attention, pages_per_chunk=pages_per_chunk)
         ops.SPEC.assert_close(run_jax(run, case), case.run(ops.SPEC.reference), case.label)
         kwargs = case.kwargs
-        kinds.add((case.args[0].dtype, kwargs["soft_cap"] is None, kwargs["sliding_window"] is None))
+        kinds.add((str(case.args[0].dtype), kwargs["soft_cap"] is None, kwargs["sliding_window"] is None))
+    return kinds
+
+
+def test_kernel_matches_reference_on_generated_cases():
+    kinds = in_fresh_process(check_generated_cases)
     assert len(CASES) == NUM_CASES and len(kinds) == 8  # both dtypes x cap on/off x window on/off
 
 
@@ -32,7 +37,7 @@ def bf16_representable(case):
     return dataclasses.replace(case, args=(q, k, v, lens, tables))
 
 
-def test_kernel_agrees_with_jax_shipped_kernel():
+def compare_with_jax_shipped_kernel():
     compared = 0
     for case in CASES[:30]:
         if case.kwargs["sliding_window"] is not None:
@@ -41,7 +46,11 @@ def test_kernel_agrees_with_jax_shipped_kernel():
         ours = run_jax(kernel.paged_attention, case)
         ops.SPEC.assert_close(run_jax(ops._jax_paged_attention, case), ours, case.label)
         compared += 1
-    assert compared >= 10
+    return compared
+
+
+def test_kernel_agrees_with_jax_shipped_kernel():
+    assert in_fresh_process(compare_with_jax_shipped_kernel) >= 10
 
 
 @pytest.mark.parametrize("q_shape, pages_shape, dtype, message", [
@@ -60,27 +69,38 @@ def test_vmem_budget_is_enforced():
         kernel.validate((1, 8, 256), (8, 4096, 256, 256), "float32", 64)
 
 
-def test_direct_call_raises_a_clear_error():
+def call_with_small_head_dim():
     import jax.numpy as jnp
 
     q = jnp.zeros((1, 2, 64), jnp.float32)
     pages = jnp.zeros((1, 4, 16, 64), jnp.float32)
-    with pytest.raises(ValueError, match="head_dim=64"):
+    try:
         kernel.paged_attention(q, pages, pages, jnp.ones(1, jnp.int32), jnp.zeros((1, 1), jnp.int32),
                                scale=1.0, interpret=True)
+    except ValueError as err:
+        return str(err)
+    return "no error"
 
 
-def test_large_block_tables_are_cut_into_sub_batches(monkeypatch):
-    """A table over the SMEM budget runs as several kernel calls with the same result."""
+def test_direct_call_raises_a_clear_error():
+    assert "head_dim=64 must be a multiple of 128" in in_fresh_process(call_with_small_head_dim)
+
+
+def run_in_sub_batches():
+    """With an SMEM budget of two table rows, the batch runs as several kernel calls."""
     case = next(c for c in CASES if c.args[0].shape[0] >= 4 and c.args[0].dtype == torch.float32)
-    width = case.args[4].shape[1]
-    monkeypatch.setattr(kernel, "SMEM_TABLE_BUDGET_BYTES", 2 * width * 4)  # two rows a call
+    kernel.SMEM_TABLE_BUDGET_BYTES = 2 * case.args[4].shape[1] * 4
     calls = []
     real_call = kernel._call
-    monkeypatch.setattr(kernel, "_call", lambda q, *a, **kw: calls.append(q.shape[0]) or real_call(q, *a, **kw))
-    run = functools.partial(kernel.paged_attention.__wrapped__, pages_per_chunk=1)
+    kernel._call = lambda q, *a, **kw: calls.append(q.shape[0]) or real_call(q, *a, **kw)
+    run = functools.partial(kernel.paged_attention, pages_per_chunk=1)
     ops.SPEC.assert_close(run_jax(run, case), case.run(ops.SPEC.reference), case.label)
-    assert max(calls) <= 2 and sum(calls) == case.args[0].shape[0]
+    return calls, case.args[0].shape[0]
+
+
+def test_large_block_tables_are_cut_into_sub_batches():
+    calls, batch = in_fresh_process(run_in_sub_batches)  # patches the child's kernel module only
+    assert len(calls) > 1 and max(calls) <= 2 and sum(calls) == batch
 
 
 def test_shipped_provider_declines_sliding_window_and_fp32():
