@@ -9,10 +9,12 @@ replays the graph on XLA tensors.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 import torch
+
+from pallas_kernels.registry import Provider
 
 
 def on_tpu() -> bool:
@@ -36,6 +38,27 @@ def on_xla_if_fits(problem_fn: Callable) -> Callable[..., bool]:
     def supports_args(first, *args, **kwargs):
         return is_xla_tensor(first) and problem_fn(first, *args, **kwargs) is None
     return supports_args
+
+
+def first_problem(*checks: Callable[[], None]) -> Optional[str]:
+    """The message of the first check that raises ValueError, or None when all pass."""
+    for check in checks:
+        try:
+            check()
+        except ValueError as err:
+            return str(err)
+    return None
+
+
+def tpu_provider(name: str, priority: int, op_factory: Callable, problem_fn: Callable,
+                 sources: Tuple[str, ...]) -> Provider:
+    """A provider that runs a JAX kernel on TPU: only where torch_xla targets TPU, only for
+    XLA tensors whose shapes ``problem_fn`` accepts, with int64 metadata cast to int32.
+    ``op_factory`` builds the torch op on first use, so registering imports no JAX. Its
+    module (the op's adapters) joins ``sources`` in the provider's source hash."""
+    return Provider(name, with_int32_indices(op_factory), priority=priority, supported=on_tpu,
+                    supports_args=on_xla_if_fits(problem_fn),
+                    sources=(op_factory.__module__,) + tuple(sources))
 
 
 @functools.lru_cache(maxsize=None)

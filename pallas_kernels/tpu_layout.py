@@ -18,6 +18,11 @@ def sublanes(dtype_name: str) -> int:
     return 16 if dtype_name == "bfloat16" else SUBLANES
 
 
+def torch_dtype_name(tensor) -> str:
+    """``"float32"`` for a torch float32 tensor: the names the checks here take."""
+    return str(tensor.dtype).removeprefix("torch.")
+
+
 def itemsize(dtype_name: str) -> int:
     return 2 if dtype_name == "bfloat16" else 4
 
@@ -31,6 +36,15 @@ def check_vmem(op: str, need: int, what: str) -> None:
     if need > VMEM_BUDGET_BYTES:
         raise ValueError(f"{op}: {what} needs {need} bytes of VMEM, over the "
                          f"{VMEM_BUDGET_BYTES}-byte budget; use smaller blocks")
+
+
+def check_attention_operands(op: str, q, k_pages, v_pages) -> None:
+    """q [tokens, heads, head_dim] and equal 4-D K/V pages of q's dtype (torch or JAX arrays)."""
+    if len(q.shape) != 3 or len(k_pages.shape) != 4 or tuple(k_pages.shape) != tuple(v_pages.shape):
+        raise ValueError(f"{op} wants q [tokens, heads, head_dim] and equal 4-D K/V pages, got "
+                         f"{list(q.shape)}, {list(k_pages.shape)}, {list(v_pages.shape)}")
+    if not q.dtype == k_pages.dtype == v_pages.dtype:
+        raise ValueError(f"{op}: q, k and v dtypes differ: {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
 
 
 def check_attention_shapes(op: str, q_shape, pages_shape, dtype_name: str) -> None:

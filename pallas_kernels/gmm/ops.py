@@ -4,12 +4,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pallas_kernels.binding import jax_backed_op, on_tpu, on_xla_if_fits
+from pallas_kernels.binding import first_problem, jax_backed_op, tpu_provider
 from pallas_kernels.gmm import reference
 from pallas_kernels.registry import REGISTRY, Provider
 from pallas_kernels.spec import OpCase, OpSpec, Tolerance
+from pallas_kernels.tpu_layout import torch_dtype_name
 
 OP_NAME = "gmm"
+KERNEL_MODULE = "pallas_kernels.gmm.kernel"
 SCHEMA = ("(Tensor lhs, Tensor rhs, Tensor group_sizes, *, bool transpose_rhs=False, "
           "bool interpret=False) -> Tensor")
 
@@ -59,15 +61,11 @@ def shape_problem(lhs, rhs, group_sizes, *, transpose_rhs=False, require_whole_t
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     if rhs.shape[2 if transpose_rhs else 1] != k or group_sizes.shape[0] != rhs.shape[0]:
         return f"gmm shapes do not fit: lhs {list(lhs.shape)}, rhs {list(rhs.shape)}, groups {list(group_sizes.shape)}"
-    dtype_name = str(lhs.dtype).removeprefix("torch.")
+    dtype_name = torch_dtype_name(lhs)
     tiling = kernel.choose_tiling(m, k, n, dtype_name)
     if require_whole_tiles and m % tiling[0]:
         return f"m={m} is not a multiple of tm={tiling[0]}"
-    try:
-        kernel.validate(m, k, n, rhs.shape[0], dtype_name, tiling)
-    except ValueError as err:
-        return str(err)
-    return None
+    return first_problem(lambda: kernel.validate(m, k, n, rhs.shape[0], dtype_name, tiling))
 
 
 def _pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, interpret=False):
@@ -103,16 +101,14 @@ def megablox_op():
     return jax_backed_op("gmm_megablox", SCHEMA, _megablox_gmm, fake)
 
 
-
 def register(registry=REGISTRY) -> None:
     """Our Pallas kernel first, then megablox, then the reference (which accepts everything)."""
-    registry.register(OP_NAME, Provider(
-        "pallas", lambda *a, **kw: pallas_op()(*a, **kw), priority=20, supported=on_tpu,
-        supports_args=on_xla_if_fits(shape_problem), sources=("pallas_kernels.gmm.kernel",)))
-    registry.register(OP_NAME, Provider(
-        "jax_megablox", lambda *a, **kw: megablox_op()(*a, **kw), priority=10, supported=on_tpu,
-        supports_args=on_xla_if_fits(lambda *a, **kw: shape_problem(*a, require_whole_tiles=True, **kw)),
-        sources=("pallas_kernels.gmm.kernel", "jax.experimental.pallas.ops.tpu.megablox.gmm")))
+    registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem,
+                                            sources=(KERNEL_MODULE,)))
+    registry.register(OP_NAME, tpu_provider(
+        "jax_megablox", 10, megablox_op,
+        lambda *a, **kw: shape_problem(*a, require_whole_tiles=True, **kw),
+        sources=(KERNEL_MODULE, "jax.experimental.pallas.ops.tpu.megablox.gmm")))
     registry.register(OP_NAME, Provider("reference", reference.gmm, priority=0, is_reference=True))
 
 

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu_layout import (LANES, check_attention_shapes, check_vmem, itemsize,
-                                      sublanes)
+from pallas_kernels.tpu_layout import (LANES, check_attention_operands, check_attention_shapes,
+                                      check_vmem, itemsize, sublanes)
 
 SMEM_TABLE_BUDGET_BYTES = 512 * 1024
 CHUNK_TOKENS = 512  # tokens per grid step: amortises the ~0.35 us per-step overhead
@@ -140,10 +140,8 @@ def paged_attention(q, k_pages, v_pages, context_lens, block_tables, *, scale: f
     """Decode attention over paged K/V; see ``reference.paged_attention``."""
     batch, width = block_tables.shape
     ppc = pages_per_chunk or default_pages_per_chunk(k_pages.shape[2], width)
+    check_attention_operands("paged_attention", q, k_pages, v_pages)
     validate(q.shape, k_pages.shape, jnp.dtype(q.dtype).name, ppc)
-    if k_pages.shape != v_pages.shape or not q.dtype == k_pages.dtype == v_pages.dtype:
-        raise ValueError(f"q {q.dtype}, k {k_pages.dtype}{k_pages.shape} and v "
-                         f"{v_pages.dtype}{v_pages.shape} must share a dtype and page shape")
     padded_width = -(-width // ppc) * ppc
     # Entries past a context are never attended but are still DMA'd: keep them in range.
     tables = jnp.clip(jnp.pad(block_tables, ((0, 0), (0, padded_width - width))), 0,

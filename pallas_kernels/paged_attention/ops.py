@@ -4,10 +4,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pallas_kernels.binding import jax_backed_op, on_tpu, on_xla_if_fits, with_int32_indices
+from pallas_kernels.binding import first_problem, jax_backed_op, tpu_provider
 from pallas_kernels.paged_attention import reference
 from pallas_kernels.registry import REGISTRY, Provider
 from pallas_kernels.spec import OpCase, OpSpec, Tolerance
+from pallas_kernels.tpu_layout import check_attention_operands, torch_dtype_name
 
 OP_NAME = "paged_attention"
 SCHEMA = ("(Tensor q, Tensor k_pages, Tensor v_pages, Tensor context_lens, Tensor block_tables, *, "
@@ -66,16 +67,11 @@ def shape_problem(q, k_pages, v_pages, context_lens, block_tables, **_):
     """Why our kernel's TPU constraints reject these tensors, or None when they fit."""
     from pallas_kernels.paged_attention import kernel
 
-    if q.dim() != 3 or k_pages.dim() != 4 or k_pages.shape != v_pages.shape:
-        return f"paged_attention wants q [b, h, d] and equal 4-D pages, got {list(q.shape)}, {list(k_pages.shape)}"
-    if not q.dtype == k_pages.dtype == v_pages.dtype:
-        return f"q, k and v dtypes differ: {q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
-    ppc = kernel.default_pages_per_chunk(k_pages.shape[2], block_tables.shape[1])
-    try:
-        kernel.validate(tuple(q.shape), tuple(k_pages.shape), str(q.dtype).removeprefix("torch."), ppc)
-    except ValueError as err:
-        return str(err)
-    return None
+    def fits_kernel():  # runs after the operand check, so the shapes below exist
+        ppc = kernel.default_pages_per_chunk(k_pages.shape[2], block_tables.shape[1])
+        kernel.validate(tuple(q.shape), tuple(k_pages.shape), torch_dtype_name(q), ppc)
+
+    return first_problem(lambda: check_attention_operands(OP_NAME, q, k_pages, v_pages), fits_kernel)
 
 
 def shipped_kernel_problem(q, *args, sliding_window=None, **kwargs):
@@ -126,16 +122,13 @@ def jax_shipped_op():
     return jax_backed_op("paged_attention_jax", SCHEMA, _jax_paged_attention, fake)
 
 
-
 def register(registry=REGISTRY) -> None:
     """Our Pallas kernel first, JAX's shipped kernel next, the reference last."""
-    registry.register(OP_NAME, Provider(
-        "pallas", with_int32_indices(pallas_op), priority=20, supported=on_tpu,
-        supports_args=on_xla_if_fits(shape_problem), sources=(KERNEL_MODULE,)))
-    # Below ours: it rounds fp32 K/V to bf16 and has no sliding window.
-    registry.register(OP_NAME, Provider(
-        "jax_paged_attention", with_int32_indices(jax_shipped_op), priority=10,
-        supported=on_tpu, supports_args=on_xla_if_fits(shipped_kernel_problem),
+    registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem,
+                                            sources=(KERNEL_MODULE,)))
+    # Below ours: it rounds K/V to bf16 and has no sliding window.
+    registry.register(OP_NAME, tpu_provider(
+        "jax_paged_attention", 10, jax_shipped_op, shipped_kernel_problem,
         sources=(KERNEL_MODULE, "jax.experimental.pallas.ops.tpu.paged_attention.paged_attention_kernel")))
     registry.register(OP_NAME, Provider("reference", reference.paged_attention, priority=0,
                                         is_reference=True))

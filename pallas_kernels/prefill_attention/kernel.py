@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu_layout import (LANES, SUBLANES, check_attention_shapes, check_vmem,
+from pallas_kernels.tpu_layout import (LANES, SUBLANES, check_attention_operands,
+                                      check_attention_shapes, check_vmem,
                                       itemsize, sublanes)
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked block adds nothing
@@ -124,15 +125,13 @@ def prefill_attention(q, k_pages, v_pages, context_slots, key_positions, key_seg
                       block_q: Optional[int] = None, block_k: Optional[int] = None,
                       interpret: bool = False):
     """Segment-causal packed prefill attention; see ``reference.prefill_attention``."""
+    check_attention_operands("prefill_attention", q, k_pages, v_pages)
     num_tokens, heads, head_dim = q.shape
     kv_heads = k_pages.shape[0]
     dtype_name = jnp.dtype(q.dtype).name
     default_q, default_k = choose_blocks(num_tokens, context_slots.shape[0], dtype_name)
     block_q, block_k = block_q or default_q, block_k or default_k
     validate(q.shape, k_pages.shape, dtype_name, block_q, block_k)
-    if k_pages.shape != v_pages.shape or not q.dtype == k_pages.dtype == v_pages.dtype:
-        raise ValueError(f"q {q.dtype}, k {k_pages.dtype}{k_pages.shape} and v "
-                         f"{v_pages.dtype}{v_pages.shape} must share a dtype and page shape")
     tokens_p = _round_up(num_tokens, block_q)
     keys_p = _round_up(context_slots.shape[0], block_k)
 

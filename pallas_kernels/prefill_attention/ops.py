@@ -4,11 +4,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pallas_kernels.binding import jax_backed_op, on_tpu, on_xla_if_fits, with_int32_indices
+from pallas_kernels.binding import first_problem, jax_backed_op, tpu_provider
 from pallas_kernels.paged_attention.ops import random_block_tables
 from pallas_kernels.prefill_attention import reference
 from pallas_kernels.registry import REGISTRY, Provider
 from pallas_kernels.spec import OpCase, OpSpec, Tolerance
+from pallas_kernels.tpu_layout import check_attention_operands, torch_dtype_name
 
 OP_NAME = "prefill_attention"
 SCHEMA = ("(Tensor q, Tensor k_pages, Tensor v_pages, Tensor context_slots, Tensor key_positions, "
@@ -73,17 +74,12 @@ def shape_problem(q, k_pages, v_pages, context_slots, *args, **kwargs):
     """Why our kernel's TPU constraints reject these tensors, or None when they fit."""
     from pallas_kernels.prefill_attention import kernel
 
-    if q.dim() != 3 or k_pages.dim() != 4 or k_pages.shape != v_pages.shape:
-        return f"prefill_attention wants q [t, h, d] and equal 4-D pages, got {list(q.shape)}, {list(k_pages.shape)}"
-    if not q.dtype == k_pages.dtype == v_pages.dtype:
-        return f"q, k and v dtypes differ: {q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
-    dtype_name = str(q.dtype).removeprefix("torch.")
-    blocks = kernel.choose_blocks(q.shape[0], context_slots.shape[0], dtype_name)
-    try:
+    def fits_kernel():  # runs after the operand check, so the shapes below exist
+        dtype_name = torch_dtype_name(q)
+        blocks = kernel.choose_blocks(q.shape[0], context_slots.shape[0], dtype_name)
         kernel.validate(tuple(q.shape), tuple(k_pages.shape), dtype_name, *blocks)
-    except ValueError as err:
-        return str(err)
-    return None
+
+    return first_problem(lambda: check_attention_operands(OP_NAME, q, k_pages, v_pages), fits_kernel)
 
 
 def _pallas_prefill_attention(*args, scale, soft_cap=None, sliding_window=None, interpret=False):
@@ -101,9 +97,8 @@ def pallas_op():
 def register(registry=REGISTRY) -> None:
     """Our Pallas kernel, then the reference. JAX ships no kernel with this contract (its
     flash attention knows neither pages, packed positions, soft-cap nor windows)."""
-    registry.register(OP_NAME, Provider(
-        "pallas", with_int32_indices(pallas_op), priority=20, supported=on_tpu,
-        supports_args=on_xla_if_fits(shape_problem), sources=("pallas_kernels.prefill_attention.kernel",)))
+    registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem,
+                                            sources=("pallas_kernels.prefill_attention.kernel",)))
     registry.register(OP_NAME, Provider("reference", reference.prefill_attention, priority=0,
                                         is_reference=True))
 

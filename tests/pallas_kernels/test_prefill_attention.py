@@ -5,6 +5,7 @@ import functools
 import jax.numpy as jnp
 import pytest
 
+from pallas_kernels.binding import on_xla_if_fits
 from pallas_kernels.prefill_attention import kernel, ops
 from tests.pallas_kernels.kernel_cases import NUM_CASES, generated_cases, in_fresh_process, run_jax
 
@@ -68,4 +69,4 @@ def test_supports_args_declines_what_the_kernel_cannot_run():
     small = [t[..., :64].contiguous() for t in (q, k, v)]
     assert "head_dim=64" in ops.shape_problem(*small, *rest)
     assert "dtypes differ" in ops.shape_problem(q.half(), k, v, *rest)
-    assert not ops.on_xla_if_fits(ops.shape_problem)(q, k, v, *rest)  # CPU tensors: reference only
+    assert not on_xla_if_fits(ops.shape_problem)(q, k, v, *rest)  # CPU tensors: reference only
