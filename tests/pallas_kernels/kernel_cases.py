@@ -1,9 +1,10 @@
 """Running a Pallas kernel in TPU interpret mode on an op's generated cases."""
 from __future__ import annotations
 
+import functools
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -43,11 +44,27 @@ def generated_cases(spec: OpSpec, seed: int, count: int = NUM_CASES):
     return [spec.generate(rng) for _ in range(count)]
 
 
-def check_kernel_against_reference(spec: OpSpec, kernel: Callable, cases) -> dict:
-    """Every case within the spec's tolerance; returns how many of each kind ran."""
+def check_kernel_against_reference(spec: OpSpec, kernel: Callable, cases,
+                                   variants: Sequence[dict] = ({},)) -> dict:
+    """Every case within the spec's tolerance; case i runs with keyword ``variants[i % n]``
+    (tile sizes and the like). Returns how many cases of each dtype ran."""
     seen = {"float32": 0, "bfloat16": 0}
-    for case in cases:
+    for index, case in enumerate(cases):
+        run = functools.partial(kernel, **variants[index % len(variants)])
         expected = case.run(spec.reference)
-        spec.assert_close(run_jax(kernel, case), expected, case.label)
+        spec.assert_close(run_jax(run, case), expected, case.label)
         seen[str(expected.dtype).removeprefix("torch.")] += 1
     return seen
+
+
+def check_kernels_agree(spec: OpSpec, ours: Callable, theirs: Callable, cases) -> int:
+    """``theirs`` within the spec's tolerance of ``ours`` on every case; returns the count."""
+    for case in cases:
+        spec.assert_close(run_jax(theirs, case), run_jax(ours, case), case.label)
+    return len(cases)
+
+
+def case_kinds(cases) -> set:
+    """(dtype, soft-cap off, window off) of each attention case."""
+    return {(str(c.args[0].dtype), c.kwargs["soft_cap"] is None, c.kwargs["sliding_window"] is None)
+            for c in cases}

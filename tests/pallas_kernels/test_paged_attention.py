@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from pallas_kernels.paged_attention import kernel, ops
-from tests.pallas_kernels.kernel_cases import NUM_CASES, generated_cases, in_fresh_process, run_jax
+from tests.pallas_kernels.kernel_cases import (NUM_CASES, case_kinds, check_kernel_against_reference,
+                                               check_kernels_agree, generated_cases, in_fresh_process,
+                                               run_jax)
 
 CASES = generated_cases(ops.SPEC, seed=1)
 
@@ -15,18 +17,13 @@ CASES = generated_cases(ops.SPEC, seed=1)
 def check_generated_cases():
     """Pages per grid step cycle through 1, 2 and the default, so the online softmax runs
     over one chunk and over many."""
-    kinds = set()
-    for index, case in enumerate(CASES):
-        pages_per_chunk = (1, 2, None)[index % 3]
-        run = functools.partial(kernel.paged_attention, pages_per_chunk=pages_per_chunk)
-        ops.SPEC.assert_close(run_jax(run, case), case.run(ops.SPEC.reference), case.label)
-        kwargs = case.kwargs
-        kinds.add((str(case.args[0].dtype), kwargs["soft_cap"] is None, kwargs["sliding_window"] is None))
-    return kinds
+    return check_kernel_against_reference(ops.SPEC, kernel.paged_attention, CASES,
+                                          variants=({"pages_per_chunk": 1}, {"pages_per_chunk": 2}, {}))
 
 
 def test_kernel_matches_reference_on_generated_cases():
-    kinds = in_fresh_process(check_generated_cases)
+    in_fresh_process(check_generated_cases)
+    kinds = case_kinds(CASES)
     assert len(CASES) == NUM_CASES and len(kinds) == 8  # both dtypes x cap on/off x window on/off
 
 
@@ -38,15 +35,8 @@ def bf16_representable(case):
 
 
 def compare_with_jax_shipped_kernel():
-    compared = 0
-    for case in CASES[:30]:
-        if case.kwargs["sliding_window"] is not None:
-            continue
-        case = bf16_representable(case)
-        ours = run_jax(kernel.paged_attention, case)
-        ops.SPEC.assert_close(run_jax(ops._jax_paged_attention, case), ours, case.label)
-        compared += 1
-    return compared
+    cases = [bf16_representable(c) for c in CASES[:30] if c.kwargs["sliding_window"] is None]
+    return check_kernels_agree(ops.SPEC, kernel.paged_attention, ops._jax_paged_attention, cases)
 
 
 def test_kernel_agrees_with_jax_shipped_kernel():

@@ -1,31 +1,26 @@
 """prefill_attention: our Pallas kernel (TPU interpret mode) against THE reference, block
 skipping, and constraint errors."""
-import functools
 
 import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.binding import on_xla_if_fits
 from pallas_kernels.prefill_attention import kernel, ops
-from tests.pallas_kernels.kernel_cases import NUM_CASES, generated_cases, in_fresh_process, run_jax
+from tests.pallas_kernels.kernel_cases import (NUM_CASES, case_kinds, check_kernel_against_reference,
+                                               generated_cases, in_fresh_process)
 
 CASES = generated_cases(ops.SPEC, seed=2)
 BLOCKS = ((None, None), (16, 128), (32, 128))  # default, and small blocks that skip a lot
 
 
 def check_generated_cases():
-    kinds = set()
-    for index, case in enumerate(CASES):
-        block_q, block_k = BLOCKS[index % 3]
-        run = functools.partial(kernel.prefill_attention, block_q=block_q, block_k=block_k)
-        ops.SPEC.assert_close(run_jax(run, case), case.run(ops.SPEC.reference), case.label)
-        kinds.add((str(case.args[0].dtype), case.kwargs["soft_cap"] is None,
-                   case.kwargs["sliding_window"] is None))
-    return kinds
+    variants = [{"block_q": block_q, "block_k": block_k} for block_q, block_k in BLOCKS]
+    return check_kernel_against_reference(ops.SPEC, kernel.prefill_attention, CASES, variants)
 
 
 def test_kernel_matches_reference_on_generated_cases():
-    kinds = in_fresh_process(check_generated_cases)
+    in_fresh_process(check_generated_cases)
+    kinds = case_kinds(CASES)
     labels = " ".join(case.label for case in CASES)
     assert len(CASES) == NUM_CASES and len(kinds) == 8
     assert "cached=[16" in labels or "cached=[32" in labels  # prefix-cached context ran
