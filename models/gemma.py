@@ -20,8 +20,8 @@ class GemmaModel(LlamaModel):
 
     layer_class = GemmaDecoderLayer
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, tp):
+        super().__init__(cfg, tp)
         self.embed_scale = cfg.hidden_size ** 0.5
 
 

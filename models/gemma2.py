@@ -19,8 +19,8 @@ def sliding_layers(cfg) -> list:
 class Gemma2DecoderLayer(GemmaDecoderLayer):
     """Norms before and after both the attention and the MLP."""
 
-    def __init__(self, cfg, layer_idx: int):
-        super().__init__(cfg, layer_idx)
+    def __init__(self, cfg, layer_idx: int, tp):
+        super().__init__(cfg, layer_idx, tp)
         eps = cfg.rms_norm_eps
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset=True)
@@ -46,6 +46,6 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
 
     model_class = Gemma2Model
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, tp=None):
+        super().__init__(cfg, tp)
         self.final_logit_softcap = getattr(cfg, "final_logit_softcapping", None)

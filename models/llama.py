@@ -13,8 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.layers.attention import AttentionMetadata, paged_attention_forward
-from models.layers.linear import Linear, VocabEmbedding
+from models.layers.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                                  RowParallelLinear, VocabParallelEmbedding)
 from models.layers.norm import RMSNorm
+from models.layers.parallel import SingleRank, TensorParallelGroup
 from models.layers.rotary import rope_from_config
 
 ACTIVATIONS = {
@@ -31,38 +33,40 @@ def head_dim_of(cfg) -> int:
 
 
 class LlamaMLP(nn.Module):
-    """Gated MLP: down(act(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)); gate and up in one column-parallel matmul,
+    down row-parallel (one all-reduce)."""
 
-    def __init__(self, cfg, activation: str):
+    def __init__(self, cfg, activation: str, tp: TensorParallelGroup):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], tp, bias=bias)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, tp, bias=bias)
         self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention with GQA, RoPE and a paged KV cache."""
+    """Self-attention with GQA, RoPE and a paged KV cache, over this rank's heads: QKV
+    column-parallel, the output projection row-parallel (one all-reduce)."""
 
-    def __init__(self, cfg, layer_idx: int):
+    def __init__(self, cfg, layer_idx: int, tp: TensorParallelGroup):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_kv_heads}")
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {cfg.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {cfg.num_key_value_heads}")
         self.head_dim = head_dim_of(cfg)
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, tp, bias=bias)
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, tp, bias=bias)
         self.rotary = rope_from_config(cfg, self.head_dim)
         # Hooks for Gemma-2; plain Llama uses 1/sqrt(head_dim), no soft-cap, no window.
         self.scale = self.head_dim ** -0.5
@@ -71,9 +75,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.split_sizes, dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(meta.positions, q, k)
         out = paged_attention_forward(q, k, v, kv_cache, meta, scale=self.scale,
                                       soft_cap=self.soft_cap, sliding_window=self.sliding_window)
@@ -85,11 +90,11 @@ class LlamaDecoderLayer(nn.Module):
 
     norm_unit_offset = False
 
-    def __init__(self, cfg, layer_idx: int):
+    def __init__(self, cfg, layer_idx: int, tp: TensorParallelGroup):
         super().__init__()
         eps = cfg.rms_norm_eps
-        self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.mlp = LlamaMLP(cfg, self.activation_of(cfg))
+        self.self_attn = LlamaAttention(cfg, layer_idx, tp)
+        self.mlp = LlamaMLP(cfg, self.activation_of(cfg), tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, self.norm_unit_offset)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, self.norm_unit_offset)
 
@@ -107,10 +112,10 @@ class LlamaModel(nn.Module):
 
     layer_class = LlamaDecoderLayer
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TensorParallelGroup):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.layer_class.norm_unit_offset)
         self.embed_scale: Optional[float] = None  # Gemma scales embeddings by sqrt(hidden)
 
@@ -125,22 +130,30 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM head over ``LlamaModel``; ``forward`` returns hidden states, logits separate."""
+    """Causal LM head over ``LlamaModel``; ``forward`` returns hidden states, logits separate.
+
+    Built for one rank of ``tp`` (default: the single-rank group). ``packed_modules`` maps
+    checkpoint module names onto the packed layers that hold them (and which shard).
+    """
 
     model_class = LlamaModel
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: Optional[TensorParallelGroup] = None):
         super().__init__()
         self.config = cfg
-        self.model = self.model_class(cfg)
+        self.tp = tp or SingleRank()
+        self.model = self.model_class(cfg, self.tp)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp)
         self.final_logit_softcap: Optional[float] = None
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.num_key_value_heads
+        """KV heads this rank holds (its KV cache's head count)."""
+        return self.model.layers[0].self_attn.num_kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -151,8 +164,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = (hidden @ head).float()
+        head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
+        logits = head.logits(hidden).float()
         if self.final_logit_softcap is not None:
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return logits

@@ -9,12 +9,13 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from models import model_class_for
 from models.layers.linear import weight_loader
+from models.layers.parallel import TensorParallelGroup
 
 # Checkpoint tensors that carry no weights of ours (recomputed or tied).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -72,39 +73,56 @@ def iterate_tensors(files: List[str]) -> Iterator[Tuple[str, torch.Tensor]]:
             raise CheckpointError(f"weight file {file} is corrupt or unreadable: {err}") from err
 
 
-def load_weights(model: torch.nn.Module, files: List[str]) -> None:
-    """Load the checkpoint into ``model``: every parameter must come from it exactly once.
+def resolve_name(name: str, packed_modules: Dict[str, Tuple[str, object]]) -> Tuple[str, object]:
+    """(parameter name, shard id) for a checkpoint tensor: ``...q_proj.weight`` goes to shard
+    ``"q"`` of ``...qkv_proj.weight`` when the model packs it; others map one to one."""
+    parts = name.split(".")
+    for index, part in enumerate(parts):
+        if part in packed_modules:
+            module, shard_id = packed_modules[part]
+            return ".".join(parts[:index] + [module] + parts[index + 1:]), shard_id
+    return name, None
 
-    Each parameter's own ``weight_loader`` converts the checkpoint tensor to its layout.
+
+def load_weights(model: torch.nn.Module, files: List[str]) -> None:
+    """Load the checkpoint into ``model``: every parameter (every shard of a packed one) must
+    come from it exactly once.
+
+    Each parameter's own ``weight_loader`` takes its (tensor-parallel) shard of the checkpoint
+    tensor in its layout.
     """
     expected = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules", {})
     tied = getattr(model, "tie_word_embeddings", False)
     loaded, unexpected = set(), []
     for name, tensor in iterate_tensors(files):
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
-        param = expected.get(name)
+        param_name, shard_id = resolve_name(name, packed)
+        param = expected.get(param_name)
         if param is None:
             unexpected.append(name)
             continue
         try:
-            weight_loader(param)(param, tensor)
+            weight_loader(param)(param, tensor, shard_id)
         except ValueError as err:
             raise CheckpointError(f"tensor {name}: {err}") from err
-        loaded.add(name)
-    missing = sorted(set(expected) - loaded)
+        loaded.add((param_name, shard_id))
+    wanted = {(n, s) for n, p in expected.items() for s in getattr(p, "shard_ids", (None,))}
+    missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in wanted - loaded)
     if unexpected or missing:
         raise CheckpointError(f"checkpoint does not match the model: missing {missing[:8]}"
                               f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
                               f"{' ...' if len(unexpected) > 8 else ''}")
 
 
-def load_model(path: str, dtype: torch.dtype) -> torch.nn.Module:
-    """Build the model named by the checkpoint's config and load its weights (on the CPU)."""
+def load_model(path: str, dtype: torch.dtype, tp: Optional[TensorParallelGroup] = None) -> torch.nn.Module:
+    """Build the model named by the checkpoint's config for one rank of ``tp`` and load its
+    shard of the weights (on the CPU)."""
     hf_config = load_hf_config(path)
     model_class = model_class_for(getattr(hf_config, "architectures", None))
     files = safetensors_files(path)
     with torch.device("cpu"):
-        model = model_class(hf_config)
+        model = model_class(hf_config, tp)
     load_weights(model, files)
     return model.to(dtype).eval()

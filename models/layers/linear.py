@@ -1,17 +1,27 @@
-"""Linear and embedding layers that keep weights in ``[in, out]`` layout.
+"""Megatron-style parallel linears and vocabulary layers, weights in ``[in, out]`` layout.
 
 XLA's CPU backend materialises the transpose of ``x @ W.T`` on every call (measured: the
 SmolLM2 LM head takes 122 ms that way and 8 ms with a pre-transposed weight), so matmul
-weights are stored transposed once at load time. Each parameter carries a ``weight_loader``
-that takes the checkpoint tensor in Hugging Face layout and writes it in ours.
+weights are stored transposed once at load time.
+
+Each rank keeps its shard: column-parallel layers split the output features (no
+communication; the output stays sharded), row-parallel layers split the input features and
+sum the partial products with ``all_reduce``. Every parameter carries a ``weight_loader(param,
+loaded, shard_id)`` that takes the full checkpoint tensor in Hugging Face layout (``[out, in]``)
+and writes this rank's shard. Packed layers (QKV, gate/up) hold several checkpoint tensors;
+``shard_ids`` on the parameter lists them so loading can check that each arrived once.
 """
 from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from models.layers.parallel import TensorParallelGroup, divide, kv_heads_of_rank
 
-def copy_weight(param: torch.Tensor, loaded: torch.Tensor) -> None:
+
+def copy_weight(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
     """Default loader: the checkpoint tensor has our layout."""
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"shape {tuple(loaded.shape)} in the checkpoint, the model expects {tuple(param.shape)}")
@@ -19,37 +29,152 @@ def copy_weight(param: torch.Tensor, loaded: torch.Tensor) -> None:
         param.copy_(loaded.to(param.dtype))
 
 
-def copy_transposed(param: torch.Tensor, loaded: torch.Tensor) -> None:
-    """Loader for ``[in, out]`` weights from Hugging Face's ``[out, in]``."""
-    copy_weight(param, loaded.t())
+def copy_from_hf(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy a Hugging Face tensor (``[out, in]`` weight or ``[out]`` bias) into our layout."""
+    copy_weight(param, loaded.t() if loaded.dim() == 2 else loaded)
 
 
 def weight_loader(param: torch.Tensor):
     return getattr(param, "weight_loader", copy_weight)
 
 
-class Linear(nn.Module):
-    """``y = x @ W + b`` with ``W`` stored ``[in_features, out_features]``."""
+def _narrow_checked(loaded: torch.Tensor, dim: int, start: int, length: int, full: int) -> torch.Tensor:
+    if loaded.shape[dim] != full:
+        raise ValueError(f"dimension {dim} is {loaded.shape[dim]} in the checkpoint, the model expects {full}")
+    return loaded.narrow(dim, start, length)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+
+# (offset in our shard, start in the checkpoint tensor, length, checkpoint size), along outputs
+OutputShard = Tuple[int, int, int, int]
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x @ W + b`` keeping this rank's slice of the output features.
+
+    ``shards`` maps a checkpoint tensor (``shard_id``) to where its rows go; a plain
+    column-parallel layer has the one shard ``None``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallelGroup, bias: bool = False,
+                 shards: Optional[Dict[object, OutputShard]] = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(in_features, out_features))
-        self.weight.weight_loader = copy_transposed
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.tp = tp
+        if shards is None:
+            local = divide(out_features, tp.world_size, "output features")
+            shards = {None: (0, tp.rank * local, local, out_features)}
+        self.shards = shards
+        self.out_local = sum(length for _, _, length, _ in shards.values())
+        self.weight = nn.Parameter(torch.empty(in_features, self.out_local))
+        self.bias = nn.Parameter(torch.zeros(self.out_local)) if bias else None
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = self._load
+                param.shard_ids = tuple(shards)
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id not in self.shards:
+            raise ValueError(f"no shard {shard_id!r} in this layer (it packs {list(self.shards)})")
+        offset, start, length, full = self.shards[shard_id]
+        copy_from_hf(param.narrow(-1, offset, length), _narrow_checked(loaded, 0, start, length, full))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x @ self.weight
         return y if self.bias is None else y + self.bias
 
 
-class VocabEmbedding(nn.Module):
-    """Token embedding stored ``[hidden, vocab]`` so a tied LM head is a plain ``h @ W``;
-    lookups gather columns."""
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate and up): shard ``i`` is the
+    ``i``-th checkpoint tensor; each rank holds its slice of every one, side by side."""
 
-    def __init__(self, vocab_size: int, hidden_size: int):
+    def __init__(self, in_features: int, out_sizes: Sequence[int], tp: TensorParallelGroup, bias: bool = False):
+        shards, offset = {}, 0
+        for index, size in enumerate(out_sizes):
+            local = divide(size, tp.world_size, "intermediate_size")
+            shards[index] = (offset, tp.rank * local, local, size)
+            offset += local
+        super().__init__(in_features, offset, tp, bias, shards)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matmul: this rank's query heads and its KV heads.
+
+    With more ranks than KV heads each KV head is replicated on consecutive ranks, so every
+    rank holds the KV head its query heads attend to.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 tp: TensorParallelGroup, bias: bool = False):
+        self.num_heads = divide(num_heads, tp.world_size, "num_attention_heads")
+        kv_start, self.num_kv_heads = kv_heads_of_rank(num_kv_heads, tp.rank, tp.world_size)
+        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        shards = {"q": (0, tp.rank * q_size, q_size, num_heads * head_dim),
+                  "k": (q_size, kv_start * head_dim, kv_size, num_kv_heads * head_dim),
+                  "v": (q_size + kv_size, kv_start * head_dim, kv_size, num_kv_heads * head_dim)}
+        super().__init__(hidden_size, q_size + 2 * kv_size, tp, bias, shards)
+        self.split_sizes = (q_size, kv_size, kv_size)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_local @ W_local) + b``: this rank's slice of the input features.
+
+    The bias is added once, after the sum.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallelGroup, bias: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden_size, vocab_size))
-        self.weight.weight_loader = copy_transposed
+        self.tp = tp
+        self.in_features = in_features
+        self.in_local = divide(in_features, tp.world_size, "input features")
+        self.weight = nn.Parameter(torch.empty(self.in_local, out_features))
+        self.weight.weight_loader = self._load
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = copy_weight
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        start = self.tp.rank * self.in_local
+        copy_from_hf(param, _narrow_checked(loaded, 1, start, self.in_local, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(x @ self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding split over the vocabulary, stored ``[hidden, vocab / tp]`` so that a
+    (tied) LM head is a plain ``h @ W``.
+
+    The vocabulary is padded to a multiple of the group size; padded columns stay zero.
+    A rank looks up the ids it owns, zeroes the rest, and the group sums the rows.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.vocab_local = -(-vocab_size // tp.world_size)
+        self.vocab_start = tp.rank * self.vocab_local
+        self.weight = nn.Parameter(torch.zeros(hidden_size, self.vocab_local))
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        rows = _narrow_checked(loaded, 0, 0, self.vocab_size, self.vocab_size)[self.vocab_start:]
+        rows = rows[:self.vocab_local]
+        copy_from_hf(param.narrow(1, 0, rows.shape[0]), rows)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.weight.index_select(1, token_ids).t()
+        if self.tp.world_size == 1:
+            return self.weight.index_select(1, token_ids).t()
+        local_ids = token_ids - self.vocab_start
+        owned = (local_ids >= 0) & (local_ids < self.vocab_local)
+        rows = self.weight.index_select(1, torch.where(owned, local_ids, 0)).t()
+        return self.tp.all_reduce(rows * owned[:, None].to(rows.dtype))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits ``[T, vocab]`` (each rank computes its slice, then gathers)."""
+        logits = self.tp.all_gather(hidden @ self.weight)
+        return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size]
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """An untied LM head: the same sharding as the embedding; use ``logits(hidden)``."""
