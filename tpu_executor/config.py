@@ -133,6 +133,29 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: ``tensor_parallel_size`` workers (one per TPU chip), each an actor
+    of the Ray cluster at ``ray_address`` (``None``: the cluster this process is connected to,
+    else a local one). Above 1 the engine runs the Ray executor; 1 runs in-process unless a
+    Ray address is given. ``collective_timeout_s`` bounds how long a rank waits for the others
+    in a CPU (gloo) collective, so a lost peer cannot hang the rest forever."""
+
+    tensor_parallel_size: int = 1
+    ray_address: Optional[str] = None
+    collective_timeout_s: float = 60.0
+
+    def __post_init__(self):
+        _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+                 f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        _require(self.collective_timeout_s > 0,
+                 f"collective_timeout_s must be positive, got {self.collective_timeout_s}")
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.tensor_parallel_size > 1 or self.ray_address is not None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """All configs together, with the cross-checks between them.
 
@@ -145,6 +168,7 @@ class EngineConfig:
     compile: CompileConfig
     device: DeviceConfig
     max_model_len: int
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self):
         block = self.cache.block_size

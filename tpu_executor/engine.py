@@ -2,7 +2,9 @@
 
 One bad request never takes the engine down: invalid input is rejected in ``add_request``
 before anything is queued, and an error while a step runs fails only the requests of that
-step (their blocks come back); the engine keeps serving the rest.
+step (their blocks come back); the engine keeps serving the rest. A lost worker of a
+tensor-parallel group (``WorkerFailure``) is different: the group cannot go on, so the
+engine fails every in-flight request, shuts the workers down and raises ``EngineDeadError``.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Dict, List, Optional, Union
 
 from tpu_executor.config import EngineConfig
 from tpu_executor.detokenizer import Detokenizer, DetokenizerState
-from tpu_executor.executor import UniprocExecutor
+from tpu_executor.executor import WorkerFailure, executor_class_for
 from tpu_executor.kv_cache_manager import KVCacheManager
 from tpu_executor.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from tpu_executor.sampling_params import SamplingParams
@@ -42,6 +44,14 @@ class RequestGroup:
         return all(s.is_finished for s in self.samples)
 
 
+class EngineDeadError(RuntimeError):
+    """The engine lost a worker and shut down; ``outputs`` are the requests it failed."""
+
+    def __init__(self, message: str, outputs: Optional[List[RequestOutput]] = None):
+        super().__init__(message)
+        self.outputs = outputs or []
+
+
 @dataclass
 class StartupStats:
     """What start-up cost: seconds per phase and compilations during warm-up."""
@@ -54,14 +64,18 @@ class StartupStats:
 class LLMEngine:
     """Continuous-batching generation engine over one executor."""
 
-    def __init__(self, config: EngineConfig, tokenizer, executor_class=UniprocExecutor,
-                 show_progress: bool = True):
+    def __init__(self, config: EngineConfig, tokenizer, executor_class=None, show_progress: bool = True):
         self.config = config
         self.tokenizer = tokenizer
         self.stats = StartupStats()
         self.vocab_size = 0
-        self.executor = executor_class(config)
-        self._start_workers(show_progress)
+        self.dead_reason: Optional[str] = None
+        self.executor = (executor_class or executor_class_for(config))(config)
+        try:
+            self._start_workers(show_progress)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.kv_cache = KVCacheManager(self.stats.num_blocks, config.cache.block_size,
                                        config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
@@ -123,6 +137,8 @@ class LLMEngine:
 
         ``prompt_token_ids`` skips tokenising and validating again (from ``prepare_prompt``).
         """
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine has shut down: {self.dead_reason}")
         request_id = request_id if request_id is not None else str(next(self._counter))
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -165,6 +181,8 @@ class LLMEngine:
             return self._collect_finished()
         try:
             sampled = self.executor.collective_rpc("execute_model", scheduled)[0]
+        except WorkerFailure as err:
+            self._shut_down_after(err)
         except Exception as err:  # a failed step fails its requests, not the engine
             logger.exception("engine step failed")
             self._fail_step(scheduled, f"{type(err).__name__}: {err}")
@@ -203,6 +221,19 @@ class LLMEngine:
             request.error = message
             self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
 
+    def _shut_down_after(self, failure: WorkerFailure) -> None:
+        """Fail every in-flight request, stop the workers, raise EngineDeadError."""
+        message = f"engine shut down: {failure}"
+        logger.error(message)
+        self.dead_reason = str(failure)
+        for request in list(self._requests.values()):
+            if not request.is_finished:
+                request.error = message
+                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        self._deferred = []
+        self.executor.shutdown()
+        raise EngineDeadError(message, self._collect_finished()) from failure
+
     def _collect_finished(self) -> List[RequestOutput]:
         done = [g for g in self._groups.values() if g.finished]
         for group in done:
@@ -227,6 +258,7 @@ class LLMEngine:
                              finished=True, error=errors[0] if errors else None)
 
     def compilations_since_warmup(self) -> int:
+        """XLA compilations after warm-up (the worst rank's)."""
         return max(self.executor.collective_rpc("compilations_since_warmup"))
 
     def shutdown(self) -> None:

@@ -5,14 +5,15 @@ from typing import List, Optional, Sequence, Union
 
 from tqdm import tqdm
 
+from models.layers.parallel import check_tensor_parallel
 from tpu_executor.config import (CacheConfig, CompileConfig, DeviceConfig, EngineConfig, ModelConfig,
-                                 SchedulerConfig, resolve_max_model_len)
+                                 ParallelConfig, SchedulerConfig, resolve_max_model_len)
 from tpu_executor.engine import LLMEngine, PromptType
 from tpu_executor.model_loader import checkpoint_limit, load_hf_config
 from tpu_executor.request import RequestOutput
 from tpu_executor.sampling_params import SamplingParams
 
-_SECTIONS = (CacheConfig, SchedulerConfig, CompileConfig)
+_SECTIONS = (CacheConfig, SchedulerConfig, CompileConfig, ParallelConfig)
 
 
 def build_engine_config(model: str, device: str = "xla", dtype: str = "float32",
@@ -26,18 +27,21 @@ def build_engine_config(model: str, device: str = "xla", dtype: str = "float32",
     if options:
         raise ValueError(f"unknown engine options: {sorted(options)}")
     compile_config = sections[CompileConfig]
-    limit = resolve_max_model_len(checkpoint_limit(load_hf_config(model)), max_model_len,
-                                  compile_config.prefill_buckets)
+    hf_config = load_hf_config(model)
+    # An impossible split fails here, before any worker starts.
+    check_tensor_parallel(hf_config, sections[ParallelConfig].tensor_parallel_size)
+    limit = resolve_max_model_len(checkpoint_limit(hf_config), max_model_len, compile_config.prefill_buckets)
     return EngineConfig(model=model_config, cache=sections[CacheConfig],
                         scheduler=sections[SchedulerConfig], compile=compile_config,
-                        device=DeviceConfig(device), max_model_len=limit)
+                        device=DeviceConfig(device), max_model_len=limit, parallel=sections[ParallelConfig])
 
 
 class LLM:
     """Offline batched generation, shaped like vLLM's ``LLM``.
 
     Extra keyword options go to the config that owns them, e.g. ``block_size=16``,
-    ``max_num_seqs=8``, ``prefill_buckets=(64, 128)``, ``strict=True``.
+    ``max_num_seqs=8``, ``prefill_buckets=(64, 128)``, ``strict=True``,
+    ``tensor_parallel_size=4``, ``ray_address="auto"``.
     """
 
     def __init__(self, model: str, device: str = "xla", dtype: str = "float32",
@@ -51,6 +55,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the workers (Ray actors release their chips)."""
+        self.engine.shutdown()
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,

@@ -134,15 +134,18 @@ class ModelRunner:
         compiled = device.type == "xla"
         if compiled:
             _raise_dynamo_limits(self.num_graphs())
-        self._prefill_fn = self._compile(self._prefill_step, compiled)
-        self._decode_fn = self._compile(self._decode_step, compiled)
-        self._sample_fn = self._compile(sample, compiled)
+        # Host-side collectives (gloo on CPU) split the model step into one graph per piece
+        # between collectives; each piece is still compiled once per bucket.
+        one_graph = model.tp.collectives_in_graph
+        self._prefill_fn = self._compile(self._prefill_step, compiled, one_graph)
+        self._decode_fn = self._compile(self._decode_step, compiled, one_graph)
+        self._sample_fn = self._compile(sample, compiled, True)
 
     @staticmethod
-    def _compile(fn, compiled: bool):
+    def _compile(fn, compiled: bool, fullgraph: bool):
         if not compiled:
             return fn
-        return torch.compile(fn, backend="openxla", fullgraph=True, dynamic=False)
+        return torch.compile(fn, backend="openxla", fullgraph=fullgraph, dynamic=False)
 
     def num_graphs(self) -> int:
         """Model-step graphs plus sampler graphs compiled at warm-up."""

@@ -12,7 +12,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from models.layers.parallel import SingleRank, TensorParallelGroup
 from tpu_executor.config import EngineConfig
+from tpu_executor.distributed import GlooGroup, RankPlacement, XlaGroup, tpu_topology_env
 from tpu_executor.model_loader import load_model
 from tpu_executor.model_runner import ModelRunner
 from tpu_executor.scheduler import SampledToken, SchedulerOutput
@@ -27,13 +29,18 @@ def _tpu_present() -> bool:
 
 
 class Worker:
-    """One device's share of the engine (rank 0 of 1 until tensor parallelism lands)."""
+    """One device's share of the engine: rank ``placement.rank`` of the tensor-parallel group.
 
-    def __init__(self, config: EngineConfig, rank: int = 0):
+    The Ray executor runs one per chip inside an actor; the in-process executor runs one.
+    """
+
+    def __init__(self, config: EngineConfig, placement: RankPlacement = RankPlacement()):
         self.config = config
-        self.rank = rank
+        self.placement = placement
+        self.rank = placement.rank
         self.dtype = _DTYPES[config.model.dtype]
         self.device: Optional[torch.device] = None
+        self.tp: TensorParallelGroup = SingleRank()
         self.model = None
         self.weight_bytes = 0
         self.runner: Optional[ModelRunner] = None
@@ -47,15 +54,43 @@ class Worker:
         torch.manual_seed(self.config.model.seed)
         if self.config.device.device == "cpu":
             self.device = torch.device("cpu")
+            self._init_cpu_group()
             return "cpu (native eager torch)"
         os.environ.setdefault("PJRT_DEVICE", "TPU" if _tpu_present() else "CPU")
+        on_tpu = os.environ["PJRT_DEVICE"] == "TPU"
+        if on_tpu and self.placement.world_size > 1:
+            self._init_tpu_multiprocess()
         import torch_xla
 
-        if os.environ["PJRT_DEVICE"] == "TPU":
+        if on_tpu:
             # PJRT's CPU client cannot deserialize executables, so the cache only helps on TPU.
             self._init_compile_cache(registry.fingerprint())
+        else:
+            self._init_cpu_group()
         self.device = torch_xla.device()
-        return f"xla ({os.environ['PJRT_DEVICE']})"
+        return f"xla ({os.environ['PJRT_DEVICE']}), rank {self.rank} of {self.placement.world_size}"
+
+    def _init_cpu_group(self) -> None:
+        """CPU ranks reduce through gloo; they share the host's cores."""
+        world = self.placement
+        if world.world_size == 1:
+            return
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.local_world_size))
+        self.tp = GlooGroup(world, self.config.parallel.collective_timeout_s)
+
+    def _init_tpu_multiprocess(self) -> None:
+        """One chip per process: this worker's TPU variables, then PJRT's multiprocess set-up."""
+        host_bounds = (1, 1, 1)
+        if self.placement.num_nodes > 1:
+            from torch_xla._internal import tpu
+
+            # The pod slice's grid of hosts, from the TPU VM's metadata.
+            host_bounds = tuple(int(v) for v in tpu.get_tpu_env()["TPU_PROCESS_BOUNDS"].split(","))
+        os.environ.update(tpu_topology_env(self.placement, host_bounds))
+        from torch_xla._internal import pjrt
+
+        pjrt.initialize_multiprocess(self.placement.local_rank, self.placement.local_world_size)
+        self.tp = XlaGroup(self.rank, self.placement.world_size)
 
     def _init_compile_cache(self, kernels_fingerprint: str) -> None:
         """Persistent XLA cache, one directory per (model, shapes, kernels) and rank."""
@@ -83,7 +118,7 @@ class Worker:
     # ---- model and cache ----------------------------------------------------------------
     def load_model(self) -> int:
         """Load the checkpoint onto the device; returns the model's vocabulary size."""
-        self.model = load_model(self.config.model.model, self.dtype).to(self.device)
+        self.model = load_model(self.config.model.model, self.dtype, self.tp).to(self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return self.model.config.vocab_size
 
@@ -160,3 +195,7 @@ class Worker:
 
     def compilations_since_warmup(self) -> int:
         return self.runner.guard.compiled_after_warmup
+
+    def close(self) -> None:
+        """Leave the tensor-parallel group."""
+        self.tp.close()

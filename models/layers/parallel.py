@@ -36,6 +36,9 @@ class TensorParallelGroup:
         """The ranks' ``x`` concatenated along the last dimension, in rank order."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release the group's resources (process groups, sockets)."""
+
 
 class SingleRank(TensorParallelGroup):
     """The group of one (tp=1): collectives are the identity."""
