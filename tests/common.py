@@ -1,9 +1,11 @@
 """Shared test helpers: engine options for tiny models, prompts, transformers references."""
 from __future__ import annotations
 
+import contextlib
 import random
 from typing import List, Tuple
 
+import pytest
 import torch
 
 
@@ -37,3 +39,52 @@ def tiny_engine_options(**overrides):
                    show_progress=False)
     options.update(overrides)
     return options
+
+
+@contextlib.contextmanager
+def ray_session(tmp_dir: str, **init_options):
+    """A Ray session private to the test (own temp dir, no auth), shut down afterwards.
+
+    ``cluster_nodes`` (a list of per-node resources) starts a simulated multi-host cluster
+    with ``ray.cluster_utils.Cluster`` instead of one local node.
+    """
+    import ray
+
+    nodes = init_options.pop("cluster_nodes", None)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_AUTH_MODE", "disabled")
+        env.setenv("RAY_TMPDIR", tmp_dir)
+        cluster = None
+        if nodes:
+            from ray.cluster_utils import Cluster
+
+            cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, resources=nodes[0]))
+            for resources in nodes[1:]:
+                cluster.add_node(num_cpus=1, resources=resources)
+            init_options["address"] = cluster.address
+        ray.init(include_dashboard=False, log_to_driver=False, **init_options)
+        try:
+            yield cluster
+        finally:
+            ray.shutdown()
+            if cluster is not None:
+                cluster.shutdown()
+
+
+def tensor_parallel_options(**overrides):
+    """One bucket of each kind: a tensor-parallel engine compiles every piece between its
+    collectives for each bucket, on every rank."""
+    options = dict(max_model_len=96, max_num_seqs=4, prefill_buckets=(96,), decode_buckets=(4,),
+                   decode_context_buckets=(96,), cache_dir=None, show_progress=False, strict=True)
+    options.update(overrides)
+    return options
+
+
+def greedy_tokens(llm, prompts: List[List[int]], max_tokens: int) -> List[List[int]]:
+    """Greedy completions of token-id prompts (errors fail the test)."""
+    from tpu_executor import SamplingParams
+
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    assert all(o.error is None for o in outputs), [o.error for o in outputs]
+    return [o.outputs[0].token_ids for o in outputs]
