@@ -3,6 +3,9 @@
     python -m scripts.generate                       # default model, XLA (TPU or CPU backend)
     python -m scripts.generate --device cpu          # the native eager path
     python -m scripts.generate --model DIR --prompt "Hello" --temperature 0.7 --top-p 0.9
+    python -m scripts.generate --tensor-parallel-size 4   # one Ray actor per TPU chip
+
+Across TPU hosts, start through ``scripts.launch`` (it joins the Ray cluster and checks it).
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prefill-buckets", type=int, nargs="+", default=[128, 256])
     parser.add_argument("--decode-buckets", type=int, nargs="+", default=[4])
     parser.add_argument("--decode-context-buckets", type=int, nargs="+", default=[256])
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="chips (Ray workers) to shard over")
+    parser.add_argument("--ray-address", default=None, help="Ray cluster to run the workers on (default: local)")
     return parser.parse_args(argv)
 
 
@@ -53,7 +58,8 @@ def main(argv=None) -> None:
     llm = LLM(model=model, device=args.device, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, prefill_buckets=tuple(args.prefill_buckets),
               decode_buckets=tuple(args.decode_buckets),
-              decode_context_buckets=tuple(args.decode_context_buckets))
+              decode_context_buckets=tuple(args.decode_context_buckets),
+              tensor_parallel_size=args.tensor_parallel_size, ray_address=args.ray_address)
     print(f"engine ready in {time.perf_counter() - start:.1f} s "
           f"({llm.engine.stats.compilations} XLA compilations, {llm.engine.stats.num_blocks} KV blocks)")
     prompts = args.prompt or DEFAULT_PROMPTS
@@ -67,6 +73,7 @@ def main(argv=None) -> None:
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"\n{tokens} tokens in {elapsed:.1f} s ({tokens / elapsed:.1f} tokens/s); "
           f"recompilations after warm-up: {llm.engine.compilations_since_warmup()}")
+    llm.shutdown()
 
 
 if __name__ == "__main__":

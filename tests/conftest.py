@@ -1,8 +1,6 @@
 """Shared fixtures: tiny random checkpoints (built once per session) and the default model."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
 

@@ -15,7 +15,6 @@ import ray
 from tests.common import greedy_tokens, hf_greedy, mixed_prompts, ray_session, tensor_parallel_options
 from tpu_executor import LLM, EngineDeadError, SamplingParams
 from tpu_executor.executor import WorkerFailure
-from tpu_executor.ray_executor import check_cluster
 
 NEW_TOKENS = 24
 
@@ -67,9 +66,19 @@ def test_native_path_at_tp4_matches_transformers(cluster, checkpoints, reference
         llm.shutdown()
 
 
-def test_cluster_without_enough_chips_is_refused(cluster):
+def test_launch_script_checks_the_cluster_then_generates(cluster, checkpoints, capsys):
+    from scripts import launch
+
+    address = ray.get_runtime_context().gcs_address
     with pytest.raises(ValueError, match="needs 8 TPU chips but the Ray cluster has 4"):
-        check_cluster(8)
+        launch.main(["--ray-address", address, "--tensor-parallel-size", "8", "--check-only"])
+    launch.main(["--ray-address", address, "--tensor-parallel-size", "2", "--model", checkpoints["llama"],
+                 "--device", "cpu", "--prompt", "ka lo mi", "--no-chat-template", "--max-tokens", "8",
+                 "--max-model-len", "96", "--prefill-buckets", "96", "--decode-buckets", "4",
+                 "--decode-context-buckets", "96"])
+    out = capsys.readouterr().out
+    assert "4 TPU chips" in out and "tensor_parallel_size 2: the cluster has the chips" in out
+    assert "8 tokens in" in out and "recompilations after warm-up: 0" in out
 
 
 def test_impossible_split_fails_before_any_worker_starts(cluster, checkpoints):
