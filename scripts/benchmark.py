@@ -6,6 +6,11 @@ waste for each model, then a Markdown table for the README.
 
     python -m scripts.benchmark                      # both models, XLA and native paths
     python -m scripts.benchmark --models gemma-100m --devices xla --skip-transformers
+    python -m scripts.benchmark --models gemma-100m --tensor-parallel-sizes 1 2 4 --skip-transformers
+
+Tensor parallelism on a machine without TPUs runs one Ray actor per simulated chip (a local
+Ray node advertising that many ``TPU`` resources) and reduces through gloo on host copies:
+it shows that the sharded engine works and what the collectives cost, not TPU speed.
 """
 from __future__ import annotations
 
@@ -37,13 +42,13 @@ def model_path(name: str) -> str:
     return build(cache, "gemma", GEMMA_100M)
 
 
-def run_engine(path: str, prompts: List[List[int]], device: str) -> Dict:
+def run_engine(path: str, prompts: List[List[int]], device: str, tp: int = 1) -> Dict:
     from tpu_executor import LLM, SamplingParams
 
     start = time.perf_counter()
     llm = LLM(model=path, device=device, max_model_len=MAX_LEN + NEW_TOKENS, max_num_seqs=NUM_PROMPTS,
               prefill_buckets=(128, 256, 320, 384, 448, 512), decode_buckets=(8, 16, 32),
-              decode_context_buckets=(160, 320))
+              decode_context_buckets=(160, 320), tensor_parallel_size=tp)
     warmup = time.perf_counter() - start
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     start = time.perf_counter()
@@ -51,10 +56,12 @@ def run_engine(path: str, prompts: List[List[int]], device: str) -> Dict:
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     engine = llm.engine
-    return {"tokens_per_s": tokens / elapsed, "seconds": elapsed, "warmup_s": warmup,
-            "graphs": engine.stats.compilations, "recompiles": engine.compilations_since_warmup(),
-            "waste": engine.executor.collective_rpc("padding_waste")[0],
-            "tokens": [o.outputs[0].token_ids for o in outs]}
+    result = {"tokens_per_s": tokens / elapsed, "seconds": elapsed, "warmup_s": warmup,
+              "graphs": engine.stats.compilations, "recompiles": engine.compilations_since_warmup(),
+              "waste": engine.executor.collective_rpc("padding_waste")[0],
+              "tokens": [o.outputs[0].token_ids for o in outs], "tp": tp}
+    llm.shutdown()
+    return result
 
 
 @torch.no_grad()
@@ -79,9 +86,12 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["gemma-100m", "smollm2"], choices=["gemma-100m", "smollm2"])
     parser.add_argument("--devices", nargs="+", default=["xla", "cpu"], choices=["xla", "cpu"])
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1])
     args = parser.parse_args()
     from transformers import AutoConfig
 
+    if max(args.tensor_parallel_sizes) > 1:
+        start_local_ray(max(args.tensor_parallel_sizes))
     rows = []
     for name in args.models:
         path = model_path(name)
@@ -90,22 +100,34 @@ def main() -> None:
         if theirs:
             print(f"{name}: transformers generate {theirs['tokens_per_s']:.1f} tok/s ({theirs['seconds']:.1f} s)")
         for device in args.devices:
-            ours = run_engine(path, prompts, device)
-            print(f"{name} [{device}]: {ours['tokens_per_s']:.1f} tok/s ({ours['seconds']:.1f} s), warm-up "
-                  f"{ours['warmup_s']:.1f} s, {ours['graphs']} XLA compilations, {ours['recompiles']} after "
-                  f"warm-up, padding waste {ours['waste']}")
-            rows.append((name, device, ours, theirs))
+            first = None
+            for tp in args.tensor_parallel_sizes:
+                ours = run_engine(path, prompts, device, tp)
+                first = first or ours
+                print(f"{name} [{device}, tp={tp}]: {ours['tokens_per_s']:.1f} tok/s ({ours['seconds']:.1f} s), "
+                      f"warm-up {ours['warmup_s']:.1f} s, {ours['graphs']} XLA compilations, {ours['recompiles']} "
+                      f"after warm-up, padding waste {ours['waste']}, tokens identical to "
+                      f"tp={first['tp']}: {ours['tokens'] == first['tokens']}")
+                rows.append((name, device, ours, theirs))
     print_table(rows)
 
 
+def start_local_ray(chips: int) -> None:
+    """A local Ray node that advertises ``chips`` TPU resources, one per simulated chip."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private, local cluster
+    ray.init(resources={"TPU": chips}, include_dashboard=False, log_to_driver=False)
+
+
 def print_table(rows) -> None:
-    print("\n| model | path | engine tok/s | transformers tok/s | ratio | warm-up s | XLA compilations | "
-          "prefill padding | decode row padding |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n| model | path | tp | engine tok/s | transformers tok/s | ratio | warm-up s | XLA compilations | "
+          "prefill padding | decode row padding |\n|---|---|---|---|---|---|---|---|---|---|")
     for name, device, ours, theirs in rows:
         ref = f"{theirs['tokens_per_s']:.1f}" if theirs else "-"
         ratio = f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x" if theirs else "-"
         path = "XLA (CPU backend)" if device == "xla" else "native eager"
-        print(f"| {name} | {path} | {ours['tokens_per_s']:.1f} | {ref} | {ratio} | {ours['warmup_s']:.0f} | "
+        print(f"| {name} | {path} | {ours['tp']} | {ours['tokens_per_s']:.1f} | {ref} | {ratio} | {ours['warmup_s']:.0f} | "
               f"{ours['graphs']} | {ours['waste']['prefill']:.0%} | {ours['waste']['decode_rows']:.0%} |")
     hardware = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     print(f"\nHardware: {hardware}. Workload: {NUM_PROMPTS} prompts, lengths uniform {MIN_LEN}-{MAX_LEN} "

@@ -29,6 +29,8 @@ class UniprocExecutor:
         return [getattr(worker, method)(*args) for worker in self.workers]
 
     def shutdown(self) -> None:
+        for worker in self.workers:
+            worker.close()
         self.workers = []
 
 
