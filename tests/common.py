@@ -33,10 +33,11 @@ def hf_greedy(path: str, prompts: List[List[int]], max_new_tokens: int) -> Tuple
 
 
 def tiny_engine_options(**overrides):
-    """Small buckets so tiny-model engines compile in seconds."""
+    """Small buckets so tiny-model engines compile in seconds, and a KV cache of 256 MiB
+    (32k blocks of a tiny model) instead of the 2 GiB default: the suite keeps several alive."""
     options = dict(max_model_len=320, max_num_seqs=8, prefill_buckets=(32, 128, 320),
                    decode_buckets=(2, 8), decode_context_buckets=(128, 320), cache_dir=None,
-                   show_progress=False)
+                   show_progress=False, memory_budget_bytes=256 << 20)
     options.update(overrides)
     return options
 
@@ -73,9 +74,11 @@ def ray_session(tmp_dir: str, **init_options):
 
 def tensor_parallel_options(**overrides):
     """One bucket of each kind: a tensor-parallel engine compiles every piece between its
-    collectives for each bucket, on every rank."""
+    collectives for each bucket, on every rank. A small fixed KV cache: the default budget
+    (2 GiB per worker) times 4 actors would crowd this machine's memory."""
     options = dict(max_model_len=96, max_num_seqs=4, prefill_buckets=(96,), decode_buckets=(4,),
-                   decode_context_buckets=(96,), cache_dir=None, show_progress=False, strict=True)
+                   decode_context_buckets=(96,), cache_dir=None, show_progress=False, strict=True,
+                   num_blocks=64)
     options.update(overrides)
     return options
 
