@@ -4,11 +4,13 @@ from __future__ import annotations
 from models.gemma import GemmaForCausalLM
 from models.gemma2 import Gemma2ForCausalLM
 from models.llama import LlamaForCausalLM
+from models.mixtral import MixtralForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 
@@ -20,4 +22,4 @@ def model_class_for(architectures) -> type:
     raise ValueError(f"unsupported architecture {architectures!r}; supported: {sorted(MODEL_REGISTRY)}")
 
 
-__all__ = ["MODEL_REGISTRY", "model_class_for", "LlamaForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM"]
+__all__ = ["MODEL_REGISTRY", "model_class_for", "LlamaForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "MixtralForCausalLM"]

@@ -94,13 +94,17 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.self_attn = LlamaAttention(cfg, layer_idx, tp)
-        self.mlp = LlamaMLP(cfg, self.activation_of(cfg), tp)
+        self.mlp = self.build_mlp(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, self.norm_unit_offset)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, self.norm_unit_offset)
 
     @staticmethod
     def activation_of(cfg) -> str:
         return getattr(cfg, "hidden_act", None) or "silu"
+
+    def build_mlp(self, cfg, tp: TensorParallelGroup) -> nn.Module:
+        """The feed-forward block (Mixtral swaps in its mixture of experts)."""
+        return LlamaMLP(cfg, self.activation_of(cfg), tp)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), kv_cache, meta)
@@ -149,6 +153,16 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp)
         self.final_logit_softcap: Optional[float] = None
+
+    def checkpoint_target(self, name: str) -> Tuple[str, object]:
+        """(parameter name, shard id) that checkpoint tensor ``name`` loads into:
+        ``...q_proj.weight`` is shard ``"q"`` of ``...qkv_proj.weight``; others map one to one."""
+        parts = name.split(".")
+        for index, part in enumerate(parts):
+            if part in self.packed_modules:
+                module, shard_id = self.packed_modules[part]
+                return ".".join(parts[:index] + [module] + parts[index + 1:]), shard_id
+        return name, None
 
     @property
     def num_kv_heads(self) -> int:

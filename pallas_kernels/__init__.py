@@ -10,8 +10,9 @@ def register_all(registry: OpRegistry = REGISTRY) -> OpRegistry:
     from pallas_kernels.gmm import ops as gmm_ops
     from pallas_kernels.paged_attention import ops as paged_ops
     from pallas_kernels.prefill_attention import ops as prefill_ops
+    from pallas_kernels.w8a16_matmul import ops as w8a16_ops
 
-    for module in (gmm_ops, paged_ops, prefill_ops):
+    for module in (gmm_ops, paged_ops, prefill_ops, w8a16_ops):
         if module.OP_NAME not in registry.ops():
             module.register(registry)
     return registry

@@ -18,6 +18,12 @@ def sublanes(dtype_name: str) -> int:
     return 16 if dtype_name == "bfloat16" else SUBLANES
 
 
+def gmm_row_tile(m: int, dtype_name: str) -> int:
+    """The gmm kernels' row tile for ``m`` rows: up to 256, a multiple of ``sublanes``."""
+    row = sublanes(dtype_name)
+    return min(256, -(-m // row) * row)
+
+
 def torch_dtype_name(tensor) -> str:
     """``"float32"`` for a torch float32 tensor: the names the checks here take."""
     return str(tensor.dtype).removeprefix("torch.")

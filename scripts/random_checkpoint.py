@@ -1,4 +1,4 @@
-"""Build random-weight checkpoints (Llama, Gemma, Gemma-2) with a freshly trained tokenizer.
+"""Build random-weight checkpoints (Llama, Gemma, Gemma-2, Mixtral) with a freshly trained tokenizer.
 
 Used by the tests (tiny models) and the benchmark (a ~100M-parameter Gemma-shaped model).
 Weights are drawn with std 1/sqrt(fan_in) and the residual writers are scaled up, so the
@@ -20,6 +20,9 @@ _SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "shi", "po", "ve", "zu", "an",
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
 FINAL_NORM_SCALE = 3.0
+MIXTRAL_EXPERTS = 8
+MIXTRAL_SMALL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
 GEMMA_100M = dict(vocab_size=8192, hidden_size=768, intermediate_size=3072, num_hidden_layers=11,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=96, max_position_embeddings=1024)
 
@@ -48,7 +51,7 @@ def train_tokenizer(vocab_size: int, seed: int = 0):
 
 
 def _config(arch: str, sizes: Dict, vocab_size: int):
-    from transformers import Gemma2Config, GemmaConfig, LlamaConfig
+    from transformers import Gemma2Config, GemmaConfig, LlamaConfig, MixtralConfig
 
     common = dict(sizes, vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "llama":
@@ -58,7 +61,10 @@ def _config(arch: str, sizes: Dict, vocab_size: int):
     if arch == "gemma2":
         return Gemma2Config(**common, sliding_window=32, query_pre_attn_scalar=sizes["head_dim"],
                             attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
-    raise ValueError(f"unknown architecture {arch!r}; use llama, gemma or gemma2")
+    if arch == "mixtral":
+        return MixtralConfig(**common, tie_word_embeddings=False, rope_theta=10000.0, sliding_window=None,
+                             num_local_experts=MIXTRAL_EXPERTS, num_experts_per_tok=2)
+    raise ValueError(f"unknown architecture {arch!r}; use llama, gemma, gemma2 or mixtral")
 
 
 @torch.no_grad()
@@ -67,9 +73,9 @@ def _scale_weights(model, residual_gain: float, seed: int) -> None:
     model_type = getattr(model.config, "model_type", "")
     gemma = model_type.startswith("gemma")
     for name, param in model.named_parameters():
-        if param.dim() == 2:
-            std = param.shape[1] ** -0.5 if "embed" not in name else 1.0
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if param.dim() >= 2:  # [out, in] linears and stacked [experts, out, in] expert weights
+            std = param.shape[-1] ** -0.5 if "embed" not in name else 1.0
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 std *= residual_gain
             if "embed" in name and gemma:
                 std = model.config.hidden_size ** -0.5  # Gemma multiplies embeddings by sqrt(hidden)
@@ -112,10 +118,11 @@ def build(out_dir: str, arch: str = "llama", sizes: Dict = TINY, seed: int = 0,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="checkpoint directory to write")
-    parser.add_argument("--arch", default="gemma", choices=["llama", "gemma", "gemma2"])
-    parser.add_argument("--size", default="100m", choices=["tiny", "100m"])
+    parser.add_argument("--arch", default="gemma", choices=["llama", "gemma", "gemma2", "mixtral"])
+    parser.add_argument("--size", default="100m", choices=["tiny", "100m", "mixtral-small"])
     args = parser.parse_args()
-    print(build(args.out, args.arch, TINY if args.size == "tiny" else GEMMA_100M))
+    sizes = {"tiny": TINY, "100m": GEMMA_100M, "mixtral-small": MIXTRAL_SMALL}[args.size]
+    print(build(args.out, args.arch, sizes))
 
 
 if __name__ == "__main__":

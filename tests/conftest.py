@@ -11,11 +11,11 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """Paths of tiny random Llama, Gemma and Gemma-2 checkpoints, keyed by architecture."""
+    """Paths of tiny random Llama, Gemma, Gemma-2 and Mixtral checkpoints, keyed by architecture."""
     from scripts.random_checkpoint import build
 
     root = tmp_path_factory.mktemp("checkpoints")
-    return {arch: build(str(root / arch), arch) for arch in ("llama", "gemma", "gemma2")}
+    return {arch: build(str(root / arch), arch) for arch in ("llama", "gemma", "gemma2", "mixtral")}
 
 
 @pytest.fixture(scope="session")

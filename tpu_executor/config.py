@@ -14,6 +14,7 @@ from tpu_executor.compilation import effective_buckets
 
 DEVICES = ("xla", "cpu")
 DTYPES = ("float32", "bfloat16")
+QUANTIZATIONS = ("int8",)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -35,12 +36,15 @@ class ModelConfig:
 
     ``model`` is a directory in Hugging Face layout (config.json, *.safetensors, tokenizer).
     ``max_model_len`` caps prompt + output tokens; ``None`` takes the checkpoint's limit.
+    ``quantization="int8"`` stores the linear and expert weights as INT8 with one scale per
+    output channel, quantized at load time (weight-only: activations stay in ``dtype``).
     """
 
     model: str
     dtype: str = "float32"
     max_model_len: Optional[int] = None
     seed: int = 0
+    quantization: Optional[str] = None
 
     def __post_init__(self):
         _require(isinstance(self.model, str) and self.model != "", "model must be a checkpoint path")
@@ -50,6 +54,8 @@ class ModelConfig:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.max_model_len is None or self.max_model_len > 0,
                  f"max_model_len must be positive, got {self.max_model_len}")
+        _require(self.quantization in (None,) + QUANTIZATIONS,
+                 f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,11 @@ _SECTIONS = (CacheConfig, SchedulerConfig, CompileConfig, ParallelConfig)
 
 
 def build_engine_config(model: str, device: str = "xla", dtype: str = "float32",
-                        max_model_len: Optional[int] = None, seed: int = 0, **options) -> EngineConfig:
+                        max_model_len: Optional[int] = None, seed: int = 0,
+                        quantization: Optional[str] = None, **options) -> EngineConfig:
     """An EngineConfig from flat keyword options (each goes to the config that has the field)."""
-    model_config = ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed)
+    model_config = ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                               quantization=quantization)
     sections = {}
     for cls in _SECTIONS:
         fields = set(cls.__dataclass_fields__)
@@ -41,15 +43,16 @@ class LLM:
 
     Extra keyword options go to the config that owns them, e.g. ``block_size=16``,
     ``max_num_seqs=8``, ``prefill_buckets=(64, 128)``, ``strict=True``,
-    ``tensor_parallel_size=4``, ``ray_address="auto"``.
+    ``tensor_parallel_size=4``, ``ray_address="auto"``. ``quantization="int8"`` serves INT8
+    weight-only (W8A16) linears and experts.
     """
 
     def __init__(self, model: str, device: str = "xla", dtype: str = "float32",
                  max_model_len: Optional[int] = None, seed: int = 0, show_progress: bool = True,
-                 **options):
+                 quantization: Optional[str] = None, **options):
         from transformers import AutoTokenizer
 
-        config = build_engine_config(model, device, dtype, max_model_len, seed, **options)
+        config = build_engine_config(model, device, dtype, max_model_len, seed, quantization, **options)
         tokenizer = AutoTokenizer.from_pretrained(model)
         self.engine = LLMEngine(config, tokenizer, show_progress=show_progress)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
@@ -73,17 +73,6 @@ def iterate_tensors(files: List[str]) -> Iterator[Tuple[str, torch.Tensor]]:
             raise CheckpointError(f"weight file {file} is corrupt or unreadable: {err}") from err
 
 
-def resolve_name(name: str, packed_modules: Dict[str, Tuple[str, object]]) -> Tuple[str, object]:
-    """(parameter name, shard id) for a checkpoint tensor: ``...q_proj.weight`` goes to shard
-    ``"q"`` of ``...qkv_proj.weight`` when the model packs it; others map one to one."""
-    parts = name.split(".")
-    for index, part in enumerate(parts):
-        if part in packed_modules:
-            module, shard_id = packed_modules[part]
-            return ".".join(parts[:index] + [module] + parts[index + 1:]), shard_id
-    return name, None
-
-
 def load_weights(model: torch.nn.Module, files: List[str]) -> None:
     """Load the checkpoint into ``model``: every parameter (every shard of a packed one) must
     come from it exactly once.
@@ -92,13 +81,12 @@ def load_weights(model: torch.nn.Module, files: List[str]) -> None:
     tensor in its layout.
     """
     expected = dict(model.named_parameters())
-    packed = getattr(model, "packed_modules", {})
     tied = getattr(model, "tie_word_embeddings", False)
     loaded, unexpected = set(), []
     for name, tensor in iterate_tensors(files):
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
-        param_name, shard_id = resolve_name(name, packed)
+        param_name, shard_id = model.checkpoint_target(name)
         param = expected.get(param_name)
         if param is None:
             unexpected.append(name)
@@ -116,13 +104,32 @@ def load_weights(model: torch.nn.Module, files: List[str]) -> None:
                               f"{' ...' if len(unexpected) > 8 else ''}")
 
 
-def load_model(path: str, dtype: torch.dtype, tp: Optional[TensorParallelGroup] = None) -> torch.nn.Module:
-    """Build the model named by the checkpoint's config for one rank of ``tp`` and load its
-    shard of the weights (on the CPU)."""
+def quantize_int8(model: torch.nn.Module) -> int:
+    """Turn every quantizable layer (linears, experts) to INT8 weights; returns how many."""
+    layers = [m for m in model.modules() if getattr(m, "quantizable", False)]
+    for layer in layers:
+        layer.quantize_int8()
+    return len(layers)
+
+
+def quantizable_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the quantizable layers' weights (INT8 weights and their scales once quantized;
+    biases excluded): what ``quantization="int8"`` shrinks."""
+    return sum(p.numel() * p.element_size() for m in model.modules() if getattr(m, "quantizable", False)
+               for name, p in m.named_parameters(recurse=False) if name != "bias")
+
+
+def load_model(path: str, dtype: torch.dtype, tp: Optional[TensorParallelGroup] = None,
+               quantization: Optional[str] = None) -> torch.nn.Module:
+    """Build the model named by the checkpoint's config for one rank of ``tp``, load its
+    shard of the weights (on the CPU) and quantize them when asked."""
     hf_config = load_hf_config(path)
     model_class = model_class_for(getattr(hf_config, "architectures", None))
     files = safetensors_files(path)
     with torch.device("cpu"):
         model = model_class(hf_config, tp)
     load_weights(model, files)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if quantization == "int8":
+        quantize_int8(model)
+    return model

@@ -105,8 +105,9 @@ class Worker:
             logger.info("XLA compile cache already initialised in this process; keeping it")
             return
         cfg = self.config
-        key = hashlib.sha256(repr((os.path.abspath(cfg.model.model), cfg.model.dtype, cfg.max_model_len,
-                                   cfg.cache.block_size, kernels_fingerprint)).encode()).hexdigest()[:16]
+        key = hashlib.sha256(repr((os.path.abspath(cfg.model.model), cfg.model.dtype, cfg.model.quantization,
+                                   cfg.max_model_len, cfg.cache.block_size, cfg.parallel.tensor_parallel_size,
+                                   kernels_fingerprint)).encode()).hexdigest()[:16]
         path = os.path.join(cache_dir, key, f"rank{self.rank}")
         os.makedirs(path, exist_ok=True)
         xr.initialize_cache(path, readonly=False)
@@ -118,7 +119,8 @@ class Worker:
     # ---- model and cache ----------------------------------------------------------------
     def load_model(self) -> int:
         """Load the checkpoint onto the device; returns the model's vocabulary size."""
-        self.model = load_model(self.config.model.model, self.dtype, self.tp).to(self.device)
+        model_config = self.config.model
+        self.model = load_model(model_config.model, self.dtype, self.tp, model_config.quantization).to(self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return self.model.config.vocab_size
 

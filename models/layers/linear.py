@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from models.layers.parallel import TensorParallelGroup, divide, kv_heads_of_rank
+from pallas_kernels.w8a16_matmul.ops import w8a16_matmul
+from pallas_kernels.w8a16_matmul.reference import quantize_per_channel
 
 
 def copy_weight(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
@@ -38,7 +40,8 @@ def weight_loader(param: torch.Tensor):
     return getattr(param, "weight_loader", copy_weight)
 
 
-def _narrow_checked(loaded: torch.Tensor, dim: int, start: int, length: int, full: int) -> torch.Tensor:
+def narrow_checked(loaded: torch.Tensor, dim: int, start: int, length: int, full: int) -> torch.Tensor:
+    """``loaded.narrow(dim, start, length)`` after checking that ``dim`` has size ``full``."""
     if loaded.shape[dim] != full:
         raise ValueError(f"dimension {dim} is {loaded.shape[dim]} in the checkpoint, the model expects {full}")
     return loaded.narrow(dim, start, length)
@@ -48,7 +51,26 @@ def _narrow_checked(loaded: torch.Tensor, dim: int, start: int, length: int, ful
 OutputShard = Tuple[int, int, int, int]
 
 
-class ColumnParallelLinear(nn.Module):
+class QuantizableMatmul(nn.Module):
+    """``x @ weight`` that can switch, after loading, to INT8 weights with per-output-channel
+    scales (W8A16): the matmul then goes through the ``w8a16_matmul`` op."""
+
+    quantizable = True
+
+    def quantize_int8(self) -> None:
+        """Replace ``weight`` by ``weight_q`` (int8) and ``weight_scale`` (fp32, one per output)."""
+        weight_q, scale = quantize_per_channel(self.weight.data)
+        del self.weight
+        self.weight_q = nn.Parameter(weight_q, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if "weight_q" in self._parameters:
+            return w8a16_matmul(x, self.weight_q, self.weight_scale)
+        return x @ self.weight
+
+
+class ColumnParallelLinear(QuantizableMatmul):
     """``y = x @ W + b`` keeping this rank's slice of the output features.
 
     ``shards`` maps a checkpoint tensor (``shard_id``) to where its rows go; a plain
@@ -75,10 +97,10 @@ class ColumnParallelLinear(nn.Module):
         if shard_id not in self.shards:
             raise ValueError(f"no shard {shard_id!r} in this layer (it packs {list(self.shards)})")
         offset, start, length, full = self.shards[shard_id]
-        copy_from_hf(param.narrow(-1, offset, length), _narrow_checked(loaded, 0, start, length, full))
+        copy_from_hf(param.narrow(-1, offset, length), narrow_checked(loaded, 0, start, length, full))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x @ self.weight
+        y = self.matmul(x)
         return y if self.bias is None else y + self.bias
 
 
@@ -114,7 +136,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.split_sizes = (q_size, kv_size, kv_size)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(QuantizableMatmul):
     """``y = all_reduce(x_local @ W_local) + b``: this rank's slice of the input features.
 
     The bias is added once, after the sum.
@@ -133,10 +155,10 @@ class RowParallelLinear(nn.Module):
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
         start = self.tp.rank * self.in_local
-        copy_from_hf(param, _narrow_checked(loaded, 1, start, self.in_local, self.in_features))
+        copy_from_hf(param, narrow_checked(loaded, 1, start, self.in_local, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(x @ self.weight)
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -158,7 +180,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self._load
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-        rows = _narrow_checked(loaded, 0, 0, self.vocab_size, self.vocab_size)[self.vocab_start:]
+        rows = narrow_checked(loaded, 0, 0, self.vocab_size, self.vocab_size)[self.vocab_start:]
         rows = rows[:self.vocab_local]
         copy_from_hf(param.narrow(1, 0, rows.shape[0]), rows)
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu_layout import LANES, check_dtype, check_vmem, itemsize, sublanes
+from pallas_kernels.tpu_layout import LANES, check_dtype, check_vmem, gmm_row_tile, itemsize, sublanes
 
 
 def _largest_tile(dim: int, preferred: Tuple[int, ...] = (512, 256, 128)) -> int:
@@ -45,9 +45,7 @@ def _largest_tile(dim: int, preferred: Tuple[int, ...] = (512, 256, 128)) -> int
 
 def choose_tiling(m: int, k: int, n: int, dtype_name: str) -> Tuple[int, int, int]:
     """Default (tm, tk, tn): up to 256 rows, the largest 128-multiple dividing k and n."""
-    row = sublanes(dtype_name)
-    tm = min(256, -(-m // row) * row)
-    return tm, _largest_tile(k), _largest_tile(n)
+    return gmm_row_tile(m, dtype_name), _largest_tile(k), _largest_tile(n)
 
 
 def vmem_bytes(tm: int, tk: int, tn: int, itemsize: int) -> int:

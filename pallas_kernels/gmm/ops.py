@@ -8,7 +8,7 @@ from pallas_kernels.binding import first_problem, jax_backed_op, tpu_provider
 from pallas_kernels.gmm import reference
 from pallas_kernels.registry import REGISTRY, Provider
 from pallas_kernels.spec import OpCase, OpSpec, Tolerance
-from pallas_kernels.tpu_layout import torch_dtype_name
+from pallas_kernels.tpu_layout import gmm_row_tile, torch_dtype_name
 
 OP_NAME = "gmm"
 KERNEL_MODULE = "pallas_kernels.gmm.kernel"
@@ -110,6 +110,13 @@ def register(registry=REGISTRY) -> None:
         lambda *a, **kw: shape_problem(*a, require_whole_tiles=True, **kw),
         sources=(KERNEL_MODULE, "jax.experimental.pallas.ops.tpu.megablox.gmm")))
     registry.register(OP_NAME, Provider("reference", reference.gmm, priority=0, is_reference=True))
+
+
+def padded_rows(m: int, dtype: torch.dtype) -> int:
+    """How many rows an lhs of ``m`` rows should be padded to (zero rows past the last group)
+    so that the kernels' row tile divides it: the MoE layer pads every bucket this way."""
+    tile = gmm_row_tile(m, str(dtype).removeprefix("torch."))
+    return -(-m // tile) * tile
 
 
 def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False):

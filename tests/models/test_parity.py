@@ -20,7 +20,7 @@ def reference(path, prompts):
 
 
 @pytest.mark.parametrize("device", ["xla", "cpu"])
-@pytest.mark.parametrize("arch", ["llama", "gemma", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma", "gemma2", "mixtral"])
 def test_greedy_matches_transformers(checkpoints, arch, device):
     path = checkpoints[arch]
     prompts = mixed_prompts(6, 16, 256, vocab=500)

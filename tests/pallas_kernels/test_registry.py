@@ -57,10 +57,12 @@ def test_every_op_registers_pallas_first_and_the_reference_last():
     from pallas_kernels import register_all
 
     registry = register_all(OpRegistry())
-    assert registry.ops() == ["gmm", "paged_attention", "prefill_attention"]
+    assert registry.ops() == ["gmm", "paged_attention", "prefill_attention", "w8a16_matmul"]
     for op in registry.ops():
         names = [p.name for p in registry.providers(op)]
-        assert names[0] == "pallas" and names[-1] == "reference", names
+        assert names[-1] == "reference", names
+        # w8a16_matmul has no Pallas kernel yet: the reference (dequantize, matmul) serves it.
+        assert names[0] == ("reference" if op == "w8a16_matmul" else "pallas"), names
         # No TPU here: every call lands on the reference.
         assert registry.select(op, torch.zeros(1)).is_reference
 

@@ -110,3 +110,13 @@ def test_a_lost_worker_fails_in_flight_requests_and_shuts_down(cluster, checkpoi
     while ray.available_resources().get("TPU") != 4 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert ray.available_resources().get("TPU") == 4
+
+
+def test_mixtral_experts_split_over_four_ranks(cluster, checkpoints, prompts):
+    """Each rank holds a quarter of every expert's intermediate dimension (8 experts, top-2)."""
+    expected, _ = hf_greedy(checkpoints["mixtral"], prompts, NEW_TOKENS)
+    llm = LLM(checkpoints["mixtral"], device="cpu", tensor_parallel_size=4, **tensor_parallel_options())
+    try:
+        assert greedy_tokens(llm, prompts, NEW_TOKENS) == expected
+    finally:
+        llm.shutdown()

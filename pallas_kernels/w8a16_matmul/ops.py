@@ -1,0 +1,46 @@
+"""The ``w8a16_matmul`` op: weight-only INT8 matmul. Its spec and its provider.
+
+Only the reference provider exists so far (dequantize, then matmul: XLA fuses the
+dequantize into the dot's operand on TPU); a Pallas kernel that dequantizes tiles in VMEM
+would register here with a higher priority.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pallas_kernels.registry import REGISTRY, Provider
+from pallas_kernels.spec import OpCase, OpSpec, Tolerance
+from pallas_kernels.w8a16_matmul import reference
+
+OP_NAME = "w8a16_matmul"
+
+
+def fake(x, weight, scale):
+    """Output shape and dtype."""
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+def generate_case(rng: np.random.Generator) -> OpCase:
+    """Random activations and a quantized random weight."""
+    dtype = torch.bfloat16 if rng.random() < 0.5 else torch.float32
+    t, k, n = int(rng.choice([1, 8, 37])), int(rng.choice([64, 128])), int(rng.choice([32, 256]))
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    weight, scale = reference.quantize_per_channel(torch.randn(k, n, generator=gen) / k ** 0.5)
+    x = torch.randn(t, k, generator=gen).to(dtype)
+    return OpCase((x, weight, scale), {}, f"t={t} k={k} n={n} {dtype}")
+
+
+SPEC = OpSpec(
+    name=OP_NAME, reference=reference.w8a16_matmul, fake=fake, generate=generate_case,
+    tolerances={torch.float32: Tolerance(atol=1e-4, rtol=1e-4),
+                torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2)})
+
+
+def register(registry=REGISTRY) -> None:
+    registry.register(OP_NAME, Provider("reference", reference.w8a16_matmul, priority=0, is_reference=True))
+
+
+def w8a16_matmul(x, weight, scale):
+    """``x @ (weight * scale)``; see ``reference.w8a16_matmul`` for the contract."""
+    return REGISTRY.dispatch(OP_NAME, x, weight, scale)
