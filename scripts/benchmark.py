@@ -7,6 +7,7 @@ waste for each model, then a Markdown table for the README.
     python -m scripts.benchmark                      # both models, XLA and native paths
     python -m scripts.benchmark --models gemma-100m --devices xla --skip-transformers
     python -m scripts.benchmark --models gemma-100m --tensor-parallel-sizes 1 2 4 --skip-transformers
+    python -m scripts.benchmark --models mixtral-small smollm2 --quantization none int8
 
 Tensor parallelism on a machine without TPUs runs one Ray actor per simulated chip (a local
 Ray node advertising that many ``TPU`` resources) and reduces through gloo on host copies:
@@ -15,11 +16,12 @@ it shows that the sharded engine works and what the collectives cost, not TPU sp
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import random
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -32,23 +34,27 @@ def workload(vocab_size: int, seed: int = 0) -> List[List[int]]:
             for _ in range(NUM_PROMPTS)]
 
 
+MODELS = ("gemma-100m", "smollm2", "mixtral-small")
+
+
 def model_path(name: str) -> str:
     from scripts.prepare_default_model import prepare
-    from scripts.random_checkpoint import GEMMA_100M, build
+    from scripts.random_checkpoint import GEMMA_100M, MIXTRAL_SMALL, build
 
     if name == "smollm2":
         return prepare()
-    cache = os.path.join(os.path.expanduser("~"), ".cache", "tpu_executor", "gemma-100m-random")
-    return build(cache, "gemma", GEMMA_100M)
+    arch, sizes = ("gemma", GEMMA_100M) if name == "gemma-100m" else ("mixtral", MIXTRAL_SMALL)
+    return build(os.path.join(os.path.expanduser("~"), ".cache", "tpu_executor", f"{name}-random"), arch, sizes)
 
 
-def run_engine(path: str, prompts: List[List[int]], device: str, tp: int = 1) -> Dict:
+def run_engine(path: str, prompts: List[List[int]], device: str, tp: int = 1,
+               quantization: Optional[str] = None) -> Dict:
     from tpu_executor import LLM, SamplingParams
 
     start = time.perf_counter()
     llm = LLM(model=path, device=device, max_model_len=MAX_LEN + NEW_TOKENS, max_num_seqs=NUM_PROMPTS,
               prefill_buckets=(128, 256, 320, 384, 448, 512), decode_buckets=(8, 16, 32),
-              decode_context_buckets=(160, 320), tensor_parallel_size=tp)
+              decode_context_buckets=(160, 320), tensor_parallel_size=tp, quantization=quantization)
     warmup = time.perf_counter() - start
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     start = time.perf_counter()
@@ -59,7 +65,7 @@ def run_engine(path: str, prompts: List[List[int]], device: str, tp: int = 1) ->
     result = {"tokens_per_s": tokens / elapsed, "seconds": elapsed, "warmup_s": warmup,
               "graphs": engine.stats.compilations, "recompiles": engine.compilations_since_warmup(),
               "waste": engine.executor.collective_rpc("padding_waste")[0],
-              "tokens": [o.outputs[0].token_ids for o in outs], "tp": tp}
+              "tokens": [o.outputs[0].token_ids for o in outs], "tp": tp, "quantization": quantization or "fp32"}
     llm.shutdown()
     return result
 
@@ -83,10 +89,11 @@ def run_transformers(path: str, prompts: List[List[int]]) -> Dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["gemma-100m", "smollm2"], choices=["gemma-100m", "smollm2"])
+    parser.add_argument("--models", nargs="+", default=["gemma-100m", "smollm2"], choices=MODELS)
     parser.add_argument("--devices", nargs="+", default=["xla", "cpu"], choices=["xla", "cpu"])
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1])
+    parser.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8"])
     args = parser.parse_args()
     from transformers import AutoConfig
 
@@ -101,13 +108,14 @@ def main() -> None:
             print(f"{name}: transformers generate {theirs['tokens_per_s']:.1f} tok/s ({theirs['seconds']:.1f} s)")
         for device in args.devices:
             first = None
-            for tp in args.tensor_parallel_sizes:
-                ours = run_engine(path, prompts, device, tp)
+            for quantization, tp in itertools.product(args.quantization, args.tensor_parallel_sizes):
+                ours = run_engine(path, prompts, device, tp, None if quantization == "none" else quantization)
                 first = first or ours
-                print(f"{name} [{device}, tp={tp}]: {ours['tokens_per_s']:.1f} tok/s ({ours['seconds']:.1f} s), "
-                      f"warm-up {ours['warmup_s']:.1f} s, {ours['graphs']} XLA compilations, {ours['recompiles']} "
-                      f"after warm-up, padding waste {ours['waste']}, tokens identical to "
-                      f"tp={first['tp']}: {ours['tokens'] == first['tokens']}")
+                same = sum(a == b for x, y in zip(ours["tokens"], first["tokens"]) for a, b in zip(x, y))
+                print(f"{name} [{device}, tp={tp}, {quantization}]: {ours['tokens_per_s']:.1f} tok/s "
+                      f"({ours['seconds']:.1f} s), warm-up {ours['warmup_s']:.1f} s, {ours['graphs']} XLA "
+                      f"compilations, {ours['recompiles']} after warm-up, padding waste {ours['waste']}, "
+                      f"greedy tokens equal to the first row's at {same / (NUM_PROMPTS * NEW_TOKENS):.1%} of positions")
                 rows.append((name, device, ours, theirs))
     print_table(rows)
 
@@ -121,13 +129,13 @@ def start_local_ray(chips: int) -> None:
 
 
 def print_table(rows) -> None:
-    print("\n| model | path | tp | engine tok/s | transformers tok/s | ratio | warm-up s | XLA compilations | "
-          "prefill padding | decode row padding |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| model | path | tp | weights | engine tok/s | transformers tok/s | ratio | warm-up s | XLA compilations | "
+          "prefill padding | decode row padding |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for name, device, ours, theirs in rows:
         ref = f"{theirs['tokens_per_s']:.1f}" if theirs else "-"
         ratio = f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x" if theirs else "-"
         path = "XLA (CPU backend)" if device == "xla" else "native eager"
-        print(f"| {name} | {path} | {ours['tp']} | {ours['tokens_per_s']:.1f} | {ref} | {ratio} | {ours['warmup_s']:.0f} | "
+        print(f"| {name} | {path} | {ours['tp']} | {ours['quantization']} | {ours['tokens_per_s']:.1f} | {ref} | {ratio} | {ours['warmup_s']:.0f} | "
               f"{ours['graphs']} | {ours['waste']['prefill']:.0%} | {ours['waste']['decode_rows']:.0%} |")
     hardware = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     print(f"\nHardware: {hardware}. Workload: {NUM_PROMPTS} prompts, lengths uniform {MIN_LEN}-{MAX_LEN} "

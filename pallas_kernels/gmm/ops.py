@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pallas_kernels.binding import first_problem, jax_backed_op, tpu_provider
+from pallas_kernels.binding import first_problem, is_xla_tensor, jax_backed_op, tpu_provider
 from pallas_kernels.gmm import reference
 from pallas_kernels.registry import REGISTRY, Provider
 from pallas_kernels.spec import OpCase, OpSpec, Tolerance
@@ -91,6 +91,25 @@ def _megablox_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, interpret=False
     return jnp.where(covered, out, 0).astype(lhs.dtype)
 
 
+def _eager_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False):
+    """Only each group's real rows times its matrix, by slicing on the group sizes: the
+    reference's cost without its ``groups``-fold work. Data-dependent shapes, so it serves
+    eager (untraced) CPU/GPU calls only - the native path."""
+    out = lhs.new_zeros(lhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2])
+    start = 0
+    for group, size in enumerate(group_sizes.tolist()):
+        end = min(start + size, lhs.shape[0])
+        if end > start:
+            weight = rhs[group].t() if transpose_rhs else rhs[group]
+            out[start:end] = (lhs[start:end].float() @ weight.float()).to(lhs.dtype)
+        start = end
+    return out
+
+
+def _eager_only(*args, **kwargs) -> bool:
+    return not torch.compiler.is_compiling() and not any(is_xla_tensor(a) for a in args)
+
+
 def pallas_op():
     """``torch.ops.pallas_kernels.gmm_pallas``: our kernel bound through call_jax."""
     return jax_backed_op("gmm_pallas", SCHEMA, _pallas_gmm, fake)
@@ -102,13 +121,15 @@ def megablox_op():
 
 
 def register(registry=REGISTRY) -> None:
-    """Our Pallas kernel first, then megablox, then the reference (which accepts everything)."""
+    """Our Pallas kernel first, then megablox (both TPU), the eager slicing path for untraced
+    non-XLA calls, then the reference (which accepts everything)."""
     registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem,
                                             sources=(KERNEL_MODULE,)))
     registry.register(OP_NAME, tpu_provider(
         "jax_megablox", 10, megablox_op,
         lambda *a, **kw: shape_problem(*a, require_whole_tiles=True, **kw),
         sources=(KERNEL_MODULE, "jax.experimental.pallas.ops.tpu.megablox.gmm")))
+    registry.register(OP_NAME, Provider("eager_grouped", _eager_gmm, priority=5, supports_args=_eager_only))
     registry.register(OP_NAME, Provider("reference", reference.gmm, priority=0, is_reference=True))
 
 

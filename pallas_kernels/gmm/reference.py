@@ -13,10 +13,14 @@ import torch
 
 
 def row_groups(group_sizes: torch.Tensor, m: int) -> torch.Tensor:
-    """Group index of each of m rows; rows past the last group get ``len(group_sizes)``."""
+    """Group index of each of m rows; rows past the last group get ``len(group_sizes)``.
+
+    Counted as "group ends at or before the row" with a compare and a sum: torch_xla has no
+    lowering for ``searchsorted``, which would fall back to the CPU and split the graph.
+    """
     ends = torch.cumsum(group_sizes.to(torch.int64), 0)
     rows = torch.arange(m, device=group_sizes.device)
-    return torch.searchsorted(ends, rows, right=True)
+    return (ends[None, :] <= rows[:, None]).sum(dim=1)
 
 
 def gmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *,
