@@ -4,6 +4,7 @@
     python -m scripts.generate --device cpu          # the native eager path
     python -m scripts.generate --model DIR --prompt "Hello" --temperature 0.7 --top-p 0.9
     python -m scripts.generate --tensor-parallel-size 4   # one Ray actor per TPU chip
+    python -m scripts.generate --quantization int8       # INT8 weight-only
 
 Across TPU hosts, start through ``scripts.launch`` (it joins the Ray cluster and checks it).
 """
@@ -38,6 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode-context-buckets", type=int, nargs="+", default=[256])
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="chips (Ray workers) to shard over")
     parser.add_argument("--ray-address", default=None, help="Ray cluster to run the workers on (default: local)")
+    parser.add_argument("--quantization", choices=["int8"], default=None, help="INT8 weight-only linears and experts")
     return parser.parse_args(argv)
 
 
@@ -59,7 +61,8 @@ def main(argv=None) -> None:
               max_num_seqs=args.max_num_seqs, prefill_buckets=tuple(args.prefill_buckets),
               decode_buckets=tuple(args.decode_buckets),
               decode_context_buckets=tuple(args.decode_context_buckets),
-              tensor_parallel_size=args.tensor_parallel_size, ray_address=args.ray_address)
+              tensor_parallel_size=args.tensor_parallel_size, ray_address=args.ray_address,
+              quantization=args.quantization)
     print(f"engine ready in {time.perf_counter() - start:.1f} s "
           f"({llm.engine.stats.compilations} XLA compilations, {llm.engine.stats.num_blocks} KV blocks)")
     prompts = args.prompt or DEFAULT_PROMPTS
