@@ -83,11 +83,11 @@ def tensor_parallel_options(**overrides):
     return options
 
 
-def greedy_tokens(llm, prompts: List[List[int]], max_tokens: int) -> List[List[int]]:
+def greedy_tokens(llm, prompts: List[List[int]], max_tokens: int, ignore_eos: bool = True) -> List[List[int]]:
     """Greedy completions of token-id prompts (errors fail the test)."""
     from tpu_executor import SamplingParams
 
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert all(o.error is None for o in outputs), [o.error for o in outputs]
     return [o.outputs[0].token_ids for o in outputs]

@@ -37,13 +37,16 @@ class Worker:
     def __init__(self, config: EngineConfig, placement: RankPlacement = RankPlacement()):
         self.config = config
         self.placement = placement
-        self.rank = placement.rank
         self.dtype = _DTYPES[config.model.dtype]
         self.device: Optional[torch.device] = None
         self.tp: TensorParallelGroup = SingleRank()
         self.model = None
         self.weight_bytes = 0
         self.runner: Optional[ModelRunner] = None
+
+    @property
+    def rank(self) -> int:
+        return self.placement.rank
 
     # ---- device -------------------------------------------------------------------------
     def init_device(self) -> str:

@@ -51,6 +51,15 @@ def narrow_checked(loaded: torch.Tensor, dim: int, start: int, length: int, full
 OutputShard = Tuple[int, int, int, int]
 
 
+def quantize_parameter(module: nn.Module, name: str) -> None:
+    """Replace parameter ``name`` (``[..., in, out]``) by ``{name}_q`` (int8) and
+    ``{name}_scale`` (fp32, one per output channel)."""
+    weight_q, scale = quantize_per_channel(getattr(module, name).data)
+    delattr(module, name)
+    module.register_parameter(f"{name}_q", nn.Parameter(weight_q, requires_grad=False))
+    module.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+
+
 class QuantizableMatmul(nn.Module):
     """``x @ weight`` that can switch, after loading, to INT8 weights with per-output-channel
     scales (W8A16): the matmul then goes through the ``w8a16_matmul`` op."""
@@ -59,10 +68,7 @@ class QuantizableMatmul(nn.Module):
 
     def quantize_int8(self) -> None:
         """Replace ``weight`` by ``weight_q`` (int8) and ``weight_scale`` (fp32, one per output)."""
-        weight_q, scale = quantize_per_channel(self.weight.data)
-        del self.weight
-        self.weight_q = nn.Parameter(weight_q, requires_grad=False)
-        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        quantize_parameter(self, "weight")
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if "weight_q" in self._parameters:
@@ -180,9 +186,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self._load
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-        rows = narrow_checked(loaded, 0, 0, self.vocab_size, self.vocab_size)[self.vocab_start:]
-        rows = rows[:self.vocab_local]
-        copy_from_hf(param.narrow(1, 0, rows.shape[0]), rows)
+        # The last rank's slice may run past the vocabulary: those columns are padding.
+        start = min(self.vocab_start, self.vocab_size)
+        length = min(self.vocab_local, self.vocab_size - start)
+        rows = narrow_checked(loaded, 0, start, length, self.vocab_size)
+        copy_from_hf(param.narrow(1, 0, length), rows)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:

@@ -17,10 +17,10 @@ from typing import Callable, Tuple
 import torch
 from torch import nn
 
-from models.layers.linear import copy_from_hf, narrow_checked
+from models.layers.linear import copy_from_hf, narrow_checked, quantize_parameter
 from models.layers.parallel import TensorParallelGroup, divide
 from pallas_kernels.gmm.ops import gmm, padded_rows
-from pallas_kernels.w8a16_matmul.reference import dequantize, quantize_per_channel
+from pallas_kernels.w8a16_matmul.reference import dequantize
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -91,11 +91,8 @@ class ExpertWeights(nn.Module):
 
     def quantize_int8(self) -> None:
         """INT8 experts with one scale per (expert, output channel)."""
-        for name in ("w13", "w2"):
-            weight_q, scale = quantize_per_channel(getattr(self, name).data)
-            delattr(self, name)
-            self.register_parameter(f"{name}_q", nn.Parameter(weight_q, requires_grad=False))
-            self.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+        quantize_parameter(self, "w13")
+        quantize_parameter(self, "w2")
 
     def weights(self, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) in ``dtype``: dequantized on the fly when stored as INT8."""

@@ -8,12 +8,13 @@ layers run the same code with collectives that return their input.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Tuple
 
 import torch
 
 
-class TensorParallelGroup:
+class TensorParallelGroup(ABC):
     """Rank ``rank`` of ``world_size``; subclasses implement the two collectives.
 
     ``collectives_in_graph`` says whether the collectives can be traced into one compiled
@@ -28,13 +29,13 @@ class TensorParallelGroup:
         self.rank = rank
         self.world_size = world_size
 
+    @abstractmethod
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over the ranks."""
-        raise NotImplementedError
 
+    @abstractmethod
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' ``x`` concatenated along the last dimension, in rank order."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Release the group's resources (process groups, sockets)."""

@@ -9,7 +9,8 @@ import torch
 
 from pallas_kernels.w8a16_matmul import ops as w8a16_ops
 from pallas_kernels.w8a16_matmul.reference import dequantize, quantize_per_channel
-from tpu_executor import LLM, SamplingParams
+from tests.common import greedy_tokens
+from tpu_executor import LLM
 from tpu_executor.model_loader import load_model, quantizable_bytes
 
 SMOLLM2_PROMPTS = [
@@ -59,12 +60,6 @@ def _smollm2_prompts(tokenizer) -> List[List[int]]:
     return [tokenizer(text)["input_ids"] for text in texts]
 
 
-def _greedy(llm, prompts: List[List[int]], max_tokens: int) -> List[List[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
-
-
 def test_smollm2_int8_greedy_agrees_with_fp32(smollm2_path):
     """At every output position of the fp32 model's greedy completions, the INT8 model,
     given the same prefix, picks the same greedy token at least 90% of the time.
@@ -77,14 +72,14 @@ def test_smollm2_int8_greedy_agrees_with_fp32(smollm2_path):
                    num_blocks=256)
     fp32 = LLM(smollm2_path, **options)
     prompts = _smollm2_prompts(fp32.get_tokenizer())
-    reference = _greedy(fp32, prompts, SMOLLM2_NEW_TOKENS)
+    reference = greedy_tokens(fp32, prompts, SMOLLM2_NEW_TOKENS, ignore_eos=False)
     fp32.shutdown()
     int8 = LLM(smollm2_path, quantization="int8", **options)
     prefixes = [p + r[:i] for p, r in zip(prompts, reference) for i in range(len(r))]
-    next_tokens = [t[0] for t in _greedy(int8, prefixes, 1)]
+    next_tokens = [t[0] for t in greedy_tokens(int8, prefixes, 1, ignore_eos=False)]
     expected = [t for r in reference for t in r]
     agreement = sum(a == b for a, b in zip(next_tokens, expected)) / len(expected)
-    free = _greedy(int8, prompts, SMOLLM2_NEW_TOKENS)
+    free = greedy_tokens(int8, prompts, SMOLLM2_NEW_TOKENS, ignore_eos=False)
     free_same = sum(a == b for r, o in zip(reference, free) for a, b in zip(r, o))
     print(f"SmolLM2 int8 vs fp32 over {len(expected)} positions: same greedy token given the same prefix "
           f"{agreement:.1%}; free-running {free_same / len(expected):.1%}")

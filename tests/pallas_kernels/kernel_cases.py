@@ -28,6 +28,15 @@ def in_fresh_process(fn: Callable, *args):
         return pool.submit(fn, *args).result()
 
 
+def value_error_of(call: Callable[[], object]) -> str:
+    """The message of the ValueError ``call()`` raises, or "no error"."""
+    try:
+        call()
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
 def run_jax(kernel: Callable, case: OpCase, interpret_mode: bool = True) -> torch.Tensor:
     """Call a JAX kernel on a torch case (tensors converted both ways), in TPU interpret mode."""
     from jax.experimental.pallas import tpu as pltpu

@@ -6,7 +6,8 @@ import torch
 from pallas_kernels import OpRegistry, Provider
 from pallas_kernels.gmm import kernel, ops, reference
 from tests.pallas_kernels.kernel_cases import (NUM_CASES, check_kernel_against_reference,
-                                               check_kernels_agree, generated_cases, in_fresh_process)
+                                               check_kernels_agree, generated_cases, in_fresh_process,
+                                               value_error_of)
 
 CASES = generated_cases(ops.SPEC, seed=0)
 
@@ -69,11 +70,8 @@ def call_with_illegal_tiling():
     import jax.numpy as jnp
 
     lhs, rhs = jnp.zeros((32, 256), jnp.float32), jnp.zeros((2, 256, 128), jnp.float32)
-    try:
-        kernel.gmm(lhs, rhs, jnp.array([16, 16], jnp.int32), tiling=(32, 192, 128), interpret=True)
-    except ValueError as err:
-        return str(err)
-    return "no error"
+    return value_error_of(lambda: kernel.gmm(lhs, rhs, jnp.array([16, 16], jnp.int32),
+                                             tiling=(32, 192, 128), interpret=True))
 
 
 def test_direct_call_raises_a_clear_error():

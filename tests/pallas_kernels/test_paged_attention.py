@@ -9,7 +9,7 @@ import torch
 from pallas_kernels.paged_attention import kernel, ops
 from tests.pallas_kernels.kernel_cases import (NUM_CASES, case_kinds, check_kernel_against_reference,
                                                check_kernels_agree, generated_cases, in_fresh_process,
-                                               run_jax)
+                                               run_jax, value_error_of)
 
 CASES = generated_cases(ops.SPEC, seed=1)
 
@@ -64,12 +64,8 @@ def call_with_small_head_dim():
 
     q = jnp.zeros((1, 2, 64), jnp.float32)
     pages = jnp.zeros((1, 4, 16, 64), jnp.float32)
-    try:
-        kernel.paged_attention(q, pages, pages, jnp.ones(1, jnp.int32), jnp.zeros((1, 1), jnp.int32),
-                               scale=1.0, interpret=True)
-    except ValueError as err:
-        return str(err)
-    return "no error"
+    return value_error_of(lambda: kernel.paged_attention(q, pages, pages, jnp.ones(1, jnp.int32),
+                                                         jnp.zeros((1, 1), jnp.int32), scale=1.0, interpret=True))
 
 
 def test_direct_call_raises_a_clear_error():
