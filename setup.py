@@ -23,11 +23,13 @@ setup(
         "tokenizers>=0.21",
         "tqdm>=4.66",
         "numpy>=1.26",
+        # The default model ships as GGUF: transformers needs gguf (and accelerate) to read it.
+        "gguf>=0.10",
+        "accelerate>=1.0",
     ],
     extras_require={
-        # The default model ships as GGUF: transformers needs gguf (and accelerate) to read it.
-        "models": ["gguf>=0.10", "accelerate>=1.0"],
-        "test": ["pytest>=8", "hypothesis>=6.100", "gguf>=0.10", "accelerate>=1.0"],
+        "test": ["pytest>=8", "hypothesis>=6.100"],
         "tpu": ["torch_xla[tpu]==2.9.0"],
     },
+    entry_points={"console_scripts": ["tpu-executor = tpu_executor.entrypoints.cli:main"]},
 )

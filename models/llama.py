@@ -165,6 +165,11 @@ class LlamaForCausalLM(nn.Module):
         return name, None
 
     @property
+    def num_layers(self) -> int:
+        """Decoder layers: one K/V cache pair each."""
+        return len(self.model.layers)
+
+    @property
     def num_kv_heads(self) -> int:
         """KV heads this rank holds (its KV cache's head count)."""
         return self.model.layers[0].self_attn.num_kv_heads

@@ -6,7 +6,7 @@ from pallas_kernels.registry import REGISTRY, OpRegistry, Provider
 
 
 def register_all(registry: OpRegistry = REGISTRY) -> OpRegistry:
-    """Register every op's providers once; later calls are no-ops."""
+    """Register every op's providers once (later calls only re-run their static checks)."""
     from pallas_kernels.gmm import ops as gmm_ops
     from pallas_kernels.paged_attention import ops as paged_ops
     from pallas_kernels.prefill_attention import ops as prefill_ops
@@ -15,6 +15,7 @@ def register_all(registry: OpRegistry = REGISTRY) -> OpRegistry:
     for module in (gmm_ops, paged_ops, prefill_ops, w8a16_ops):
         if module.OP_NAME not in registry.ops():
             module.register(registry)
+    registry.refresh()
     return registry
 
 

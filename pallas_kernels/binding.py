@@ -9,6 +9,7 @@ replays the graph on XLA tensors.
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Callable, Optional, Tuple
 
 import numpy as np
@@ -18,11 +19,15 @@ from pallas_kernels.registry import Provider
 
 
 def on_tpu() -> bool:
-    """True when torch_xla's PJRT runtime targets TPU (reads configuration, starts nothing)."""
-    try:
-        import torch_xla.runtime as xr
-    except ImportError:
+    """True when torch_xla's PJRT runtime targets TPU (reads configuration, starts nothing).
+
+    A process that has not loaded torch_xla has no XLA tensors, so no TPU provider could run:
+    the answer is False without importing it (the native path never loads torch_xla).
+    """
+    if "torch_xla" not in sys.modules:
         return False
+    import torch_xla.runtime as xr
+
     try:
         return xr.device_type() == "TPU"
     except Exception:  # noqa: BLE001 - an unconfigured runtime is simply not a TPU

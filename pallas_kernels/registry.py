@@ -94,12 +94,18 @@ class OpRegistry:
         self._enabled = enabled
         self._refresh()
 
+    def refresh(self) -> None:
+        """Re-run the providers' static checks (after the process loaded a runtime, e.g. torch_xla)."""
+        self._refresh()
+
     def _refresh(self) -> None:
         # Static checks run once per registration or configuration, never while tracing:
-        # state that changed under torch.compile would fail its guards and recompile.
-        self._usable_cache = {
-            op: [p for p in providers if (p.is_reference or self._enabled.get(op, True)) and p.supported()]
-            for op, providers in self._providers.items()}
+        # state that changed under torch.compile would fail its guards and recompile. For the
+        # same reason an unchanged result keeps the very same objects.
+        usable = {op: [p for p in providers if (p.is_reference or self._enabled.get(op, True)) and p.supported()]
+                  for op, providers in self._providers.items()}
+        if usable != self._usable_cache:
+            self._usable_cache = usable
 
     def _usable(self, op: str) -> List[Provider]:
         if op not in self._usable_cache:

@@ -8,7 +8,7 @@ On a TPU VM pod slice (every host runs the same software and can read the checkp
 
 Ray detects each host's chips as the ``TPU`` resource. The engine puts one worker on each
 chip, ranks contiguous per host with the driver's host first. ``--check-only`` prints the
-cluster's chips per host and stops; other options go to ``scripts.generate``.
+cluster's chips per host and stops; other options go to ``tpu-executor generate``.
 """
 from __future__ import annotations
 
@@ -36,16 +36,16 @@ def main(argv=None) -> None:
     args, generate_args = parse_args(argv)
     import ray
 
-    from scripts import generate
-    from tpu_executor.ray_executor import check_cluster
+    from tpu_executor.entrypoints import cli
+    from tpu_executor.executor.ray_executor import check_cluster
 
     ray.init(address=args.ray_address, ignore_reinit_error=True, log_to_driver=False)
     print(describe_cluster())
     check_cluster(args.tensor_parallel_size)
     print(f"tensor_parallel_size {args.tensor_parallel_size}: the cluster has the chips")
     if not args.check_only:
-        generate.main(generate_args + ["--tensor-parallel-size", str(args.tensor_parallel_size),
-                                       "--ray-address", args.ray_address])
+        cli.main(["generate"] + generate_args + ["--tensor-parallel-size", str(args.tensor_parallel_size),
+                                                 "--ray-address", args.ray_address])
 
 
 if __name__ == "__main__":

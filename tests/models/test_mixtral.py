@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from models.layers.moe import moe_reference, route, sparse_moe
 from tests.common import tiny_engine_options
 from tpu_executor import LLM, SamplingParams
-from tpu_executor.model_loader import load_model
+from tpu_executor.worker.model_loader import load_model
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -67,4 +67,4 @@ def test_no_recompilation_across_random_lengths(checkpoints):
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 40), ignore_eos=True) for _ in prompts]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
-    assert llm.engine.compilations_since_warmup() == 0
+    assert llm.engine.stats().graphs_compiled_after_warmup == 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models.layers.parallel import TensorParallelGroup, check_tensor_parallel, kv_heads_of_rank
-from tpu_executor.model_loader import load_model
+from tpu_executor.worker.model_loader import load_model
 
 
 class PartialGroup(TensorParallelGroup):

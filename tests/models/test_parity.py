@@ -38,4 +38,4 @@ def test_greedy_matches_transformers(checkpoints, arch, device):
             ids = torch.tensor(list(top))
             torch.testing.assert_close(torch.tensor(list(top.values())), expected_lp[step][ids],
                                        atol=LOGPROB_ATOL, rtol=0)
-    assert llm.engine.compilations_since_warmup() == 0
+    assert llm.engine.stats().graphs_compiled_after_warmup == 0

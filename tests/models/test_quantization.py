@@ -11,7 +11,7 @@ from pallas_kernels.w8a16_matmul import ops as w8a16_ops
 from pallas_kernels.w8a16_matmul.reference import dequantize, quantize_per_channel
 from tests.common import greedy_tokens
 from tpu_executor import LLM
-from tpu_executor.model_loader import load_model, quantizable_bytes
+from tpu_executor.worker.model_loader import load_model, quantizable_bytes
 
 SMOLLM2_PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.",

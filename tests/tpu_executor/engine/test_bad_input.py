@@ -1,0 +1,107 @@
+"""Bad input gets a clear error and the engine keeps serving everyone else."""
+import os
+import shutil
+
+import pytest
+
+from tests.common import tiny_engine_options
+from tpu_executor import LLM, SamplingParams
+from tpu_executor.worker.model_loader import CheckpointError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    return LLM(model=checkpoints["llama"], device="cpu", **tiny_engine_options())
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ({"prompt_token_ids": list(range(3, 400))}, GREEDY, "max_model_len"),
+    ({"prompt_token_ids": []}, GREEDY, "empty"),
+    ("", GREEDY, "empty"),
+    ({"prompt_token_ids": [5, 99999, 7]}, GREEDY, "outside the vocabulary"),
+    ({"prompt_token_ids": [5, -1]}, GREEDY, "outside the vocabulary"),
+    ({"tokens": [5]}, GREEDY, "prompt must be"),
+    ({"prompt_token_ids": [5, 6]}, SamplingParams(logprobs=1000), "logprobs"),
+])
+def test_bad_request_is_rejected_and_others_still_run(llm, prompt, params, message):
+    good = {"prompt_token_ids": [5, 6, 7, 8]}
+    expected = llm.generate(good, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match=message):
+        llm.generate([good, prompt], [GREEDY, params], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate(good, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+def test_failing_step_fails_only_its_requests(llm, monkeypatch):
+    engine = llm.engine
+    runner = engine.executor.workers[0].runner
+    healthy = engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY)
+    engine.step()  # the healthy request is now decoding
+    original = runner.execute
+
+    def broken(scheduled):
+        if scheduled.prefills:
+            raise RuntimeError("device fell over")
+        return original(scheduled)
+
+    monkeypatch.setattr(runner, "execute", broken)
+    doomed = engine.add_request({"prompt_token_ids": [9, 10, 11]}, GREEDY)
+    outputs = {o.request_id: o for o in engine.step()}  # healthy decodes and doomed prefills together
+    assert "device fell over" in outputs[doomed].error
+    assert outputs[doomed].outputs[0].finish_reason == "error"
+    monkeypatch.setattr(runner, "execute", original)
+    # The healthy request was in the failed step too: it fails, and the engine still serves.
+    assert outputs[healthy].outputs[0].finish_reason == "error"
+    again = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)[0]
+    assert len(again.outputs[0].token_ids) == 8
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_usable_blocks
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_missing_and_corrupt_checkpoints_fail_at_startup(checkpoints, tmp_path):
+    with pytest.raises(ValueError, match="not a directory"):
+        LLM(model=str(tmp_path / "nowhere"), device="cpu")
+    no_weights = _copy(checkpoints["llama"], tmp_path / "no_weights")
+    os.remove(os.path.join(no_weights, "model.safetensors"))
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        LLM(model=no_weights, device="cpu", **tiny_engine_options())
+    corrupt = _copy(checkpoints["llama"], tmp_path / "corrupt")
+    with open(os.path.join(corrupt, "model.safetensors"), "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        LLM(model=corrupt, device="cpu", **tiny_engine_options())
+    no_config = _copy(checkpoints["llama"], tmp_path / "no_config")
+    os.remove(os.path.join(no_config, "config.json"))
+    with pytest.raises(CheckpointError, match="config.json"):
+        LLM(model=no_config, device="cpu", **tiny_engine_options())
+
+
+def test_wrong_tensor_names_are_listed(checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    renamed = _copy(checkpoints["llama"], tmp_path / "renamed")
+    path = os.path.join(renamed, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.q_proj.weight_typo"] = tensors.pop("model.layers.0.self_attn.q_proj.weight")
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="q_proj.weight_typo"):
+        LLM(model=renamed, device="cpu", **tiny_engine_options())
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(block_size=12), "block_size"),
+    (dict(prefill_buckets=(24, 320)), "multiples of block_size"),
+    (dict(max_num_batched_tokens=100), "max_num_batched_tokens"),
+    (dict(num_blocks=3), "raise memory_budget_bytes"),
+    (dict(max_model_len=5000), "context length"),
+    (dict(bogus_option=1), "unknown engine options"),
+])
+def test_impossible_configuration_says_what_to_change(checkpoints, options, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model=checkpoints["llama"], device="cpu", **tiny_engine_options(**options))

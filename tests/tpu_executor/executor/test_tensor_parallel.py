@@ -1,0 +1,122 @@
+"""Tensor parallelism over Ray actors on CPU: one local node advertising 4 "TPU" chips.
+
+Each rank is an actor wrapping a Worker; collectives go through gloo on host copies, so the
+compiled step splits at every collective. Greedy tokens at tp=2 and tp=4 must equal tp=1's
+and transformers' (fp32); the tiny models have 4 query heads and 2 KV heads, so tp=4
+replicates each KV head on two ranks.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from tests.common import greedy_tokens, hf_greedy, mixed_prompts, ray_session, tensor_parallel_options
+from tpu_executor import LLM, EngineDeadError, SamplingParams
+from tpu_executor.executor import WorkerFailure
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with ray_session(str(tmp_path_factory.mktemp("ray")), num_cpus=2, resources={"TPU": 4}):
+        yield
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return mixed_prompts(4, 5, 40, vocab=512, seed=7)
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints, prompts):
+    """Per architecture: (transformers fp32 greedy tokens, tp=1 engine greedy tokens on XLA)."""
+    refs = {}
+    for arch in ("llama", "gemma"):
+        hf_tokens, _ = hf_greedy(checkpoints[arch], prompts, NEW_TOKENS)
+        llm = LLM(checkpoints[arch], **tensor_parallel_options())
+        refs[arch] = (hf_tokens, greedy_tokens(llm, prompts, NEW_TOKENS))
+        llm.shutdown()
+    return refs
+
+
+@pytest.mark.parametrize("arch,tp", [("llama", 2), ("gemma", 2), ("llama", 4), ("gemma", 4)])
+def test_greedy_tokens_match_tp1_and_transformers(cluster, checkpoints, references, prompts, arch, tp):
+    hf_tokens, tp1_tokens = references[arch]
+    assert tp1_tokens == hf_tokens
+    llm = LLM(checkpoints[arch], tensor_parallel_size=tp, **tensor_parallel_options())
+    try:
+        assert len(llm.engine.executor.actors) == tp
+        assert greedy_tokens(llm, prompts, NEW_TOKENS) == hf_tokens
+        if tp == 2:
+            # Fresh random lengths after warm-up: strict mode would raise on a compilation.
+            greedy_tokens(llm, mixed_prompts(6, 2, 60, vocab=512, seed=11), 8)
+            assert llm.engine.stats().graphs_compiled_after_warmup == 0
+    finally:
+        llm.shutdown()
+
+
+def test_native_path_at_tp4_matches_transformers(cluster, checkpoints, references, prompts):
+    llm = LLM(checkpoints["gemma"], device="cpu", tensor_parallel_size=4, **tensor_parallel_options())
+    try:
+        assert greedy_tokens(llm, prompts, NEW_TOKENS) == references["gemma"][0]
+    finally:
+        llm.shutdown()
+
+
+def test_launch_script_checks_the_cluster_then_generates(cluster, checkpoints, capsys):
+    from scripts import launch
+
+    address = ray.get_runtime_context().gcs_address
+    with pytest.raises(ValueError, match="needs 8 TPU chips but the Ray cluster has 4"):
+        launch.main(["--ray-address", address, "--tensor-parallel-size", "8", "--check-only"])
+    launch.main(["--ray-address", address, "--tensor-parallel-size", "2", "--model", checkpoints["llama"],
+                 "--device", "cpu", "--prompt", "ka lo mi", "--no-chat-template", "--max-tokens", "8",
+                 "--max-model-len", "96", "--prefill-buckets", "96", "--decode-buckets", "4",
+                 "--decode-context-buckets", "96"])
+    out = capsys.readouterr().out
+    assert "4 TPU chips" in out and "tensor_parallel_size 2: the cluster has the chips" in out
+    assert "8 tokens in" in out and "recompilations after warm-up: 0" in out
+
+
+def test_impossible_split_fails_before_any_worker_starts(cluster, checkpoints):
+    with pytest.raises(ValueError, match="num_attention_heads \\(4\\) is not divisible by tensor_parallel_size 3"):
+        LLM(checkpoints["llama"], tensor_parallel_size=3, **tensor_parallel_options())
+
+
+def test_a_lost_worker_fails_in_flight_requests_and_shuts_down(cluster, checkpoints, prompts):
+    llm = LLM(checkpoints["llama"], device="cpu", tensor_parallel_size=2, **tensor_parallel_options())
+    engine = llm.engine
+    actors = list(engine.executor.actors)
+    with pytest.raises(WorkerFailure, match=r"worker rank [01] failed in no_such_method: AttributeError"):
+        engine.executor.collective_rpc("no_such_method")  # a worker that raises
+    ids = [engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=64)) for p in prompts]
+    engine.step()
+    engine.step()
+    ray.kill(actors[1])
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="worker rank 1 failed in execute_model") as failure:
+        while True:
+            engine.step()
+    assert time.monotonic() - start < 60
+    assert sorted(o.request_id for o in failure.value.outputs) == sorted(ids)
+    assert all(o.error and "worker rank 1" in o.error for o in failure.value.outputs)
+    assert engine.executor.actors == [] and not engine.has_unfinished_requests()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        engine.add_request({"prompt_token_ids": prompts[0]}, SamplingParams())
+    deadline = time.monotonic() + 20  # the placement group's chips come back (asynchronously)
+    while ray.available_resources().get("TPU") != 4 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("TPU") == 4
+
+
+def test_mixtral_experts_split_over_four_ranks(cluster, checkpoints, prompts):
+    """Each rank holds a quarter of every expert's intermediate dimension (8 experts, top-2)."""
+    expected, _ = hf_greedy(checkpoints["mixtral"], prompts, NEW_TOKENS)
+    llm = LLM(checkpoints["mixtral"], device="cpu", tensor_parallel_size=4, **tensor_parallel_options())
+    try:
+        assert greedy_tokens(llm, prompts, NEW_TOKENS) == expected
+    finally:
+        llm.shutdown()

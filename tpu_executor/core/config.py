@@ -1,0 +1,225 @@
+"""Frozen engine configuration, validated once at construction.
+
+Every config is a frozen dataclass whose ``__post_init__`` checks its own fields and raises a
+``ValueError`` that names the field and says what to change. ``EngineConfig`` checks the
+relations between them (e.g. buckets versus the model's context length).
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+# "xla": compiled graphs through torch_xla; any other torch device runs the native eager path.
+DEVICE_PATTERN = re.compile(r"^(xla|cpu|cuda(:\d+)?)$")
+DTYPES = ("float32", "bfloat16")
+QUANTIZATIONS = ("int8",)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def option(default=None, help: str = "", default_factory=None):
+    """A config field that is also an engine option (``LLM`` keyword, command-line flag)."""
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _sorted_positive(name: str, values: Tuple[int, ...]) -> Tuple[int, ...]:
+    values = tuple(int(v) for v in values)
+    _require(len(values) > 0, f"{name} must list at least one bucket")
+    _require(all(v > 0 for v in values), f"{name} must be positive integers, got {values}")
+    _require(len(set(values)) == len(values), f"{name} has duplicate buckets: {values}")
+    return tuple(sorted(values))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to load and how.
+
+    ``model`` is a directory in Hugging Face layout (config.json, *.safetensors, tokenizer).
+    ``max_model_len`` caps prompt + output tokens; ``None`` takes the checkpoint's limit.
+    ``quantization="int8"`` stores the linear and expert weights as INT8 with one scale per
+    output channel, quantized at load time (weight-only: activations stay in ``dtype``).
+    """
+
+    model: str
+    dtype: str = option("float32", f"weights and activations, one of {DTYPES}")
+    max_model_len: Optional[int] = option(None, "prompt + output tokens per sequence (default: the "
+                                                "checkpoint's limit, capped by the largest prefill bucket)")
+    seed: int = option(0, "seed of the engine (draws the seeds of unseeded requests)")
+    quantization: Optional[str] = option(None, "int8: weight-only INT8 linears and experts (W8A16)")
+
+    def __post_init__(self):
+        _require(isinstance(self.model, str) and self.model != "", "model must be a checkpoint path")
+        _require(os.path.isdir(self.model),
+                 f"model path {self.model!r} is not a directory; pass a Hugging Face checkpoint "
+                 "directory (`tpu-executor generate` prepares the default one)")
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.max_model_len is None or self.max_model_len > 0,
+                 f"max_model_len must be positive, got {self.max_model_len}")
+        _require(self.quantization in (None,) + QUANTIZATIONS,
+                 f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size and how much memory it may take.
+
+    On CPU the cache is sized from ``memory_budget_bytes`` (after the weights); on TPU and
+    GPU from the device's memory times ``memory_utilization`` after a profiling run.
+    ``num_blocks`` fixes the count outright (tests use it to make preemption happen).
+    """
+
+    block_size: int = option(16, "tokens per KV-cache block: 8, 16, 32, 64 or 128")
+    memory_utilization: float = option(0.9, "fraction of TPU/GPU memory the engine may use")
+    memory_budget_bytes: int = option(2 << 30, "CPU: bytes for weights + KV cache")
+    num_blocks: Optional[int] = option(None, "KV-cache blocks (default: as many as fit)")
+    enable_prefix_caching: bool = option(True, "share full KV blocks between equal prompt prefixes")
+
+    def __post_init__(self):
+        _require(self.block_size in (8, 16, 32, 64, 128),
+                 f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        _require(0.0 < self.memory_utilization <= 1.0,
+                 f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        _require(self.memory_budget_bytes > 0, "memory_budget_bytes must be positive")
+        _require(self.num_blocks is None or self.num_blocks >= 2,
+                 f"num_blocks must be at least 2 (block 0 is reserved), got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits for one engine step."""
+
+    max_num_seqs: int = option(32, "sequences running at once (the largest decode batch)")
+    max_num_batched_tokens: int = option(2048, "tokens computed in one step")
+
+    def __post_init__(self):
+        _require(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens > 0,
+                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """The requested buckets and the compile cache (``core/buckets.py`` turns the buckets into
+    the plan the runner compiles).
+
+    ``prefill_buckets`` are token counts of one prefill call, which packs up to
+    ``max_prefill_seqs`` prompts (their cached + new tokens); ``decode_buckets`` are decode
+    batch sizes (sequences); ``decode_context_buckets`` are token widths of a decode batch's
+    longest context (the attention reads that many cache slots per sequence). ``strict`` makes
+    any compilation after warm-up an error. ``cache_dir`` holds the persistent XLA cache
+    (``None`` disables it).
+    """
+
+    prefill_buckets: Tuple[int, ...] = option((16, 32, 64, 128, 256, 512, 1024, 2048),
+                                              "prefill buckets, in tokens of one packed call")
+    decode_buckets: Tuple[int, ...] = option((1, 2, 4, 8, 16, 32), "decode buckets, in sequences")
+    decode_context_buckets: Tuple[int, ...] = option((512, 2048), "decode context buckets, in tokens")
+    strict: bool = option(False, "raise on any compilation after warm-up")
+    cache_dir: Optional[str] = option(
+        default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "tpu_executor", "xla"),
+        help="persistent XLA compile cache (TPU)")
+    max_logprobs: int = option(20, "largest logprobs a request may ask for")
+    max_prefill_seqs: int = option(8, "prompts packed into one prefill call")
+
+    def __post_init__(self):
+        object.__setattr__(self, "prefill_buckets", _sorted_positive("prefill_buckets", self.prefill_buckets))
+        object.__setattr__(self, "decode_buckets", _sorted_positive("decode_buckets", self.decode_buckets))
+        object.__setattr__(self, "decode_context_buckets",
+                           _sorted_positive("decode_context_buckets", self.decode_context_buckets))
+        _require(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        _require(self.max_prefill_seqs >= 1, f"max_prefill_seqs must be >= 1, got {self.max_prefill_seqs}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """``"xla"`` runs compiled graphs through torch_xla (TPU, or XLA's CPU backend); a torch
+    device (``"cpu"``, ``"cuda"``, ``"cuda:1"``) runs the native eager path there."""
+
+    device: str = option("xla", "xla (TPU or XLA's CPU backend), or a torch device for the native "
+                                "eager path: cpu, cuda, cuda:N")
+
+    def __post_init__(self):
+        _require(isinstance(self.device, str) and DEVICE_PATTERN.match(self.device) is not None,
+                 f"device must be 'xla', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
+    @property
+    def is_xla(self) -> bool:
+        return self.device == "xla"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: ``tensor_parallel_size`` workers (one per TPU chip), each an actor
+    of the Ray cluster at ``ray_address`` (``None``: the cluster this process is connected to,
+    else a local one). Above 1 the engine runs the Ray executor; 1 runs in-process unless a
+    Ray address is given. ``collective_timeout_s`` bounds how long a rank waits for the others
+    in a CPU (gloo) collective, so a lost peer cannot hang the rest forever;
+    ``step_timeout_s`` is how long a step may take before its workers count as unresponsive."""
+
+    tensor_parallel_size: int = option(1, "chips (workers) to shard the model over")
+    ray_address: Optional[str] = option(None, "Ray cluster for the workers ('auto': this host's)")
+    collective_timeout_s: float = option(60.0, "seconds a rank waits in a CPU collective")
+    step_timeout_s: float = option(600.0, "seconds a Ray worker may take for one call")
+
+    def __post_init__(self):
+        _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+                 f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        _require(self.collective_timeout_s > 0,
+                 f"collective_timeout_s must be positive, got {self.collective_timeout_s}")
+        _require(self.step_timeout_s > 0, f"step_timeout_s must be positive, got {self.step_timeout_s}")
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.tensor_parallel_size > 1 or self.ray_address is not None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All configs together, with the cross-checks between them.
+
+    ``max_model_len`` here is resolved (never ``None``); see ``resolve_max_model_len``.
+    """
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    compile: CompileConfig
+    device: DeviceConfig
+    max_model_len: int
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self):
+        block = self.cache.block_size
+        bad = [b for b in self.compile.prefill_buckets if b % block]
+        _require(not bad, f"prefill_buckets {bad} are not multiples of block_size {block}")
+        bad = [b for b in self.compile.decode_context_buckets if b % block]
+        _require(not bad, f"decode_context_buckets {bad} are not multiples of block_size {block}")
+        _require(self.scheduler.max_num_batched_tokens >= self.max_model_len,
+                 f"max_num_batched_tokens {self.scheduler.max_num_batched_tokens} is below "
+                 f"max_model_len {self.max_model_len}: a full-length prompt could never run")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.cache.block_size)
+
+
+# The sections whose fields are engine options, in the order the command line lists them.
+OPTION_SECTIONS = (ModelConfig, DeviceConfig, CacheConfig, SchedulerConfig, CompileConfig, ParallelConfig)
+
+
+def resolve_max_model_len(checkpoint_limit: int, user_limit: Optional[int],
+                          prefill_buckets: Tuple[int, ...]) -> int:
+    """The context length the engine serves: the user's value, else the checkpoint's limit
+    capped by the largest prefill bucket."""
+    if user_limit is None:
+        return min(checkpoint_limit, prefill_buckets[-1])
+    _require(user_limit <= checkpoint_limit,
+             f"max_model_len {user_limit} exceeds the checkpoint's context length {checkpoint_limit}")
+    return user_limit

@@ -1,0 +1,101 @@
+"""Incremental detokenization and stop conditions (pure Python; the tokenizer is passed in).
+
+Text is decoded incrementally with a prefix window: a token's text can depend on its
+neighbours (byte-level BPE, SentencePiece's leading spaces), so each step decodes a short
+window and keeps only the new characters, holding back incomplete UTF-8 sequences.
+
+Streaming: the text handed out so far must never be taken back, yet a stop string that
+completes later truncates the text where it began. So while a request with stop strings runs,
+the last ``len(longest stop) - 1`` characters are held back (as vLLM does); they go out with
+the next delta or, truncated, with the last one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+from tpu_executor.core.request import Request, RequestStatus
+from tpu_executor.core.sampling_params import SamplingParams
+
+# How many earlier tokens give the context that decides a token's text.
+_CONTEXT_TOKENS = 6
+
+
+@dataclass
+class DetokenizerState:
+    """Per-sample decoding state: the text so far, the decode window offsets, and how much of
+    the text has been handed out in deltas."""
+
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    sent_text_len: int = 0
+
+
+class Detokenizer:
+    """Turns output tokens into text and decides when a request is finished."""
+
+    def __init__(self, tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def new_state(self, prompt_token_ids: Sequence[int]) -> DetokenizerState:
+        start = max(0, len(prompt_token_ids) - _CONTEXT_TOKENS)
+        return DetokenizerState(prefix_offset=start, read_offset=len(prompt_token_ids))
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def append_token(self, state: DetokenizerState, all_token_ids: List[int]) -> str:
+        """Add the text of the last token of ``all_token_ids``; returns the new characters."""
+        prefix = self._decode(all_token_ids[state.prefix_offset:state.read_offset])
+        full = self._decode(all_token_ids[state.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # an incomplete character or a token with no text yet
+        new_text = full[len(prefix):]
+        state.text += new_text
+        state.prefix_offset, state.read_offset = state.read_offset, len(all_token_ids)
+        return new_text
+
+    def apply_stop_conditions(self, request: Request, state: DetokenizerState,
+                              new_text: str) -> Optional[RequestStatus]:
+        """The finish status of ``request`` after its latest token, or None to go on. A stop
+        string found in the text truncates it there (and sets ``request.stop_reason``)."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and request.eos_token_id is not None and last == request.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            request.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if new_text and params.stop and self._truncate_at_stop(request, state, new_text):
+            return RequestStatus.FINISHED_STOPPED
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def _truncate_at_stop(request: Request, state: DetokenizerState, new_text: str) -> bool:
+        params = request.sampling_params
+        # Only the tail can hold a stop string that was not there before this token.
+        longest = max(len(s) for s in params.stop)
+        search_from = max(0, len(state.text) - len(new_text) - longest + 1)
+        for stop in params.stop:
+            at = state.text.find(stop, search_from)
+            if at != -1:
+                end = at + len(stop) if params.include_stop_str_in_output else at
+                state.text = state.text[:end]
+                request.stop_reason = stop
+                return True
+        return False
+
+
+def take_text_delta(state: DetokenizerState, params: SamplingParams, finished: bool) -> str:
+    """The text not handed out yet, less the hold-back a later stop string could still cut."""
+    hold = 0
+    if params.stop and not params.include_stop_str_in_output and not finished:
+        hold = max(len(stop) for stop in params.stop) - 1
+    end = max(state.sent_text_len, len(state.text) - hold)
+    delta = state.text[state.sent_text_len:end]
+    state.sent_text_len = end
+    return delta

@@ -1,0 +1,127 @@
+"""Requests and their outputs (pure Python, shared by every device path)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from tpu_executor.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is; the finished values double as vLLM's ``finish_reason``."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+@dataclass
+class Request:
+    """One sequence being generated: prompt, outputs so far and scheduling state.
+
+    A request with ``n > 1`` samples is several ``Request`` objects (one per sample) that the
+    engine groups back into one ``RequestOutput``.
+    """
+
+    request_id: str
+    prompt_token_ids: List[int]
+    sampling_params: SamplingParams
+    seed: int
+    eos_token_id: Optional[int] = None
+    output_token_ids: List[int] = field(default_factory=list)
+    output_logprobs: List[Dict[int, float]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    cumulative_logprob: float = 0.0
+    stop_reason: Optional[object] = None
+    error: Optional[str] = None
+    _token_ids: List[int] = field(default_factory=list, init=False, repr=False)
+
+    @property
+    def all_token_ids(self) -> List[int]:
+        """Prompt then outputs (read-only). Outputs are only ever appended, so the list is
+        extended with the new ones instead of being rebuilt on every step."""
+        if not self._token_ids:
+            self._token_ids.extend(self.prompt_token_ids)
+        known = len(self._token_ids) - len(self.prompt_token_ids)
+        self._token_ids.extend(self.output_token_ids[known:])
+        return self._token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def finish_reason(self) -> Optional[str]:
+        return self.status.value if self.is_finished else None
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request: text, token ids, cumulative and per-token log-probs.
+
+    In a step's delta it holds only what is new since the last delta (text, ids, log-probs);
+    ``cumulative_logprob`` is always the running total.
+    """
+
+    index: int
+    text: str
+    token_ids: List[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[List[Dict[int, float]]]
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[object] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, delta: "CompletionOutput") -> None:
+        """Append a later delta of the same sample."""
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        self.cumulative_logprob = delta.cumulative_logprob
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+@dataclass
+class RequestOutput:
+    """A request's output (vLLM's shape). ``LLMEngine.step`` returns deltas: ``outputs`` holds
+    the samples that advanced in that step, each with only its new text, ids and log-probs;
+    ``finished`` is True on the last delta of the request. ``LLM.generate`` returns the deltas
+    accumulated with ``add``."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: List[int]
+    outputs: List[CompletionOutput]
+    finished: bool
+    error: Optional[str] = None
+
+    def add(self, delta: "RequestOutput") -> None:
+        """Merge a later delta of the same request into this one, sample by sample."""
+        by_index = {c.index: c for c in self.outputs}
+        for completion in delta.outputs:
+            if completion.index in by_index:
+                by_index[completion.index].add(completion)
+            else:
+                copy = CompletionOutput(completion.index, "", [], None, None)
+                copy.add(completion)
+                self.outputs.append(copy)
+                by_index[completion.index] = copy
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = delta.finished
+        self.error = delta.error or self.error

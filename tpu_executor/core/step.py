@@ -1,0 +1,130 @@
+"""The wire types of one engine step (pure Python): what the scheduler hands the workers and
+what a worker hands back. Executors carry them unchanged to every worker (over Ray too), so
+they are plain frozen dataclasses of ints, floats and tuples.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class SamplingMeta:
+    """What the device sampler needs for one row; ``step`` is the output position (seeding),
+    ``num_logprobs`` is -1 when the request wants no log-probs."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    step: int
+    num_logprobs: int
+
+    @classmethod
+    def greedy(cls) -> "SamplingMeta":
+        """A greedy row that wants no log-probs (padding rows, warm-up, profiling)."""
+        return cls(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, step=0, num_logprobs=-1)
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    """Compute ``token_ids`` at positions ``start_pos...`` (earlier ones are prefix-cached)."""
+
+    request_id: str
+    token_ids: Tuple[int, ...]
+    start_pos: int
+    block_ids: Tuple[int, ...]
+    sampling: SamplingMeta
+
+    @property
+    def num_context_tokens(self) -> int:
+        """Cached plus new tokens: the keys this prompt attends over."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class DecodeWork:
+    """Compute one token (the last sampled) at ``position``."""
+
+    request_id: str
+    token_id: int
+    position: int
+    block_ids: Tuple[int, ...]
+    sampling: SamplingMeta
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """The work of one engine step (sent to every worker)."""
+
+    prefills: Tuple[PrefillWork, ...] = ()
+    decodes: Tuple[DecodeWork, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+    @property
+    def request_ids(self) -> List[str]:
+        return [w.request_id for w in self.prefills] + [w.request_id for w in self.decodes]
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One sampled token with its log-prob and, if asked for, the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: Optional[Dict[int, float]] = None
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """A worker's answer to one step: a token per scheduled request, or the error that failed
+    the step (the worker caught it; its requests fail, the engine goes on)."""
+
+    sampled: Dict[str, SampledToken] = field(default_factory=dict)
+    error: Optional[str] = None
+
+
+@dataclass
+class PaddingStats:
+    """Real versus padded work, to judge the buckets.
+
+    Prefill: tokens of packed calls. Decode rows: sequences versus the batch bucket. Decode
+    context: block-table entries the real rows need versus the context bucket's width.
+    """
+
+    prefill_tokens_real: int = 0
+    prefill_tokens_padded: int = 0
+    decode_rows_real: int = 0
+    decode_rows_padded: int = 0
+    decode_context_blocks_real: int = 0
+    decode_context_blocks_padded: int = 0
+
+    def waste(self) -> Dict[str, float]:
+        """The padded fraction of each dimension (0 when nothing ran)."""
+        def fraction(real: int, padded: int) -> float:
+            return 1.0 - real / padded if padded else 0.0
+        return {"prefill_tokens": fraction(self.prefill_tokens_real, self.prefill_tokens_padded),
+                "decode_rows": fraction(self.decode_rows_real, self.decode_rows_padded),
+                "decode_context": fraction(self.decode_context_blocks_real, self.decode_context_blocks_padded)}
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """One worker's figures: graphs compiled at warm-up and after it, padding, cache size."""
+
+    graphs_compiled_at_warmup: int = 0
+    graphs_compiled_after_warmup: int = 0
+    padding: PaddingStats = field(default_factory=PaddingStats)
+    kv_cache_bytes: int = 0
+
+    @staticmethod
+    def combine(ranks: Sequence["WorkerStats"]) -> "WorkerStats":
+        """The group's figures: the worst rank's compilations, rank 0's padding and cache
+        (every rank runs the same shapes over its own slice of the heads)."""
+        return WorkerStats(max(s.graphs_compiled_at_warmup for s in ranks),
+                           max(s.graphs_compiled_after_warmup for s in ranks),
+                           ranks[0].padding, ranks[0].kv_cache_bytes)

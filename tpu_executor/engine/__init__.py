@@ -1,0 +1,1 @@
+"""The engine loop, its options and its stats snapshot."""

@@ -1,0 +1,308 @@
+"""The engine: validates requests, runs scheduler -> executor -> detokenizer steps, and hands
+out what each step produced as deltas.
+
+One bad request never takes the engine down: invalid input is rejected in ``add_request``
+before anything is queued, and an error while a step runs fails only the requests of that
+step (their blocks come back); the engine keeps serving the rest. A lost or unresponsive
+worker (``WorkerFailure``) is different: the tensor-parallel group cannot go on, so the engine
+fails every in-flight request, shuts the workers down and raises ``EngineDeadError``.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
+
+from tpu_executor.core.config import EngineConfig
+from tpu_executor.core.detokenizer import Detokenizer, DetokenizerState, take_text_delta
+from tpu_executor.core.kv_cache_manager import KVCacheManager
+from tpu_executor.core.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from tpu_executor.core.sampling_params import SamplingParams
+from tpu_executor.core.scheduler import Scheduler
+from tpu_executor.core.step import SchedulerOutput, WorkerStats
+from tpu_executor.engine.stats import EngineStats
+from tpu_executor.executor import Executor, WorkerFailure, executor_class_for
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, Dict[str, List[int]]]
+
+
+@dataclass
+class SampleStream:
+    """What one sample has produced and how much of it has gone out in deltas."""
+
+    request: Request
+    detok: DetokenizerState
+    sent_tokens: int = 0
+
+
+@dataclass
+class RequestGroup:
+    """The ``n`` samples of one user request."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: List[int]
+    samples: List[SampleStream]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.samples)
+
+    @property
+    def error(self) -> Optional[str]:
+        return next((s.request.error for s in self.samples if s.request.error), None)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine lost a worker and shut down; ``outputs`` are the last deltas of the requests
+    it failed."""
+
+    def __init__(self, message: str, outputs: Optional[List[RequestOutput]] = None):
+        super().__init__(message)
+        self.outputs = outputs or []
+
+
+class LLMEngine:
+    """Continuous-batching generation engine over one executor.
+
+    ``executor`` defaults to the one the config asks for (in-process, or Ray actors for
+    tensor parallelism); the engine owns it and shuts it down.
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer, executor: Optional[Executor] = None,
+                 show_progress: bool = True):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.dead_reason: Optional[str] = None
+        self.executor = executor if executor is not None else executor_class_for(config)(config)
+        self._startup_seconds: Dict[str, float] = {}
+        try:
+            num_blocks = self._start_workers(show_progress)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.detokenizer = Detokenizer(tokenizer, config.max_model_len)
+        self._groups: Dict[str, RequestGroup] = {}
+        self._streams: Dict[str, Tuple[RequestGroup, int]] = {}  # sample id -> (group, index)
+        self._requests: Dict[str, Request] = {}  # sample id -> its request
+        self._deferred: List[RequestGroup] = []
+        self._advanced: Dict[str, Set[int]] = {}  # group id -> samples with news since the last delta
+        self._worker_stats = WorkerStats()
+        self._seed_rng = random.Random(config.model.seed)
+        self._counter = itertools.count()
+
+    def _timed(self, phase: str, call, *args):
+        start = time.perf_counter()
+        result = call(*args)
+        self._startup_seconds[phase] = time.perf_counter() - start
+        return result
+
+    def _start_workers(self, show_progress: bool) -> int:
+        """Bring every worker up; returns the number of KV blocks they all hold."""
+        executor = self.executor
+        self._timed("init_device", executor.init_device)
+        self.vocab_size = self._timed("load_model", executor.load_model)
+        num_blocks = self._timed("profile", executor.determine_num_blocks)
+        self._timed("init_cache", executor.init_cache, num_blocks)
+        self._timed("warmup", executor.warmup, show_progress)
+        return num_blocks
+
+    # ---- requests -----------------------------------------------------------------------
+    def prepare_prompt(self, prompt: PromptType, params: SamplingParams) -> List[int]:
+        """The prompt's token ids, validated against the model and the engine's limits."""
+        token_ids = self._prompt_token_ids(prompt)
+        self._validate(token_ids, params)
+        return token_ids
+
+    def _prompt_token_ids(self, prompt: PromptType) -> List[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def _validate(self, token_ids: List[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty: it has no tokens")
+        vocab = self.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or (vocab and t >= vocab)]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:8]}")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is "
+                             f"{self.config.max_model_len} (the prompt must leave room for output)")
+        if params.logprobs is not None and params.logprobs > self.config.compile.max_logprobs:
+            raise ValueError(f"logprobs {params.logprobs} exceeds max_logprobs "
+                             f"{self.config.compile.max_logprobs} of this engine")
+
+    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
+                    prompt_token_ids: Optional[List[int]] = None) -> str:
+        """Validate and queue a request; returns its id. Invalid input raises ValueError.
+
+        ``prompt_token_ids`` skips tokenising and validating again (from ``prepare_prompt``).
+        """
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine has shut down: {self.dead_reason}")
+        request_id = request_id if request_id is not None else str(next(self._counter))
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        token_ids = prompt_token_ids if prompt_token_ids is not None else self.prepare_prompt(prompt, params)
+        group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, list(token_ids),
+                             [SampleStream(self._new_sample(request_id, token_ids, params, index),
+                                           self.detokenizer.new_state(token_ids))
+                              for index in range(params.n)])
+        self._groups[request_id] = group
+        for index, sample in enumerate(group.samples):
+            self._streams[sample.request.request_id] = (group, index)
+            self._requests[sample.request.request_id] = sample.request
+        # The other samples wait until the first has prefilled the prompt, so their prefill
+        # takes its full blocks from the prefix cache instead of computing them again.
+        self.scheduler.add(group.samples[0].request)
+        if params.n > 1:
+            self._deferred.append(group)
+        return request_id
+
+    def _new_sample(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, index: int) -> Request:
+        seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(62)
+        sample_id = request_id if params.n == 1 else f"{request_id}#{index}"
+        return Request(sample_id, list(token_ids), params, seed, eos_token_id=self.tokenizer.eos_token_id)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request wherever it is; its blocks return to the pool at once, and the next
+        ``step()`` hands out its last delta (finish reason ``abort``)."""
+        group = self._groups.get(request_id)
+        for index, sample in enumerate(group.samples if group else ()):
+            if not sample.request.is_finished:
+                self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED)
+                self._advanced.setdefault(request_id, set()).add(index)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request still runs, waits, or has a delta not yet handed out."""
+        return self.scheduler.has_unfinished() or bool(self._advanced) or bool(self._deferred)
+
+    # ---- stepping -----------------------------------------------------------------------
+    def step(self) -> List[RequestOutput]:
+        """One scheduling + model step; returns a delta per request that advanced."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled.is_empty:
+            self._execute(scheduled)
+        self._release_deferred_samples()
+        return self._take_deltas()
+
+    def _execute(self, scheduled: SchedulerOutput) -> None:
+        try:
+            output = self.executor.execute_model(scheduled)
+        except WorkerFailure as err:
+            self._shut_down_after(err)
+        except Exception as err:  # noqa: BLE001 - a failed step fails its requests, not the engine
+            logger.exception("engine step failed")
+            self._fail(scheduled.request_ids, f"{type(err).__name__}: {err}")
+            return
+        if output.error is not None:
+            logger.error("engine step failed: %s", output.error)
+            self._fail(scheduled.request_ids, output.error)
+            return
+        for request in self.scheduler.update(output.sampled, self._requests):
+            self._process_token(request)
+
+    def _release_deferred_samples(self) -> None:
+        """Queue the remaining samples of groups whose first sample has been prefilled."""
+        still_waiting = []
+        for group in self._deferred:
+            first = group.samples[0].request
+            if first.output_token_ids or first.is_finished:
+                for sample in group.samples[1:]:
+                    if not sample.request.is_finished:
+                        self.scheduler.add(sample.request)
+            else:
+                still_waiting.append(group)
+        self._deferred = still_waiting
+
+    def _process_token(self, request: Request) -> None:
+        group, index = self._streams[request.request_id]
+        detok = group.samples[index].detok
+        new_text = self.detokenizer.append_token(detok, request.all_token_ids)
+        status = self.detokenizer.apply_stop_conditions(request, detok, new_text)
+        if status is not None:
+            self.scheduler.finish(request, status)
+        self._advanced.setdefault(group.request_id, set()).add(index)
+
+    def _fail(self, sample_ids: Sequence[str], message: str) -> None:
+        """Finish the given samples with an error (their blocks come back)."""
+        for sample_id in sample_ids:
+            group, index = self._streams[sample_id]
+            request = group.samples[index].request
+            if not request.is_finished:
+                request.error = message
+                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+                self._advanced.setdefault(group.request_id, set()).add(index)
+
+    def _shut_down_after(self, failure: WorkerFailure) -> None:
+        """Fail every in-flight request, stop the workers, raise EngineDeadError."""
+        message = f"engine shut down: {failure}"
+        logger.error(message)
+        self.dead_reason = str(failure)
+        self._fail(list(self._streams), message)
+        self._deferred = []
+        self.executor.shutdown()
+        raise EngineDeadError(message, self._take_deltas()) from failure
+
+    # ---- deltas -------------------------------------------------------------------------
+    def _take_deltas(self) -> List[RequestOutput]:
+        """A delta per group with news; finished groups are forgotten afterwards."""
+        deltas = []
+        for group_id, indices in self._advanced.items():
+            group = self._groups[group_id]
+            outputs = [self._sample_delta(group.samples[i], i) for i in sorted(indices)]
+            deltas.append(RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
+                                        finished=group.finished, error=group.error))
+            if group.finished:
+                self._forget(group)
+        self._advanced = {}
+        return deltas
+
+    def _sample_delta(self, sample: SampleStream, index: int) -> CompletionOutput:
+        request = sample.request
+        finished = request.is_finished
+        wants_logprobs = request.sampling_params.logprobs is not None
+        new_ids = request.output_token_ids[sample.sent_tokens:]
+        new_logprobs = request.output_logprobs[sample.sent_tokens:] if wants_logprobs else None
+        sample.sent_tokens = len(request.output_token_ids)
+        text = take_text_delta(sample.detok, request.sampling_params, finished)
+        return CompletionOutput(index, text, list(new_ids), request.cumulative_logprob if wants_logprobs else None,
+                                new_logprobs, request.finish_reason(), request.stop_reason)
+
+    def _forget(self, group: RequestGroup) -> None:
+        del self._groups[group.request_id]
+        for sample in group.samples:
+            self._streams.pop(sample.request.request_id, None)
+            self._requests.pop(sample.request.request_id, None)
+
+    # ---- figures and shutdown -----------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's figures (see ``EngineStats``)."""
+        if self.dead_reason is None:
+            self._worker_stats = self.executor.stats()
+        worker, kv = self._worker_stats, self.kv_cache
+        deferred = sum(1 for g in self._deferred for s in g.samples[1:] if not s.request.is_finished)
+        return EngineStats(
+            startup_seconds=dict(self._startup_seconds),
+            graphs_compiled_at_warmup=worker.graphs_compiled_at_warmup,
+            graphs_compiled_after_warmup=worker.graphs_compiled_after_warmup,
+            padding=worker.padding, num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=kv.prefix_query_tokens, prefix_cache_hits=kv.prefix_hit_tokens,
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting + deferred,
+            kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_usable_blocks,
+            kv_cache_bytes=worker.kv_cache_bytes)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

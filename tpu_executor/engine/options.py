@@ -1,0 +1,78 @@
+"""Engine options, declared once: every field of the option sections of ``core/config.py``.
+
+``LLM(model, **options)`` and every ``tpu-executor`` subcommand take the same names (``--max-
+model-len`` on the command line is ``max_model_len`` in Python); each option goes to the
+config section that owns it, and the configs validate their values once.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any, Dict, Iterable, List, Tuple
+
+from models.layers.parallel import check_tensor_parallel
+from tpu_executor.core.config import (OPTION_SECTIONS, CacheConfig, CompileConfig, DeviceConfig, EngineConfig,
+                                      ModelConfig, ParallelConfig, SchedulerConfig, resolve_max_model_len)
+from tpu_executor.worker.model_loader import checkpoint_limit, load_hf_config
+
+
+def option_fields() -> List[Tuple[type, dataclasses.Field]]:
+    """(section, field) of every engine option, in command-line order (``model`` excluded:
+    it is the one required argument)."""
+    return [(section, f) for section in OPTION_SECTIONS for f in dataclasses.fields(section)
+            if f.name != "model"]
+
+
+def build_engine_config(model: str, **options: Any) -> EngineConfig:
+    """An EngineConfig from flat keyword options (each goes to the section that has the field).
+    An impossible tensor-parallel split fails here, before any worker starts."""
+    values: Dict[type, Dict[str, Any]] = {section: {} for section in OPTION_SECTIONS}
+    for section, f in option_fields():
+        if f.name in options:
+            values[section][f.name] = options.pop(f.name)
+    if options:
+        raise ValueError(f"unknown engine options: {sorted(options)}")
+    model_config = ModelConfig(model=model, **values[ModelConfig])
+    parallel, compile_config = ParallelConfig(**values[ParallelConfig]), CompileConfig(**values[CompileConfig])
+    hf_config = load_hf_config(model)
+    check_tensor_parallel(hf_config, parallel.tensor_parallel_size)
+    limit = resolve_max_model_len(checkpoint_limit(hf_config), model_config.max_model_len,
+                                  compile_config.prefill_buckets)
+    return EngineConfig(model=model_config, cache=CacheConfig(**values[CacheConfig]),
+                        scheduler=SchedulerConfig(**values[SchedulerConfig]), compile=compile_config,
+                        device=DeviceConfig(**values[DeviceConfig]), max_model_len=limit, parallel=parallel)
+
+
+def _argument_kwargs(section: type, f: dataclasses.Field) -> Dict[str, Any]:
+    """argparse keywords for one option, from its type hint, default and help text."""
+    hint = typing.get_type_hints(section)[f.name]
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    shown = "" if default is None else f" (default: {default})"
+    kwargs: Dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS,
+                              "help": f.metadata.get("help", "") + shown}
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if hint is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(hint) is tuple:
+        kwargs.update(nargs="+", type=args[0], metavar=f.name.upper())
+    else:
+        kwargs["type"] = args[0] if args else hint
+    return kwargs
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, exclude: Iterable[str] = ()) -> None:
+    """Add every engine option (but ``exclude``) as ``--flag`` to ``parser``. Flags not given
+    stay out of the parsed namespace, so the config's defaults (or the subcommand's
+    ``parser.set_defaults``) apply."""
+    group = parser.add_argument_group("engine options")
+    for section, f in option_fields():
+        if f.name not in exclude:
+            group.add_argument("--" + f.name.replace("_", "-"), **_argument_kwargs(section, f))
+
+
+def engine_options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
+    """The engine options present in parsed ``args`` (tuples for list flags)."""
+    values = vars(args)
+    return {f.name: tuple(values[f.name]) if isinstance(values[f.name], list) else values[f.name]
+            for _, f in option_fields() if f.name in values}

@@ -1,0 +1,45 @@
+"""``EngineStats``: one snapshot of everything the engine measures about itself.
+
+The benchmark, the tests, the coming ``/metrics`` endpoint and the tuning tool all read this
+one object; nothing reaches into workers or runners for figures.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict
+
+from tpu_executor.core.step import PaddingStats
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's figures (counters since start-up, gauges at the moment).
+
+    Start-up: ``startup_seconds`` per phase (init_device, load_model, profile, init_cache,
+    warmup). Compilation: graphs compiled at warm-up and after it (the worst rank's; after
+    warm-up must stay 0). Padding of the bucketed shapes. Scheduling: preemptions,
+    prefix-cache queries and hits (tokens, counted at admission), sequences running and
+    waiting. KV cache: blocks in use and in all, and the bytes of one worker's cache.
+    """
+
+    startup_seconds: Dict[str, float] = field(default_factory=dict)
+    graphs_compiled_at_warmup: int = 0
+    graphs_compiled_after_warmup: int = 0
+    padding: PaddingStats = field(default_factory=PaddingStats)
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    kv_cache_bytes: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the usable KV blocks held by requests."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def startup_total_seconds(self) -> float:
+        return sum(self.startup_seconds.values())

@@ -1,0 +1,1 @@
+"""What users call: the offline ``LLM`` and the ``tpu-executor`` command line."""

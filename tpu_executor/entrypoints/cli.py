@@ -1,0 +1,33 @@
+"""The ``tpu-executor`` command (installed by setup.py): one subcommand per use.
+
+    tpu-executor generate [MODEL] [--prompt ...] [engine options]
+    tpu-executor bench [--models ...] [engine options]
+
+Every subcommand takes the same engine options (``engine/options.py``); ``serve`` and ``tune``
+join here as subcommands of their own.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import List, Optional
+
+from tpu_executor.entrypoints import bench, generate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tpu-executor", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (generate, bench):
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

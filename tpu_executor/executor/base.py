@@ -1,0 +1,79 @@
+"""The executor contract: the engine's only way to reach its workers.
+
+An executor holds one worker per chip and offers the engine typed calls (``init_device``,
+``load_model``, ..., ``execute_model(step)``, ``stats()``, ``shutdown()``). This module is the
+one place that names worker methods; a concrete executor only says how to call one method on
+every worker (``_call_workers``): in this process, or on Ray actors.
+
+Failure model: an exception inside a worker's step comes back as ``ModelRunnerOutput.error``
+and fails that step's requests, on every executor alike. A worker that dies, stops answering,
+or disagrees with the other ranks about whether the step ran is a ``WorkerFailure``: the group
+cannot go on.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, List, Optional, Sequence
+
+from tpu_executor.core.config import EngineConfig
+from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerStats
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died, stopped answering, or fell out of step with the others: the group cannot
+    go on, because the ranks' state (and their pending collectives) no longer match."""
+
+
+class Executor(abc.ABC):
+    """Fans each call out to every worker of the tensor-parallel group, in rank order."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+
+    @abc.abstractmethod
+    def _call_workers(self, method: str, *args: Any, timeout_s: Optional[float] = None) -> List[Any]:
+        """Call ``Worker.<method>(*args)`` on every worker; one result per rank. Raises
+        ``WorkerFailure`` when a worker dies or raises, or (out-of-process workers) when no
+        rank answers for ``timeout_s``."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers and release their devices (idempotent)."""
+
+    # ---- start-up, in this order ---------------------------------------------------------
+    def init_device(self) -> None:
+        self._call_workers("init_device")
+
+    def load_model(self) -> int:
+        """Load every worker's shard; returns the vocabulary size."""
+        return self._call_workers("load_model")[0]
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks every worker can hold: the smallest worker's count."""
+        return min(self._call_workers("determine_num_blocks"))
+
+    def init_cache(self, num_blocks: int) -> None:
+        self._call_workers("init_cache", num_blocks)
+
+    def warmup(self, show_progress: bool) -> None:
+        """Compile every graph of the bucket plan on every worker."""
+        self._call_workers("warmup", show_progress)
+
+    # ---- serving -------------------------------------------------------------------------
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; returns rank 0's tokens (all ranks sample alike)."""
+        return agree_on_step(self._call_workers("execute_model", step,
+                                                timeout_s=self.config.parallel.step_timeout_s))
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats.combine(self._call_workers("stats"))
+
+
+def agree_on_step(outputs: Sequence[ModelRunnerOutput]) -> ModelRunnerOutput:
+    """Rank 0's output when every rank ran the step, or every rank failed it. A step that some
+    ranks ran and others failed leaves their caches and collectives out of step: fatal."""
+    failed = [rank for rank, out in enumerate(outputs) if out.error is not None]
+    if failed and len(failed) != len(outputs):
+        raise WorkerFailure(f"worker rank {failed[0]} failed a step the other ranks ran: "
+                            f"{outputs[failed[0]].error}")
+    return outputs[0]

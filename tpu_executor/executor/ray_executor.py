@@ -1,0 +1,176 @@
+"""Ray executor: one actor per TPU chip, across hosts, each wrapping a ``Worker``.
+
+Start-up: check that the cluster has the chips, reserve one placement-group bundle per rank
+(the first on the driver's host), start an actor in each, then number the ranks so that
+they are contiguous per host with the driver's host first. Every call fans out to all actors;
+the first worker that dies or raises fails the call with ``WorkerFailure``, without waiting for
+the others (they may be blocked in a collective with the lost one).
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import replace
+from typing import Any, List, Optional, Tuple, Type
+
+from tpu_executor.core.config import EngineConfig
+from tpu_executor.executor.base import Executor, WorkerFailure
+from tpu_executor.worker.distributed import RankPlacement
+from tpu_executor.worker.worker import Worker
+
+RESERVE_TIMEOUT_S = 120.0
+
+
+class WorkerActor:
+    """The body of a Ray actor: holds one ``Worker`` and calls its methods by name."""
+
+    def __init__(self):
+        self.worker = None
+
+    def node_info(self) -> Tuple[str, str]:
+        """(Ray node id, IP address) of the host this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        """A TCP port free on this host (for the rank-0 rendezvous)."""
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def init_worker(self, config: EngineConfig, placement: RankPlacement, worker_class: Type[Worker]) -> None:
+        self.worker = worker_class(config, placement)
+
+    def execute_method(self, method: str, *args: Any) -> Any:
+        return getattr(self.worker, method)(*args)
+
+
+def check_cluster(tensor_parallel_size: int) -> None:
+    """Fail with what to change unless the cluster has the chips and the driver sits on a TPU host."""
+    import ray
+
+    per_node = {n["NodeID"]: n["Resources"].get("TPU", 0) for n in ray.nodes() if n["Alive"]}
+    total = int(sum(per_node.values()))
+    if total < tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs {tensor_parallel_size} TPU "
+                         f"chips but the Ray cluster has {total} ({len(per_node)} nodes); lower "
+                         "tensor_parallel_size or join more TPU hosts (`ray start --address=...` on each)")
+    if not per_node.get(ray.get_runtime_context().get_node_id()):
+        raise ValueError("the driver runs on a Ray node without TPU chips; start it on one of the "
+                         "cluster's TPU hosts (rank 0 runs on the driver's host)")
+
+
+def rank_placements(nodes: List[Tuple[str, str]], driver_node: str) -> List[RankPlacement]:
+    """A placement per actor (same order as ``nodes``, their (node id, ip)): ranks contiguous
+    per host, the driver's host first, then hosts in order of first appearance."""
+    order = sorted(dict.fromkeys(node for node, _ in nodes), key=lambda n: n != driver_node)
+    ips = {node: ip for node, ip in nodes}
+    members = {node: [i for i, (n, _) in enumerate(nodes) if n == node] for node in order}
+    sizes = {len(m) for m in members.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"the chips were reserved unevenly over hosts ({[len(m) for m in members.values()]} "
+                         "workers): use a tensor_parallel_size that fills whole hosts, or free chips")
+    local = sizes.pop()
+    placements: List[RankPlacement] = [None] * len(nodes)  # type: ignore[list-item]
+    for node_index, node in enumerate(order):
+        for local_rank, actor_index in enumerate(members[node]):
+            placements[actor_index] = RankPlacement(
+                rank=node_index * local + local_rank, world_size=len(nodes), local_rank=local_rank,
+                local_world_size=local, node_index=node_index, num_nodes=len(order),
+                host_ips=tuple(ips[n] for n in order), master_addr=ips[order[0]])
+    return placements
+
+
+class RayExecutor(Executor):
+    """``tensor_parallel_size`` Ray actors, one per chip, in rank order. ``worker_class`` swaps
+    in a ``Worker`` subclass (tests inject faults with it)."""
+
+    def __init__(self, config: EngineConfig, worker_class: Type[Worker] = Worker):
+        import ray
+
+        super().__init__(config)
+        self.worker_class = worker_class
+        self.actors: List[Any] = []
+        self.placement_group = None
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=config.parallel.ray_address, log_to_driver=False)
+        try:
+            check_cluster(config.parallel.tensor_parallel_size)
+            self._start_actors(config.parallel.tensor_parallel_size)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_actors(self, size: int) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        # The first bundle asks for a sliver of the driver's node resource, which pins it there.
+        driver_ip = ray.util.get_node_ip_address()
+        bundles = [{"TPU": 1.0, f"node:{driver_ip}": 0.001}] + [{"TPU": 1.0}] * (size - 1)
+        self.placement_group = placement_group(bundles, strategy="PACK")
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=RESERVE_TIMEOUT_S)
+        if not ready:
+            raise ValueError(f"could not reserve {size} TPU chips within {RESERVE_TIMEOUT_S:.0f} s "
+                             "(other jobs hold them?); free chips or lower tensor_parallel_size")
+        actor_class = ray.remote(WorkerActor)
+        actors = [actor_class.options(
+            num_cpus=0, resources={"TPU": 1.0},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
+        ).remote() for i in range(size)]
+        nodes = ray.get([a.node_info.remote() for a in actors])
+        placements = rank_placements(nodes, ray.get_runtime_context().get_node_id())
+        by_rank = sorted(range(size), key=lambda i: placements[i].rank)
+        self.actors = [actors[i] for i in by_rank]
+        port = ray.get(self.actors[0].free_port.remote())
+        self.placements = [replace(placements[i], master_port=port) for i in by_rank]
+        self._gather("init_worker", [a.init_worker.remote(self.config, p, self.worker_class)
+                                     for a, p in zip(self.actors, self.placements)])
+
+    def _call_workers(self, method: str, *args: Any, timeout_s: Optional[float] = None) -> List[Any]:
+        if not self.actors:
+            raise WorkerFailure(f"cannot call {method}: the workers have been shut down")
+        return self._gather(method, [a.execute_method.remote(method, *args) for a in self.actors], timeout_s)
+
+    def _gather(self, method: str, refs: List[Any], timeout_s: Optional[float] = None) -> List[Any]:
+        """Every rank's result, failing on the first rank that dies or raises (the others may
+        be blocked in a collective with it) or when no rank answers for ``timeout_s``."""
+        import ray
+
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+            if not done:
+                ranks = [refs.index(ref) for ref in pending]
+                raise WorkerFailure(f"worker ranks {ranks} did not answer {method} within {timeout_s:.0f} s")
+            try:
+                ray.get(done[0])
+            except Exception as err:  # the actor died (RayActorError) or the method raised
+                cause = getattr(err, "cause", None) or err
+                raise WorkerFailure(f"worker rank {refs.index(done[0])} failed in {method}: "
+                                    f"{type(cause).__name__}: {cause}") from err
+        return ray.get(refs)
+
+    def node_ids(self) -> List[str]:
+        """The Ray node id of each rank's actor."""
+        import ray
+
+        return [node for node, _ in ray.get([a.node_info.remote() for a in self.actors])]
+
+    def shutdown(self) -> None:
+        """Kill the actors and release their chips (a blocked collective cannot hold this up)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
+

@@ -1,0 +1,1 @@
+"""Pieces the commands share: the default model's preparation and random checkpoints."""

@@ -1,0 +1,171 @@
+"""Model runner: pads scheduled work to the buckets of the plan, runs the compiled model step,
+then the separately compiled sampler (graph counts add instead of multiplying).
+
+A prefill call packs up to ``max_prefill_seqs`` prompts into one row padded to a prefill
+bucket; a decode call runs a batch padded to a (rows, context blocks) bucket. On the native
+path (a torch device) the same code runs eagerly.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from tqdm import tqdm
+
+from models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from tpu_executor.core.buckets import BucketPlan, DecodeGraph, Graph, PrefillGraph
+from tpu_executor.core.config import EngineConfig
+from tpu_executor.core.kv_cache_manager import NULL_BLOCK
+from tpu_executor.core.step import DecodeWork, PaddingStats, PrefillWork, SampledToken, SamplingMeta, SchedulerOutput
+from tpu_executor.worker.compile_guard import CompileGuard
+from tpu_executor.worker.inputs import decode_inputs, pack_prefills, prefill_inputs, sampling_tensors, to_device
+from tpu_executor.worker.sampler import SamplerOutput, sample
+
+logger = logging.getLogger(__name__)
+
+KVCaches = List[Tuple[torch.Tensor, torch.Tensor]]
+
+
+class ModelRunner:
+    """Runs scheduled work on one device and returns one sampled token per request."""
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device):
+        self.config = config
+        self.model = model
+        self.device = device
+        self.plan = BucketPlan.from_config(config)
+        self.block_size = config.cache.block_size
+        self.kv_caches: KVCaches = []
+        compiled = device.type == "xla"
+        self.guard = CompileGuard(config.compile.strict, enabled=compiled)
+        self.padding = PaddingStats()
+        if compiled:
+            _raise_dynamo_limits(len(self.plan.graphs()))
+        # Host-side collectives (gloo on CPU) split the model step into one graph per piece
+        # between collectives; each piece is still compiled once per bucket.
+        one_graph = model.tp.collectives_in_graph
+        self._prefill_fn = self._compile(self._prefill_step, compiled, one_graph)
+        self._decode_fn = self._compile(self._decode_step, compiled, one_graph)
+        self._sample_fn = self._compile(sample, compiled, True)
+
+    @staticmethod
+    def _compile(fn, compiled: bool, fullgraph: bool):
+        if not compiled:
+            return fn
+        return torch.compile(fn, backend="openxla", fullgraph=fullgraph, dynamic=False)
+
+    def bind_kv_caches(self, kv_caches: KVCaches) -> None:
+        """The per-layer K/V pages every later step reads and writes in place."""
+        self.kv_caches = kv_caches
+
+    def _prefill_step(self, input_ids, positions, slot_mapping, context_slots, key_positions,
+                      key_segments, query_segments, logits_indices, kv_caches):
+        prefill = PrefillMetadata(context_slots, key_positions, key_segments, query_segments)
+        hidden = self.model(input_ids, kv_caches, AttentionMetadata(positions, slot_mapping, prefill=prefill))
+        return self.model.compute_logits(hidden[logits_indices])
+
+    def _decode_step(self, input_ids, positions, slot_mapping, block_tables, context_lens, kv_caches):
+        decode = DecodeMetadata(block_tables, context_lens)
+        hidden = self.model(input_ids, kv_caches, AttentionMetadata(positions, slot_mapping, decode=decode))
+        return self.model.compute_logits(hidden)
+
+    @torch.no_grad()
+    def execute(self, step: SchedulerOutput) -> Dict[str, SampledToken]:
+        """Run the prefills (packed), then the decode batch; sample one token for each."""
+        results: Dict[str, SampledToken] = {}
+        for pack in pack_prefills(step.prefills, self.plan.max_prefill_tokens, self.plan.max_prefill_seqs):
+            results.update(self._run_prefill(pack))
+        if step.decodes:
+            results.update(self._run_decode(step.decodes))
+        return results
+
+    def _run_prefill(self, pack: Sequence[PrefillWork]) -> Dict[str, SampledToken]:
+        graph = self.plan.prefill_graph(sum(w.num_context_tokens for w in pack))
+        inputs = prefill_inputs(pack, graph.num_tokens, self.plan.max_prefill_seqs, self.block_size)
+        self.padding.prefill_tokens_real += sum(len(w.token_ids) for w in pack)
+        self.padding.prefill_tokens_padded += graph.num_tokens
+        with self.guard.watch(f"prefill bucket {graph.num_tokens}"):
+            logits = self._prefill_fn(**to_device(inputs, self.device), kv_caches=self.kv_caches)
+            return self._sample(pack, logits, self.plan.max_prefill_seqs)
+
+    def _run_decode(self, work: Sequence[DecodeWork]) -> Dict[str, SampledToken]:
+        needed = [item.position // self.block_size + 1 for item in work]
+        graph = self.plan.decode_graph(len(work), max(needed))
+        inputs = decode_inputs(work, graph.num_rows, graph.context_blocks, self.block_size)
+        self._count_decode_padding(needed, graph)
+        with self.guard.watch(f"decode bucket rows={graph.num_rows} blocks={graph.context_blocks}"):
+            logits = self._decode_fn(**to_device(inputs, self.device), kv_caches=self.kv_caches)
+            return self._sample(work, logits, graph.num_rows)
+
+    def _count_decode_padding(self, needed_blocks: List[int], graph: DecodeGraph) -> None:
+        self.padding.decode_rows_real += len(needed_blocks)
+        self.padding.decode_rows_padded += graph.num_rows
+        self.padding.decode_context_blocks_real += sum(needed_blocks)
+        self.padding.decode_context_blocks_padded += len(needed_blocks) * graph.context_blocks
+
+    def _sample(self, work, logits: torch.Tensor, rows: int) -> Dict[str, SampledToken]:
+        metas = [item.sampling for item in work]
+        graph = self.plan.sampler_graph(rows, wants_logprobs=any(m.num_logprobs > 0 for m in metas),
+                                        all_greedy=all(m.temperature == 0 for m in metas))
+        tensors = to_device(sampling_tensors(metas, rows), self.device)
+        out = self._sample_fn(logits, **tensors, num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy)
+        return _to_host(work, out)
+
+    @torch.no_grad()
+    def profile_run(self, kv_caches: KVCaches) -> None:
+        """Run the largest prefill once over ``kv_caches`` (a minimal cache) so that the peak
+        activation memory shows in the device's memory figures."""
+        blocks = self.config.max_blocks_per_seq
+        work = PrefillWork("profile", tuple([0] * self.config.max_model_len), 0, tuple(range(1, blocks + 1)),
+                           SamplingMeta.greedy())
+        inputs = prefill_inputs([work], self.plan.max_prefill_tokens, self.plan.max_prefill_seqs, self.block_size)
+        self._prefill_fn(**to_device(inputs, self.device), kv_caches=kv_caches).cpu()
+
+    @torch.no_grad()
+    def warmup(self, show_progress: bool = True) -> None:
+        """Compile every graph of the bucket plan, with a progress bar."""
+        self.guard.begin_warmup()
+        graphs = self.plan.graphs()
+        for graph in tqdm(graphs, desc="compiling buckets", disable=not show_progress):
+            self._run_dummy(graph)
+        self.guard.end_warmup()
+
+    def _run_dummy(self, graph: Graph) -> None:
+        """Run ``graph`` once on padding-only inputs (writes go to the null block)."""
+        if isinstance(graph, PrefillGraph):
+            dummy = [PrefillWork("warmup", (0,), 0, (NULL_BLOCK,), SamplingMeta.greedy())]
+            inputs = prefill_inputs(dummy, graph.num_tokens, self.plan.max_prefill_seqs, self.block_size)
+            self._prefill_fn(**to_device(inputs, self.device), kv_caches=self.kv_caches).cpu()
+        elif isinstance(graph, DecodeGraph):
+            dummy = [DecodeWork("warmup", 0, 0, (NULL_BLOCK,), SamplingMeta.greedy())]
+            inputs = decode_inputs(dummy, graph.num_rows, graph.context_blocks, self.block_size)
+            self._decode_fn(**to_device(inputs, self.device), kv_caches=self.kv_caches).cpu()
+        else:
+            logits = torch.zeros(graph.num_rows, self.model.config.vocab_size).to(self.device)  # device data, as in serving
+            tensors = to_device(sampling_tensors([], graph.num_rows), self.device)
+            self._sample_fn(logits, **tensors, num_logprobs=graph.num_logprobs,
+                            all_greedy=graph.all_greedy).token_ids.cpu()
+
+
+def _to_host(work, out: SamplerOutput) -> Dict[str, SampledToken]:
+    token_ids = out.token_ids.cpu().tolist()
+    logprobs = out.token_logprobs.cpu().tolist()
+    top_ids = out.top_ids.cpu().tolist() if out.top_ids is not None else None
+    top_lps = out.top_logprobs.cpu().tolist() if out.top_logprobs is not None else None
+    results = {}
+    for row, item in enumerate(work):
+        wanted = item.sampling.num_logprobs
+        top = None
+        if wanted >= 0:  # -1: the request asked for no log-probs
+            top = dict(zip(top_ids[row][:wanted], top_lps[row][:wanted])) if wanted and top_ids else {}
+        results[item.request_id] = SampledToken(token_ids[row], logprobs[row], top)
+    return results
+
+
+def _raise_dynamo_limits(num_graphs: int) -> None:
+    """Let dynamo keep one cache entry per bucket (its default of 8 would fall back to eager)."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * num_graphs)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 16 * num_graphs)

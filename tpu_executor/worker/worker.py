@@ -1,0 +1,221 @@
+"""A worker owns one device: it loads the model there, sizes and allocates the KV cache, and
+runs the model runner. ``init_device`` is the only place that reads or sets device
+environment variables. Executors call the methods named in ``executor/base.py``.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from models.layers.parallel import SingleRank, TensorParallelGroup
+from tpu_executor.core.config import EngineConfig
+from tpu_executor.core.step import ModelRunnerOutput, SampledToken, SchedulerOutput, WorkerStats
+from tpu_executor.worker.distributed import GlooGroup, RankPlacement, XlaGroup, tpu_topology_env
+from tpu_executor.worker.model_loader import load_model
+from tpu_executor.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _tpu_present() -> bool:
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+class Worker:
+    """One device's share of the engine: rank ``placement.rank`` of the tensor-parallel group.
+
+    The Ray executor runs one per chip inside an actor; the in-process executor runs one.
+    """
+
+    def __init__(self, config: EngineConfig, placement: RankPlacement = RankPlacement()):
+        self.config = config
+        self.placement = placement
+        self.dtype = _DTYPES[config.model.dtype]
+        self.device: Optional[torch.device] = None
+        self.tp: TensorParallelGroup = SingleRank()
+        self.model = None
+        self.weight_bytes = 0
+        self.kv_cache_bytes = 0
+        self.runner: Optional[ModelRunner] = None
+
+    @property
+    def rank(self) -> int:
+        return self.placement.rank
+
+    # ---- device -------------------------------------------------------------------------
+    def init_device(self) -> str:
+        """Pick the device and start its runtime; returns a description of it."""
+        device = self.config.device
+        if device.is_xla:
+            self._init_xla_device()
+        else:
+            self.device = torch.device(device.device)
+            if self.device.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"device {device.device!r}: torch sees no CUDA GPU here; use device='cpu' or 'xla'")
+            self._init_cpu_group()
+        # torch_xla (when used) is loaded first, so the registry sees whether this is a TPU.
+        from pallas_kernels import register_all
+
+        register_all()
+        torch.manual_seed(self.config.model.seed)
+        return f"{self.device}, rank {self.rank} of {self.placement.world_size}"
+
+    def _init_xla_device(self) -> None:
+        os.environ.setdefault("PJRT_DEVICE", "TPU" if _tpu_present() else "CPU")
+        on_tpu = os.environ["PJRT_DEVICE"] == "TPU"
+        if on_tpu and self.placement.world_size > 1:
+            self._init_tpu_multiprocess()
+        import torch_xla
+
+        if on_tpu:
+            from pallas_kernels import register_all
+
+            # PJRT's CPU client cannot deserialize executables, so the cache only helps on TPU.
+            self._init_compile_cache(register_all().fingerprint())
+        else:
+            self._init_cpu_group()
+        self.device = torch_xla.device()
+
+    def _init_cpu_group(self) -> None:
+        """CPU ranks reduce through gloo; they share the host's cores."""
+        world = self.placement
+        if world.world_size == 1:
+            return
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.local_world_size))
+        self.tp = GlooGroup(world, self.config.parallel.collective_timeout_s)
+
+    def _init_tpu_multiprocess(self) -> None:
+        """One chip per process: this worker's TPU variables, then PJRT's multiprocess set-up."""
+        host_bounds = (1, 1, 1)
+        if self.placement.num_nodes > 1:
+            from torch_xla._internal import tpu
+
+            # The pod slice's grid of hosts, from the TPU VM's metadata.
+            host_bounds = tuple(int(v) for v in tpu.get_tpu_env()["TPU_PROCESS_BOUNDS"].split(","))
+        os.environ.update(tpu_topology_env(self.placement, host_bounds))
+        from torch_xla._internal import pjrt
+
+        pjrt.initialize_multiprocess(self.placement.local_rank, self.placement.local_world_size)
+        self.tp = XlaGroup(self.rank, self.placement.world_size)
+
+    def _init_compile_cache(self, kernels_fingerprint: str) -> None:
+        """Persistent XLA cache, one directory per (model, shapes, kernels) and rank."""
+        import torch_xla
+        import torch_xla.runtime as xr
+
+        cache_dir = self.config.compile.cache_dir
+        if cache_dir is None:
+            return
+        if torch_xla._XLAC._xla_computation_cache_is_initialized():
+            # One cache per process: a second engine in the same process shares the first's.
+            logger.info("XLA compile cache already initialised in this process; keeping it")
+            return
+        cfg = self.config
+        key = hashlib.sha256(repr((os.path.abspath(cfg.model.model), cfg.model.dtype, cfg.model.quantization,
+                                   cfg.max_model_len, cfg.cache.block_size, cfg.parallel.tensor_parallel_size,
+                                   kernels_fingerprint)).encode()).hexdigest()[:16]
+        path = os.path.join(cache_dir, key, f"rank{self.rank}")
+        os.makedirs(path, exist_ok=True)
+        xr.initialize_cache(path, readonly=False)
+
+    @property
+    def on_tpu(self) -> bool:
+        return self.device.type == "xla" and os.environ.get("PJRT_DEVICE") == "TPU"
+
+    # ---- model and cache ----------------------------------------------------------------
+    def load_model(self) -> int:
+        """Load the checkpoint onto the device; returns the model's vocabulary size."""
+        model_config = self.config.model
+        self.model = load_model(model_config.model, self.dtype, self.tp, model_config.quantization).to(self.device)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.runner = ModelRunner(self.config, self.model, self.device)
+        return self.model.config.vocab_size
+
+    def cache_block_bytes(self) -> int:
+        """Bytes of one KV block across all layers (K and V)."""
+        model = self.model
+        per_layer = model.num_kv_heads * self.config.cache.block_size * model.head_dim
+        return 2 * model.num_layers * per_layer * torch.tensor([], dtype=self.dtype).element_size()
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks fit: the configured count, else memory left after weights and a
+        profiling run (TPU: ``xm.get_memory_info``; GPU: torch's CUDA figures; CPU: the budget)."""
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            num_blocks = cache.num_blocks
+        else:
+            num_blocks = int(self._free_cache_bytes() // self.cache_block_bytes())
+        needed = self.config.max_blocks_per_seq + 1
+        if num_blocks < needed:
+            raise ValueError(f"the KV cache holds {num_blocks} blocks but one max_model_len "
+                             f"({self.config.max_model_len}) sequence needs {needed}; raise "
+                             "memory_budget_bytes / memory_utilization or lower max_model_len")
+        return num_blocks
+
+    def _free_cache_bytes(self) -> int:
+        cache = self.config.cache
+        if self.on_tpu:
+            import torch_xla.core.xla_model as xm
+
+            self.runner.profile_run(self._allocate_cache(self.config.max_blocks_per_seq + 1))
+            info = xm.get_memory_info(self.device)
+            return int(info["bytes_limit"] * cache.memory_utilization) - int(info["peak_bytes_used"])
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.runner.profile_run(self._allocate_cache(self.config.max_blocks_per_seq + 1))
+            free, total = torch.cuda.mem_get_info(self.device)
+            activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+            return int(free - total * (1.0 - cache.memory_utilization)) - activations
+        return cache.memory_budget_bytes - self.weight_bytes
+
+    def _allocate_cache(self, num_blocks: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        shape = (self.model.num_kv_heads, num_blocks, self.config.cache.block_size, self.model.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                   torch.zeros(shape, dtype=self.dtype, device=self.device))
+                  for _ in range(self.model.num_layers)]
+        if self.device.type == "xla":
+            import torch_xla
+
+            # Materialise the zeros now: a lazy zeros tensor fed to the first compiled step
+            # would give that step a different graph than every later one.
+            torch_xla.sync()
+        return caches
+
+    def init_cache(self, num_blocks: int) -> None:
+        """Allocate per-layer K/V tensors (donated buffers) for the model runner."""
+        self.runner.bind_kv_caches(self._allocate_cache(num_blocks))
+        self.kv_cache_bytes = num_blocks * self.cache_block_bytes()
+
+    def warmup(self, show_progress: bool = True) -> None:
+        """Compile every graph of the bucket plan (nothing to compile on the native path)."""
+        if self.device.type == "xla":
+            self.runner.warmup(show_progress and self.rank == 0)
+
+    # ---- serving ------------------------------------------------------------------------
+    def run_step(self, step: SchedulerOutput) -> Dict[str, SampledToken]:
+        """Run one step; its exceptions propagate."""
+        return self.runner.execute(step)
+
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; an exception fails the step (reported in the output), not the worker."""
+        try:
+            return ModelRunnerOutput(sampled=self.run_step(step))
+        except Exception as err:  # noqa: BLE001 - the engine fails this step's requests
+            logger.exception("rank %d: step failed", self.rank)
+            return ModelRunnerOutput(error=f"{type(err).__name__}: {err}")
+
+    def stats(self) -> WorkerStats:
+        guard = self.runner.guard
+        return WorkerStats(guard.compiled_during_warmup, guard.compiled_after_warmup,
+                           self.runner.padding, self.kv_cache_bytes)
+
+    def close(self) -> None:
+        """Leave the tensor-parallel group."""
+        self.tp.close()
