@@ -91,3 +91,45 @@ def greedy_tokens(llm, prompts: List[List[int]], max_tokens: int, ignore_eos: bo
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert all(o.error is None for o in outputs), [o.error for o in outputs]
     return [o.outputs[0].token_ids for o in outputs]
+
+
+# Prompt tokens that make FaultyWorker's step raise: on every rank, or on rank 1 only.
+POISON_ALL_RANKS = 497
+POISON_RANK_1 = 498
+
+
+def faulty_worker_class():
+    """A Worker whose step raises inside the worker (as a device error would) when a prefill
+    holds a poison token. Defined on call so the class pickles by value for Ray actors."""
+    from tpu_executor.worker.worker import Worker
+
+    class FaultyWorker(Worker):
+        def run_step(self, step):
+            tokens = {t for work in step.prefills for t in work.token_ids}
+            if POISON_ALL_RANKS in tokens or (POISON_RANK_1 in tokens and self.rank == 1):
+                raise RuntimeError("device fell over")
+            return super().run_step(step)
+
+    return FaultyWorker
+
+
+def engine_with_worker(path: str, worker_class, **options):
+    """An LLMEngine whose executor (in-process or Ray, as the options ask) runs ``worker_class``."""
+    from transformers import AutoTokenizer
+
+    from tpu_executor.engine.llm_engine import LLMEngine
+    from tpu_executor.engine.options import build_engine_config
+    from tpu_executor.executor import executor_class_for
+
+    show_progress = options.pop("show_progress", False)
+    config = build_engine_config(path, **options)
+    executor = executor_class_for(config)(config, worker_class=worker_class)
+    return LLMEngine(config, AutoTokenizer.from_pretrained(path), executor=executor, show_progress=show_progress)
+
+
+def run_to_end(engine):
+    """Step until nothing is left; every delta, in order."""
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas.extend(engine.step())
+    return deltas

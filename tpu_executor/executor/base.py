@@ -70,10 +70,11 @@ class Executor(abc.ABC):
 
 
 def agree_on_step(outputs: Sequence[ModelRunnerOutput]) -> ModelRunnerOutput:
-    """Rank 0's output when every rank ran the step, or every rank failed it. A step that some
-    ranks ran and others failed leaves their caches and collectives out of step: fatal."""
-    failed = [rank for rank, out in enumerate(outputs) if out.error is not None]
-    if failed and len(failed) != len(outputs):
-        raise WorkerFailure(f"worker rank {failed[0]} failed a step the other ranks ran: "
-                            f"{outputs[failed[0]].error}")
-    return outputs[0]
+    """Rank 0's output when every rank ran the step, or every rank failed it with the same
+    error (a deterministic failure: the ranks stopped at the same point, in step). Anything
+    else (one rank failed, or the others then timed out in a collective waiting for it) leaves
+    the ranks' caches and collectives out of step: fatal."""
+    if len({out.error for out in outputs}) == 1:
+        return outputs[0]
+    ranks = "; ".join(f"rank {rank}: {out.error or 'ran it'}" for rank, out in enumerate(outputs))
+    raise WorkerFailure(f"the workers fell out of step ({ranks})")

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from tests.common import tiny_engine_options
+from tests.common import POISON_ALL_RANKS, engine_with_worker, faulty_worker_class, run_to_end, tiny_engine_options
 from tpu_executor import LLM, SamplingParams
 from tpu_executor.worker.model_loader import CheckpointError
 
@@ -34,29 +34,21 @@ def test_bad_request_is_rejected_and_others_still_run(llm, prompt, params, messa
     assert llm.generate(good, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
 
 
-def test_failing_step_fails_only_its_requests(llm, monkeypatch):
-    engine = llm.engine
-    runner = engine.executor.workers[0].runner
+def test_failing_step_fails_only_its_requests(checkpoints):
+    """An exception inside the worker's step fails that step's requests; the engine serves on."""
+    engine = engine_with_worker(checkpoints["llama"], faulty_worker_class(), device="cpu", **tiny_engine_options())
     healthy = engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY)
     engine.step()  # the healthy request is now decoding
-    original = runner.execute
-
-    def broken(scheduled):
-        if scheduled.prefills:
-            raise RuntimeError("device fell over")
-        return original(scheduled)
-
-    monkeypatch.setattr(runner, "execute", broken)
-    doomed = engine.add_request({"prompt_token_ids": [9, 10, 11]}, GREEDY)
+    doomed = engine.add_request({"prompt_token_ids": [9, POISON_ALL_RANKS, 11]}, GREEDY)
     outputs = {o.request_id: o for o in engine.step()}  # healthy decodes and doomed prefills together
     assert "device fell over" in outputs[doomed].error
-    assert outputs[doomed].outputs[0].finish_reason == "error"
-    monkeypatch.setattr(runner, "execute", original)
+    assert outputs[doomed].outputs[0].finish_reason == "error" and outputs[doomed].finished
     # The healthy request was in the failed step too: it fails, and the engine still serves.
     assert outputs[healthy].outputs[0].finish_reason == "error"
-    again = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)[0]
-    assert len(again.outputs[0].token_ids) == 8
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_usable_blocks
+    again = engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY)
+    finals = [o for o in run_to_end(engine) if o.request_id == again]
+    assert sum(len(o.outputs[0].token_ids) for o in finals) == 8 and finals[-1].error is None
+    assert engine.stats().kv_blocks_used == 0
 
 
 def _copy(src, dst):

@@ -6,6 +6,7 @@ import pytest
 
 from tests.common import tiny_engine_options
 from tpu_executor import LLM, SamplingParams
+from tpu_executor.core.buckets import BucketPlan
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,8 @@ def test_zero_recompilation_over_200_random_requests(llm):
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
     stats = llm.stats()
     assert stats.graphs_compiled_after_warmup == 0
+    # Warm-up compiled exactly the graphs of the bucket plan, each once.
+    assert stats.graphs_compiled_at_warmup == len(BucketPlan.from_config(llm.engine.config).graphs()) == 15
     assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
 
 

@@ -12,9 +12,9 @@ import time
 import pytest
 import ray
 
-from tests.common import greedy_tokens, hf_greedy, mixed_prompts, ray_session, tensor_parallel_options
+from tests.common import (POISON_ALL_RANKS, POISON_RANK_1, engine_with_worker, faulty_worker_class, greedy_tokens,
+                          hf_greedy, mixed_prompts, ray_session, run_to_end, tensor_parallel_options)
 from tpu_executor import LLM, EngineDeadError, SamplingParams
-from tpu_executor.executor import WorkerFailure
 
 NEW_TOKENS = 24
 
@@ -90,8 +90,6 @@ def test_a_lost_worker_fails_in_flight_requests_and_shuts_down(cluster, checkpoi
     llm = LLM(checkpoints["llama"], device="cpu", tensor_parallel_size=2, **tensor_parallel_options())
     engine = llm.engine
     actors = list(engine.executor.actors)
-    with pytest.raises(WorkerFailure, match=r"worker rank [01] failed in no_such_method: AttributeError"):
-        engine.executor.collective_rpc("no_such_method")  # a worker that raises
     ids = [engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=64)) for p in prompts]
     engine.step()
     engine.step()
@@ -110,6 +108,29 @@ def test_a_lost_worker_fails_in_flight_requests_and_shuts_down(cluster, checkpoi
     while ray.available_resources().get("TPU") != 4 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert ray.available_resources().get("TPU") == 4
+
+
+def test_a_worker_exception_fails_only_its_step(cluster, checkpoints, references, prompts):
+    """Under Ray as in-process: an exception inside every rank's step fails that step's
+    requests and the engine serves on; one rank failing a step the others ran is fatal."""
+    # A short collective timeout: rank 0 waits in vain for rank 1 in the fatal case.
+    engine = engine_with_worker(checkpoints["llama"], faulty_worker_class(), device="cpu", tensor_parallel_size=2,
+                                **tensor_parallel_options(collective_timeout_s=5))
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    healthy = engine.add_request({"prompt_token_ids": prompts[1]}, greedy)
+    engine.step()
+    doomed = engine.add_request({"prompt_token_ids": [5, POISON_ALL_RANKS, 7]}, greedy)
+    failed = {o.request_id: o for o in engine.step()}
+    assert failed[doomed].error == failed[healthy].error == "RuntimeError: device fell over"
+    assert failed[doomed].finished and failed[healthy].outputs[0].finish_reason == "error"
+    again = engine.add_request({"prompt_token_ids": prompts[0]}, greedy)
+    tokens = [t for d in run_to_end(engine) if d.request_id == again for t in d.outputs[0].token_ids]
+    assert tokens == references["llama"][0][0]
+    assert engine.stats().kv_blocks_used == 0
+    engine.add_request({"prompt_token_ids": [5, POISON_RANK_1, 7]}, greedy)
+    with pytest.raises(EngineDeadError, match="fell out of step .*rank 1: RuntimeError: device fell over"):
+        run_to_end(engine)
+    assert engine.executor.actors == []
 
 
 def test_mixtral_experts_split_over_four_ranks(cluster, checkpoints, prompts):

@@ -1,0 +1,53 @@
+"""The bucket plan from the config alone: buckets per dimension, picking, and the graph list
+(its length against the compilations counted at warm-up is checked in engine/test_engine.py)."""
+import pytest
+
+from tpu_executor.core.buckets import BucketPlan, DecodeGraph, PrefillGraph, SamplerGraph, pick_bucket
+from tpu_executor.core.config import (CacheConfig, CompileConfig, DeviceConfig, EngineConfig, ModelConfig,
+                                      SchedulerConfig)
+
+
+def config(tmp_path, max_model_len=320, **compile_options):
+    return EngineConfig(model=ModelConfig(model=str(tmp_path)), cache=CacheConfig(block_size=16),
+                        scheduler=SchedulerConfig(max_num_seqs=24, max_num_batched_tokens=2048),
+                        compile=CompileConfig(**compile_options), device=DeviceConfig("cpu"),
+                        max_model_len=max_model_len)
+
+
+def test_buckets_are_cut_at_the_limits(tmp_path):
+    plan = BucketPlan.from_config(config(tmp_path, prefill_buckets=(64, 128), decode_buckets=(4, 8, 32, 64),
+                                         decode_context_buckets=(128, 512), max_prefill_seqs=4))
+    assert plan.prefill_token_buckets == (64, 128, 320)   # max_model_len joins: a full prompt must fit
+    assert plan.decode_row_buckets == (4, 8, 24)          # cut at max_num_seqs
+    assert plan.decode_context_block_buckets == (8, 20)   # 128 and 320 tokens, in 16-token blocks
+    assert plan.sampler_row_buckets == (4, 8, 24)         # decode rows plus the prefill pack size
+    assert plan.logprob_widths == (0, 20)
+
+
+def test_prefill_buckets_above_the_context_are_kept_for_packing(tmp_path):
+    plan = BucketPlan.from_config(config(tmp_path, max_model_len=256, prefill_buckets=(128, 512, 1024)))
+    assert plan.prefill_token_buckets == (128, 512, 1024)
+
+
+def test_picking_a_bucket(tmp_path):
+    plan = BucketPlan.from_config(config(tmp_path, prefill_buckets=(64, 128), decode_buckets=(4, 8),
+                                         decode_context_buckets=(128,)))
+    assert plan.prefill_graph(65) == PrefillGraph(128)
+    assert plan.decode_graph(5, 9) == DecodeGraph(8, 20)
+    assert plan.sampler_graph(8, wants_logprobs=True, all_greedy=False) == SamplerGraph(8, 20, False)
+    assert plan.sampler_graph(8, wants_logprobs=False, all_greedy=True) == SamplerGraph(8, 0, True)
+    with pytest.raises(ValueError, match="exceeds the largest bucket 320"):
+        plan.prefill_graph(321)
+    assert pick_bucket((2, 8), 2) == 2
+
+
+def test_graph_list_covers_every_combination_once(tmp_path):
+    plan = BucketPlan.from_config(config(tmp_path, prefill_buckets=(32, 128), decode_buckets=(2, 8),
+                                         decode_context_buckets=(128,), max_prefill_seqs=8, max_logprobs=5))
+    graphs = plan.graphs()
+    assert len(graphs) == len(set(graphs))
+    assert [g for g in graphs if isinstance(g, PrefillGraph)] == [PrefillGraph(32), PrefillGraph(128), PrefillGraph(320)]
+    # rows (2, 8, and max_num_seqs 24) x context widths (128 and max_model_len 320 tokens)
+    assert len([g for g in graphs if isinstance(g, DecodeGraph)]) == 3 * 2
+    # rows (2, 8, 24; the prefill pack size 8 is among them) x logprobs (0, 5) x greedy or not
+    assert len([g for g in graphs if isinstance(g, SamplerGraph)]) == 3 * 2 * 2

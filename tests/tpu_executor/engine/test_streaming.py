@@ -1,0 +1,92 @@
+"""Streaming step outputs on the native path: ``step()`` hands out one delta per request that
+advanced, and the deltas of every sample concatenate to exactly the final output (text, ids,
+log-probs), with stop strings (held back until they can no longer be cut), ``n > 1`` and
+log-probs; ``LLM.generate`` returns the same accumulated outputs."""
+from collections import defaultdict
+
+import pytest
+
+from tests.common import run_to_end, tiny_engine_options
+from tpu_executor import LLM, SamplingParams
+
+# The third prompt repeats the first: it meets the same stop string (and hits the prefix cache).
+PROMPTS = [list(range(5, 40)), list(range(60, 150)), list(range(5, 40)), [7] * 30]
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    return LLM(checkpoints["llama"], device="cpu", **tiny_engine_options())
+
+
+def _params(stop_text: str):
+    return [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop_text, "zzzz"]),
+            SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=True, n=3, seed=11, logprobs=3),
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0,
+                           stop=[stop_text], include_stop_str_in_output=True),
+            SamplingParams(temperature=1.0, top_k=20, max_tokens=12, ignore_eos=True, seed=3, n=2)]
+
+
+def _stop_text(llm) -> str:
+    """Four characters from the middle of the first prompt's greedy text: a stop string that
+    the greedy run will meet, likely across a token boundary."""
+    full = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=24,
+                                                                          ignore_eos=True), use_tqdm=False)
+    text = full[0].outputs[0].text
+    stop = text[len(text) // 2:][:4]
+    assert len(stop) == 4 and stop.strip(), f"the random model's text is too short: {text!r}"
+    return stop
+
+
+def test_deltas_concatenate_to_the_final_outputs(llm):
+    stop = _stop_text(llm)
+    params = _params(stop)
+    expected = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    engine = llm.engine
+    ids = [engine.add_request({"prompt_token_ids": p}, sp) for p, sp in zip(PROMPTS, params)]
+    text, tokens, logprobs = defaultdict(str), defaultdict(list), defaultdict(list)
+    finished_at, steps_seen = {}, defaultdict(int)
+    for step, delta in enumerate(run_to_end(engine)):
+        assert delta.request_id not in finished_at, "a delta after the request's last one"
+        steps_seen[delta.request_id] += 1
+        for completion in delta.outputs:
+            key = (delta.request_id, completion.index)
+            text[key] += completion.text
+            tokens[key] += completion.token_ids
+            logprobs[key] += completion.logprobs or []
+        if delta.finished:
+            finished_at[delta.request_id] = step
+    assert sorted(finished_at) == sorted(ids)
+    for request_id, final in zip(ids, expected):
+        assert steps_seen[request_id] > 3, "a request must stream over several steps"
+        for completion in final.outputs:
+            key = (request_id, completion.index)
+            assert (text[key], tokens[key]) == (completion.text, completion.token_ids), key
+            assert logprobs[key] == (completion.logprobs or []), key
+    first, parallel, included = expected[0].outputs[0], expected[1], expected[2].outputs[0]
+    assert first.finish_reason == "stop" and first.stop_reason == stop and stop not in first.text
+    assert included.finish_reason == "stop" and included.text.endswith(stop)
+    assert len(parallel.outputs) == 3 and all(len(c.logprobs) == len(c.token_ids) for c in parallel.outputs)
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_tokens_stream_one_per_step(llm):
+    engine = llm.engine
+    request_id = engine.add_request({"prompt_token_ids": PROMPTS[1]},
+                                    SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    deltas = [d for d in run_to_end(engine) if d.request_id == request_id]
+    assert [len(d.outputs[0].token_ids) for d in deltas] == [1] * 10
+    assert [d.finished for d in deltas] == [False] * 9 + [True]
+    assert deltas[-1].outputs[0].finish_reason == "length"
+
+
+def test_abort_hands_out_a_last_delta(llm):
+    engine = llm.engine
+    request_id = engine.add_request({"prompt_token_ids": PROMPTS[0]},
+                                    SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, n=2))
+    streamed = engine.step() + engine.step()
+    engine.abort_request(request_id)
+    last = [d for d in run_to_end(engine) if d.request_id == request_id]
+    assert len(last) == 1 and last[0].finished
+    assert [c.finish_reason for c in last[0].outputs] == ["abort", "abort"]
+    assert sum(len(c.token_ids) for d in streamed for c in d.outputs) >= 2
+    assert engine.stats().kv_blocks_used == 0
