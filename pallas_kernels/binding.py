@@ -24,7 +24,7 @@ def on_tpu() -> bool:
     A process that has not loaded torch_xla has no XLA tensors, so no TPU provider could run:
     the answer is False without importing it (the native path never loads torch_xla).
     """
-    if "torch_xla" not in sys.modules:
+    if sys.modules.get("torch_xla") is None:  # never loaded, or marked absent
         return False
     import torch_xla.runtime as xr
 

@@ -6,7 +6,20 @@ import pytest
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "tpu: needs a real TPU (skipped elsewhere)")
-    config.addinivalue_line("markers", "slow: a large model or many compilations")
+    config.addinivalue_line("markers", "slow: XLA compilation, Ray actors, TPU interpret mode or a real model "
+                                       "(the fast tier is `pytest -m \"not slow\"`)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``tpu`` are skipped on machines without a TPU, whatever ``-m`` selects."""
+    import glob
+
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return
+    skip = pytest.mark.skip(reason="needs a TPU")
+    for item in items:
+        if "tpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

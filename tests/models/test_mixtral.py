@@ -59,6 +59,7 @@ def test_expert_tensors_load_into_the_stacked_layout(checkpoints):
         torch.testing.assert_close(experts.w2[5], f.get_tensor(f"{prefix}.w2.weight").t())
 
 
+@pytest.mark.slow
 def test_no_recompilation_across_random_lengths(checkpoints):
     llm = LLM(checkpoints["mixtral"], **tiny_engine_options(strict=True))
     rng = random.Random(5)

@@ -19,7 +19,7 @@ def reference(path, prompts):
     return _references[path]
 
 
-@pytest.mark.parametrize("device", ["xla", "cpu"])
+@pytest.mark.parametrize("device", [pytest.param("xla", marks=pytest.mark.slow), "cpu"])
 @pytest.mark.parametrize("arch", ["llama", "gemma", "gemma2", "mixtral"])
 def test_greedy_matches_transformers(checkpoints, arch, device):
     path = checkpoints[arch]

@@ -9,6 +9,8 @@ from tests.pallas_kernels.kernel_cases import (NUM_CASES, check_kernel_against_r
                                                check_kernels_agree, generated_cases, in_fresh_process,
                                                value_error_of)
 
+pytestmark = pytest.mark.slow  # TPU interpret mode
+
 CASES = generated_cases(ops.SPEC, seed=0)
 
 

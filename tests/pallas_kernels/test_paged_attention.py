@@ -11,6 +11,8 @@ from tests.pallas_kernels.kernel_cases import (NUM_CASES, case_kinds, check_kern
                                                check_kernels_agree, generated_cases, in_fresh_process,
                                                run_jax, value_error_of)
 
+pytestmark = pytest.mark.slow  # TPU interpret mode
+
 CASES = generated_cases(ops.SPEC, seed=1)
 
 

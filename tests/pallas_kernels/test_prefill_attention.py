@@ -9,6 +9,8 @@ from pallas_kernels.prefill_attention import kernel, ops
 from tests.pallas_kernels.kernel_cases import (NUM_CASES, case_kinds, check_kernel_against_reference,
                                                generated_cases, in_fresh_process)
 
+pytestmark = pytest.mark.slow  # TPU interpret mode
+
 CASES = generated_cases(ops.SPEC, seed=2)
 BLOCKS = ((None, None), (16, 128), (32, 128))  # default, and small blocks that skip a lot
 

@@ -6,8 +6,12 @@ The two engines are timed side by side, interleaved, and only a loose ratio is a
 import statistics
 import time
 
+import pytest
+
 from tests.common import tiny_engine_options
 from tpu_executor import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow  # XLA compilation, a 1 GiB cache
 
 BLOCK_BYTES = 8 * 1024  # tiny Llama: 2 layers x (K, V) x 2 kv heads x 16 slots x 16 dims x fp32
 

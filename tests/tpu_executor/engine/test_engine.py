@@ -8,6 +8,8 @@ from tests.common import tiny_engine_options
 from tpu_executor import LLM, SamplingParams
 from tpu_executor.core.buckets import BucketPlan
 
+pytestmark = pytest.mark.slow  # XLA compilation
+
 
 @pytest.fixture(scope="module")
 def llm(checkpoints):

@@ -8,6 +8,8 @@ import ray
 from tests.common import greedy_tokens, hf_greedy, mixed_prompts, ray_session, tensor_parallel_options
 from tpu_executor import LLM
 
+pytestmark = pytest.mark.slow  # a simulated two-node Ray cluster
+
 
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory):

@@ -16,6 +16,8 @@ from tests.common import (POISON_ALL_RANKS, POISON_RANK_1, engine_with_worker, f
                           hf_greedy, mixed_prompts, ray_session, run_to_end, tensor_parallel_options)
 from tpu_executor import LLM, EngineDeadError, SamplingParams
 
+pytestmark = pytest.mark.slow  # Ray actors, one per simulated chip
+
 NEW_TOKENS = 24
 
 
