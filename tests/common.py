@@ -133,3 +133,14 @@ def run_to_end(engine):
     while engine.has_unfinished_requests():
         deltas.extend(engine.step())
     return deltas
+
+
+def accumulate(deltas):
+    """Each request's deltas added up into its whole output, by request id."""
+    from tpu_executor import RequestOutput
+
+    totals = {}
+    for delta in deltas:
+        totals.setdefault(delta.request_id, RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids,
+                                                          [], False)).add(delta)
+    return totals

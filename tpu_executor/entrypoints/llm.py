@@ -1,7 +1,7 @@
 """Offline entry point: ``LLM(model=..., device=...).generate(prompts, params)``."""
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Union
+from typing import List, Sequence, Union
 
 from tqdm import tqdm
 
@@ -60,15 +60,18 @@ class LLM:
 
     def _run(self, ids: List[str], use_tqdm: bool) -> List[RequestOutput]:
         """Step until every request finished, accumulating each one's deltas."""
-        outputs: Dict[str, RequestOutput] = {}
-        finished = 0
+        outputs = {i: None for i in ids}
+        unfinished = set(ids)
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
-            while finished < len(ids):
+            while unfinished:
                 for delta in self.engine.step():
-                    total = outputs.setdefault(delta.request_id, RequestOutput(
-                        delta.request_id, delta.prompt, delta.prompt_token_ids, [], False))
-                    total.add(delta)
+                    if delta.request_id not in unfinished:
+                        continue  # a request someone else queued on this engine
+                    if outputs[delta.request_id] is None:
+                        outputs[delta.request_id] = RequestOutput(delta.request_id, delta.prompt,
+                                                                  delta.prompt_token_ids, [], False)
+                    outputs[delta.request_id].add(delta)
                     if delta.finished:
-                        finished += 1
+                        unfinished.discard(delta.request_id)
                         bar.update()
         return [outputs[i] for i in ids]

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from tests.common import tiny_engine_options
+from tests.common import accumulate, run_to_end, tiny_engine_options
 from tpu_executor import LLM, SamplingParams
 from tpu_executor.core.buckets import BucketPlan
 
@@ -87,13 +87,9 @@ def test_abort_mid_generation_returns_blocks(llm):
     engine = llm.engine
     keep = engine.add_request({"prompt_token_ids": list(range(3, 40))}, greedy(10))
     gone = engine.add_request({"prompt_token_ids": list(range(3, 80))}, greedy(50))
-    engine.step()
-    engine.step()
+    first, second = engine.step(), engine.step()
     engine.abort_request(gone)
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step()})
-    finished.update({o.request_id: o for o in engine.step()})
+    finished = accumulate(first + second + run_to_end(engine) + engine.step())
     assert finished[gone].outputs[0].finish_reason == "abort"
     assert len(finished[keep].outputs[0].token_ids) == 10
     assert engine.stats().kv_blocks_used == 0

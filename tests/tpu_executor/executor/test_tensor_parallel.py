@@ -74,7 +74,7 @@ def test_launch_script_checks_the_cluster_then_generates(cluster, checkpoints, c
     address = ray.get_runtime_context().gcs_address
     with pytest.raises(ValueError, match="needs 8 TPU chips but the Ray cluster has 4"):
         launch.main(["--ray-address", address, "--tensor-parallel-size", "8", "--check-only"])
-    launch.main(["--ray-address", address, "--tensor-parallel-size", "2", "--model", checkpoints["llama"],
+    launch.main(["--ray-address", address, "--tensor-parallel-size", "2", checkpoints["llama"],
                  "--device", "cpu", "--prompt", "ka lo mi", "--no-chat-template", "--max-tokens", "8",
                  "--max-model-len", "96", "--prefill-buckets", "96", "--decode-buckets", "4",
                  "--decode-context-buckets", "96"])
