@@ -70,7 +70,7 @@ class OpRegistry:
             raise ValueError(f"op {op!r} already has a provider named {provider.name!r}")
         providers.append(provider)
         providers.sort(key=lambda p: -p.priority)
-        self._refresh()
+        self.refresh()
 
     def ops(self) -> List[str]:
         return sorted(self._providers)
@@ -92,13 +92,11 @@ class OpRegistry:
                 raise ValueError(f"bad op selection item {part!r}; use +op or -op with op in {self.ops()}")
             enabled[op] = sign == "+"
         self._enabled = enabled
-        self._refresh()
+        self.refresh()
 
     def refresh(self) -> None:
-        """Re-run the providers' static checks (after the process loaded a runtime, e.g. torch_xla)."""
-        self._refresh()
-
-    def _refresh(self) -> None:
+        """Run the providers' static checks again (after the process loaded a runtime, e.g.
+        torch_xla)."""
         # Static checks run once per registration or configuration, never while tracing:
         # state that changed under torch.compile would fail its guards and recompile. For the
         # same reason an unchanged result keeps the very same objects.

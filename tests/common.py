@@ -115,16 +115,10 @@ def faulty_worker_class():
 
 def engine_with_worker(path: str, worker_class, **options):
     """An LLMEngine whose executor (in-process or Ray, as the options ask) runs ``worker_class``."""
-    from transformers import AutoTokenizer
-
     from tpu_executor.engine.llm_engine import LLMEngine
-    from tpu_executor.engine.options import build_engine_config
-    from tpu_executor.executor import executor_class_for
 
-    show_progress = options.pop("show_progress", False)
-    config = build_engine_config(path, **options)
-    executor = executor_class_for(config)(config, worker_class=worker_class)
-    return LLMEngine(config, AutoTokenizer.from_pretrained(path), executor=executor, show_progress=show_progress)
+    return LLMEngine.from_options(path, show_progress=options.pop("show_progress", False),
+                                  worker_class=worker_class, **options)
 
 
 def run_to_end(engine):
@@ -134,13 +128,3 @@ def run_to_end(engine):
         deltas.extend(engine.step())
     return deltas
 
-
-def accumulate(deltas):
-    """Each request's deltas added up into its whole output, by request id."""
-    from tpu_executor import RequestOutput
-
-    totals = {}
-    for delta in deltas:
-        totals.setdefault(delta.request_id, RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids,
-                                                          [], False)).add(delta)
-    return totals

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 from tpu_executor.core.sampling_params import SamplingParams
 
@@ -125,3 +125,13 @@ class RequestOutput:
         self.outputs.sort(key=lambda c: c.index)
         self.finished = delta.finished
         self.error = delta.error or self.error
+
+
+def accumulate_deltas(deltas: Iterable[RequestOutput]) -> Dict[str, RequestOutput]:
+    """Each request's deltas, in order, added up into its whole output, by request id."""
+    totals: Dict[str, RequestOutput] = {}
+    for delta in deltas:
+        if delta.request_id not in totals:
+            totals[delta.request_id] = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False)
+        totals[delta.request_id].add(delta)
+    return totals

@@ -23,6 +23,7 @@ from tpu_executor.core.request import CompletionOutput, Request, RequestOutput, 
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.core.scheduler import Scheduler
 from tpu_executor.core.step import SchedulerOutput, WorkerStats
+from tpu_executor.engine.options import build_engine_config
 from tpu_executor.engine.stats import EngineStats
 from tpu_executor.executor import Executor, WorkerFailure, executor_class_for
 
@@ -97,6 +98,18 @@ class LLMEngine:
         self._worker_stats = WorkerStats()
         self._seed_rng = random.Random(config.model.seed)
         self._counter = itertools.count()
+
+    @classmethod
+    def from_options(cls, model: str, show_progress: bool = True, worker_class: Optional[type] = None,
+                     **options) -> "LLMEngine":
+        """An engine for the checkpoint at ``model`` from flat engine options (see
+        ``engine/options.py``). ``worker_class`` swaps in a ``Worker`` subclass (tests inject
+        faults with it)."""
+        from transformers import AutoTokenizer
+
+        config = build_engine_config(model, **options)
+        executor = executor_class_for(config)(config, worker_class=worker_class)
+        return cls(config, AutoTokenizer.from_pretrained(model), executor=executor, show_progress=show_progress)
 
     def _timed(self, phase: str, call, *args):
         start = time.perf_counter()
@@ -187,7 +200,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request still runs, waits, or has a delta not yet handed out."""
-        return self.scheduler.has_unfinished() or bool(self._advanced) or bool(self._deferred)
+        # A deferred sample's group always has its first sample in the scheduler.
+        return self.scheduler.has_unfinished() or bool(self._advanced)
 
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> List[RequestOutput]:

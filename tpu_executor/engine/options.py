@@ -72,7 +72,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser, exclude: Iterable[str]
 
 
 def engine_options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
-    """The engine options present in parsed ``args`` (tuples for list flags)."""
+    """The engine options present in parsed ``args`` (the configs turn bucket lists into tuples)."""
     values = vars(args)
-    return {f.name: tuple(values[f.name]) if isinstance(values[f.name], list) else values[f.name]
-            for _, f in option_fields() if f.name in values}
+    return {f.name: values[f.name] for _, f in option_fields() if f.name in values}

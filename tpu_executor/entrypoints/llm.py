@@ -5,10 +5,9 @@ from typing import List, Sequence, Union
 
 from tqdm import tqdm
 
-from tpu_executor.core.request import RequestOutput
+from tpu_executor.core.request import RequestOutput, accumulate_deltas
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.engine.llm_engine import LLMEngine, PromptType
-from tpu_executor.engine.options import build_engine_config
 from tpu_executor.engine.stats import EngineStats
 
 
@@ -22,11 +21,7 @@ class LLM:
     """
 
     def __init__(self, model: str, show_progress: bool = True, **options):
-        from transformers import AutoTokenizer
-
-        config = build_engine_config(model, **options)
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        self.engine = LLMEngine(config, tokenizer, show_progress=show_progress)
+        self.engine = LLMEngine.from_options(model, show_progress=show_progress, **options)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -59,19 +54,17 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: List[str], use_tqdm: bool) -> List[RequestOutput]:
-        """Step until every request finished, accumulating each one's deltas."""
-        outputs = {i: None for i in ids}
+        """Step until every request finished; each one's deltas added up."""
+        deltas: List[RequestOutput] = []
         unfinished = set(ids)
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
             while unfinished:
                 for delta in self.engine.step():
                     if delta.request_id not in unfinished:
                         continue  # a request someone else queued on this engine
-                    if outputs[delta.request_id] is None:
-                        outputs[delta.request_id] = RequestOutput(delta.request_id, delta.prompt,
-                                                                  delta.prompt_token_ids, [], False)
-                    outputs[delta.request_id].add(delta)
+                    deltas.append(delta)
                     if delta.finished:
                         unfinished.discard(delta.request_id)
                         bar.update()
+        outputs = accumulate_deltas(deltas)
         return [outputs[i] for i in ids]

@@ -85,11 +85,11 @@ class RayExecutor(Executor):
     """``tensor_parallel_size`` Ray actors, one per chip, in rank order. ``worker_class`` swaps
     in a ``Worker`` subclass (tests inject faults with it)."""
 
-    def __init__(self, config: EngineConfig, worker_class: Type[Worker] = Worker):
+    def __init__(self, config: EngineConfig, worker_class: Optional[Type[Worker]] = None):
         import ray
 
         super().__init__(config)
-        self.worker_class = worker_class
+        self.worker_class = worker_class or Worker
         self.actors: List[Any] = []
         self.placement_group = None
         self._owns_ray = not ray.is_initialized()

@@ -12,9 +12,9 @@ class UniprocExecutor(Executor):
     """Runs the single worker's methods directly. ``worker_class`` swaps in a subclass (tests
     inject faults with it)."""
 
-    def __init__(self, config: EngineConfig, worker_class: Type[Worker] = Worker):
+    def __init__(self, config: EngineConfig, worker_class: Optional[Type[Worker]] = None):
         super().__init__(config)
-        self.workers: List[Worker] = [worker_class(config)]
+        self.workers: List[Worker] = [(worker_class or Worker)(config)]
 
     def _call_workers(self, method: str, *args: Any, timeout_s: Optional[float] = None) -> List[Any]:
         # In-process calls cannot be interrupted: a hung step hangs the caller (timeout unused).

@@ -80,23 +80,28 @@ class ModelRunner:
             results.update(self._run_decode(step.decodes))
         return results
 
+    def _prefill_logits(self, pack: Sequence[PrefillWork], graph: PrefillGraph, kv_caches: KVCaches) -> torch.Tensor:
+        inputs = prefill_inputs(pack, graph.num_tokens, self.plan.max_prefill_seqs, self.block_size)
+        return self._prefill_fn(**to_device(inputs, self.device), kv_caches=kv_caches)
+
+    def _decode_logits(self, work: Sequence[DecodeWork], graph: DecodeGraph) -> torch.Tensor:
+        inputs = decode_inputs(work, graph.num_rows, graph.context_blocks, self.block_size)
+        return self._decode_fn(**to_device(inputs, self.device), kv_caches=self.kv_caches)
+
     def _run_prefill(self, pack: Sequence[PrefillWork]) -> Dict[str, SampledToken]:
         graph = self.plan.prefill_graph(sum(w.num_context_tokens for w in pack))
-        inputs = prefill_inputs(pack, graph.num_tokens, self.plan.max_prefill_seqs, self.block_size)
         self.padding.prefill_tokens_real += sum(len(w.token_ids) for w in pack)
         self.padding.prefill_tokens_padded += graph.num_tokens
         with self.guard.watch(f"prefill bucket {graph.num_tokens}"):
-            logits = self._prefill_fn(**to_device(inputs, self.device), kv_caches=self.kv_caches)
+            logits = self._prefill_logits(pack, graph, self.kv_caches)
             return self._sample(pack, logits, self.plan.max_prefill_seqs)
 
     def _run_decode(self, work: Sequence[DecodeWork]) -> Dict[str, SampledToken]:
         needed = [item.position // self.block_size + 1 for item in work]
         graph = self.plan.decode_graph(len(work), max(needed))
-        inputs = decode_inputs(work, graph.num_rows, graph.context_blocks, self.block_size)
         self._count_decode_padding(needed, graph)
         with self.guard.watch(f"decode bucket rows={graph.num_rows} blocks={graph.context_blocks}"):
-            logits = self._decode_fn(**to_device(inputs, self.device), kv_caches=self.kv_caches)
-            return self._sample(work, logits, graph.num_rows)
+            return self._sample(work, self._decode_logits(work, graph), graph.num_rows)
 
     def _count_decode_padding(self, needed_blocks: List[int], graph: DecodeGraph) -> None:
         self.padding.decode_rows_real += len(needed_blocks)
@@ -119,8 +124,7 @@ class ModelRunner:
         blocks = self.config.max_blocks_per_seq
         work = PrefillWork("profile", tuple([0] * self.config.max_model_len), 0, tuple(range(1, blocks + 1)),
                            SamplingMeta.greedy())
-        inputs = prefill_inputs([work], self.plan.max_prefill_tokens, self.plan.max_prefill_seqs, self.block_size)
-        self._prefill_fn(**to_device(inputs, self.device), kv_caches=kv_caches).cpu()
+        self._prefill_logits([work], PrefillGraph(self.plan.max_prefill_tokens), kv_caches).cpu()
 
     @torch.no_grad()
     def warmup(self, show_progress: bool = True) -> None:
@@ -135,12 +139,9 @@ class ModelRunner:
         """Run ``graph`` once on padding-only inputs (writes go to the null block)."""
         if isinstance(graph, PrefillGraph):
             dummy = [PrefillWork("warmup", (0,), 0, (NULL_BLOCK,), SamplingMeta.greedy())]
-            inputs = prefill_inputs(dummy, graph.num_tokens, self.plan.max_prefill_seqs, self.block_size)
-            self._prefill_fn(**to_device(inputs, self.device), kv_caches=self.kv_caches).cpu()
+            self._prefill_logits(dummy, graph, self.kv_caches).cpu()
         elif isinstance(graph, DecodeGraph):
-            dummy = [DecodeWork("warmup", 0, 0, (NULL_BLOCK,), SamplingMeta.greedy())]
-            inputs = decode_inputs(dummy, graph.num_rows, graph.context_blocks, self.block_size)
-            self._decode_fn(**to_device(inputs, self.device), kv_caches=self.kv_caches).cpu()
+            self._decode_logits([DecodeWork("warmup", 0, 0, (NULL_BLOCK,), SamplingMeta.greedy())], graph).cpu()
         else:
             logits = torch.zeros(graph.num_rows, self.model.config.vocab_size).to(self.device)  # device data, as in serving
             tensors = to_device(sampling_tensors([], graph.num_rows), self.device)

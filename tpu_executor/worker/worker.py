@@ -52,20 +52,23 @@ class Worker:
     # ---- device -------------------------------------------------------------------------
     def init_device(self) -> str:
         """Pick the device and start its runtime; returns a description of it."""
-        device = self.config.device
-        if device.is_xla:
+        if self.config.device.is_xla:
             self._init_xla_device()
         else:
-            self.device = torch.device(device.device)
-            if self.device.type == "cuda" and not torch.cuda.is_available():
-                raise ValueError(f"device {device.device!r}: torch sees no CUDA GPU here; use device='cpu' or 'xla'")
-            self._init_cpu_group()
-        # torch_xla (when used) is loaded first, so the registry sees whether this is a TPU.
-        from pallas_kernels import register_all
-
-        register_all()
+            self._init_torch_device()
         torch.manual_seed(self.config.model.seed)
         return f"{self.device}, rank {self.rank} of {self.placement.world_size}"
+
+    def _init_torch_device(self) -> None:
+        """The native path: any torch device, no torch_xla."""
+        from pallas_kernels import register_all
+
+        self.device = torch.device(self.config.device.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.config.device.device!r}: torch sees no CUDA GPU here; "
+                             "use device='cpu' or 'xla'")
+        self._init_cpu_group()
+        register_all()
 
     def _init_xla_device(self) -> None:
         os.environ.setdefault("PJRT_DEVICE", "TPU" if _tpu_present() else "CPU")
@@ -74,11 +77,12 @@ class Worker:
             self._init_tpu_multiprocess()
         import torch_xla
 
-        if on_tpu:
-            from pallas_kernels import register_all
+        from pallas_kernels import register_all
 
+        registry = register_all()  # after torch_xla is loaded, so it sees whether this is a TPU
+        if on_tpu:
             # PJRT's CPU client cannot deserialize executables, so the cache only helps on TPU.
-            self._init_compile_cache(register_all().fingerprint())
+            self._init_compile_cache(registry.fingerprint())
         else:
             self._init_cpu_group()
         self.device = torch_xla.device()

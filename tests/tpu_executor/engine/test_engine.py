@@ -8,8 +8,9 @@ import textwrap
 
 import pytest
 
-from tests.common import accumulate, run_to_end, tiny_engine_options
+from tests.common import run_to_end, tiny_engine_options
 from tpu_executor import LLM, SamplingParams
+from tpu_executor.core.request import accumulate_deltas
 
 pytestmark = pytest.mark.slow  # XLA compilation
 
@@ -112,7 +113,7 @@ def test_abort_mid_generation_returns_blocks(llm):
     gone = engine.add_request({"prompt_token_ids": list(range(3, 80))}, greedy(50))
     first, second = engine.step(), engine.step()
     engine.abort_request(gone)
-    finished = accumulate(first + second + run_to_end(engine) + engine.step())
+    finished = accumulate_deltas(first + second + run_to_end(engine) + engine.step())
     assert finished[gone].outputs[0].finish_reason == "abort"
     assert len(finished[keep].outputs[0].token_ids) == 10
     assert engine.stats().kv_blocks_used == 0
