@@ -98,6 +98,21 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request arrived and when its first sample was first scheduled
+    (``time.monotonic()`` seconds); the difference is its time in the queue."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+
+    @property
+    def queue_time(self) -> Optional[float]:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     """A request's output (vLLM's shape). ``LLMEngine.step`` returns deltas: ``outputs`` holds
     the samples that advanced in that step, each with only its new text, ids and log-probs;
@@ -110,6 +125,7 @@ class RequestOutput:
     outputs: List[CompletionOutput]
     finished: bool
     error: Optional[str] = None
+    metrics: Optional[RequestMetrics] = None
 
     def add(self, delta: "RequestOutput") -> None:
         """Merge a later delta of the same request into this one, sample by sample."""
@@ -125,6 +141,7 @@ class RequestOutput:
         self.outputs.sort(key=lambda c: c.index)
         self.finished = delta.finished
         self.error = delta.error or self.error
+        self.metrics = delta.metrics or self.metrics
 
 
 def accumulate_deltas(deltas: Iterable[RequestOutput]) -> Dict[str, RequestOutput]:

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.detokenizer import Detokenizer, DetokenizerState, take_text_delta
 from tpu_executor.core.kv_cache_manager import KVCacheManager
-from tpu_executor.core.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from tpu_executor.core.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.core.scheduler import Scheduler
 from tpu_executor.core.step import SchedulerOutput, WorkerStats
@@ -49,6 +49,7 @@ class RequestGroup:
     prompt: Optional[str]
     prompt_token_ids: List[int]
     samples: List[SampleStream]
+    metrics: RequestMetrics
 
     @property
     def finished(self) -> bool:
@@ -131,7 +132,7 @@ class LLMEngine:
     def prepare_prompt(self, prompt: PromptType, params: SamplingParams) -> List[int]:
         """The prompt's token ids, validated against the model and the engine's limits."""
         token_ids = self._prompt_token_ids(prompt)
-        self._validate(token_ids, params)
+        self.validate_prompt(token_ids, params)
         return token_ids
 
     def _prompt_token_ids(self, prompt: PromptType) -> List[int]:
@@ -143,7 +144,9 @@ class LLMEngine:
             return list(prompt["prompt_token_ids"])
         raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
-    def _validate(self, token_ids: List[int], params: SamplingParams) -> None:
+    def validate_prompt(self, token_ids: List[int], params: SamplingParams) -> None:
+        """Raise ValueError if ``token_ids`` cannot run on this engine with ``params``. Reads
+        only the config, so other threads may call it while the engine steps."""
         if not token_ids:
             raise ValueError("prompt is empty: it has no tokens")
         vocab = self.vocab_size
@@ -151,17 +154,19 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:8]}")
         if len(token_ids) >= self.config.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is "
-                             f"{self.config.max_model_len} (the prompt must leave room for output)")
+            raise ValueError(f"This model's maximum context length is {self.config.max_model_len} tokens, "
+                             f"but the prompt has {len(token_ids)} tokens (it must leave room for output; "
+                             "max_model_len sets the limit)")
         if params.logprobs is not None and params.logprobs > self.config.compile.max_logprobs:
             raise ValueError(f"logprobs {params.logprobs} exceeds max_logprobs "
                              f"{self.config.compile.max_logprobs} of this engine")
 
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
-                    prompt_token_ids: Optional[List[int]] = None) -> str:
+                    prompt_token_ids: Optional[List[int]] = None, arrival_time: Optional[float] = None) -> str:
         """Validate and queue a request; returns its id. Invalid input raises ValueError.
 
-        ``prompt_token_ids`` skips tokenising and validating again (from ``prepare_prompt``).
+        ``prompt_token_ids`` skips tokenising and validating again (from ``prepare_prompt``);
+        ``arrival_time`` (``time.monotonic()``) is when it reached the server, default now.
         """
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine has shut down: {self.dead_reason}")
@@ -172,7 +177,8 @@ class LLMEngine:
         group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, list(token_ids),
                              [SampleStream(self._new_sample(request_id, token_ids, params, index),
                                            self.detokenizer.new_state(token_ids))
-                              for index in range(params.n)])
+                              for index in range(params.n)],
+                             RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()))
         self._groups[request_id] = group
         for index, sample in enumerate(group.samples):
             self._streams[sample.request.request_id] = (group, index)
@@ -198,6 +204,11 @@ class LLMEngine:
                 self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED)
                 self._advanced.setdefault(request_id, set()).add(index)
 
+    def abort_all_requests(self) -> None:
+        """Abort every request in the engine (shutdown)."""
+        for request_id in list(self._groups):
+            self.abort_request(request_id)
+
     def has_unfinished_requests(self) -> bool:
         """Whether any request still runs, waits, or has a delta not yet handed out."""
         # A deferred sample's group always has its first sample in the scheduler.
@@ -213,6 +224,11 @@ class LLMEngine:
         return self._take_deltas()
 
     def _execute(self, scheduled: SchedulerOutput) -> None:
+        now = time.monotonic()
+        for work in scheduled.prefills:
+            metrics = self._streams[work.request_id][0].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
         try:
             output = self.executor.execute_model(scheduled)
         except WorkerFailure as err:
@@ -278,7 +294,7 @@ class LLMEngine:
             group = self._groups[group_id]
             outputs = [self._sample_delta(group.samples[i], i) for i in sorted(indices)]
             deltas.append(RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
-                                        finished=group.finished, error=group.error))
+                                        finished=group.finished, error=group.error, metrics=group.metrics))
             if group.finished:
                 self._forget(group)
         self._advanced = {}

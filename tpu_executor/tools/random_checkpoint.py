@@ -35,6 +35,11 @@ def _corpus(num_lines: int, seed: int, num_words: int):
         yield " ".join(rng.choice(words) for _ in range(rng.randint(4, 16))) + "."
 
 
+# ChatML, so the chat endpoint can be tested on random checkpoints.
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 def train_tokenizer(vocab_size: int, seed: int = 0):
     """A byte-level BPE tokenizer trained on synthetic text, wrapped for transformers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -48,7 +53,7 @@ def train_tokenizer(vocab_size: int, seed: int = 0):
     # Enough distinct words that BPE reaches the requested vocabulary size.
     tok.train_from_iterator(_corpus(4000, seed, max(400, vocab_size)), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>")
+                                   eos_token="</s>", chat_template=CHAT_TEMPLATE)
 
 
 def _config(arch: str, sizes: Dict, vocab_size: int):

@@ -1,0 +1,280 @@
+"""The async engine: one thread owns an ``LLMEngine`` and steps it while work exists; asyncio
+code submits requests through a thread-safe command queue and reads each request's deltas
+from an async stream.
+
+The engine thread is the only one that touches the engine (scheduler, KV cache, executor), so
+nothing in it needs a lock; the event loop only sees deltas, which the thread hands over with
+one ``call_soon_threadsafe`` per step. A model step blocks its thread for its whole duration
+(the device, or XLA's CPU backend, releases the GIL), while the event loop goes on accepting
+and streaming.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Set, Union
+
+from tpu_executor.core.request import RequestOutput
+from tpu_executor.core.sampling_params import SamplingParams
+from tpu_executor.engine.llm_engine import EngineDeadError, LLMEngine
+from tpu_executor.engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_waiting_requests`` already; the request was not queued."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: Optional[str]
+    token_ids: List[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Stats:
+    answer: concurrent.futures.Future
+
+
+_STOP = object()
+
+
+class RequestStream:
+    """The deltas of one or more engine requests, in the order the engine produced them (a
+    completions call with several prompts reads all of them from one stream). It ends after
+    the finished delta of its last request, or raises the error that ended it
+    (``EngineDeadError`` when the engine died)."""
+
+    def __init__(self):
+        self.unfinished: Set[str] = set()
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+    def put(self, item: Union[RequestOutput, BaseException]) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self.unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.unfinished.clear()
+            raise item
+        if item.finished:
+            self.unfinished.discard(item.request_id)
+        return item
+
+
+class AsyncLLMEngine:
+    """Runs ``engine`` on a thread of its own and serves it to asyncio code.
+
+    ``max_waiting_requests`` bounds the requests queued but not yet running: one more raises
+    ``QueueFullError`` at once instead of waiting unseen. Call ``start()`` from the event loop
+    that will read the streams, and ``await shutdown()`` at the end.
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 1024):
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.dead_reason: Optional[str] = engine.dead_reason
+        self._commands: "queue.SimpleQueue[object]" = queue.SimpleQueue()
+        self._streams: Dict[str, RequestStream] = {}
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        # Admission: requests the engine has queued, plus adds still in the command queue.
+        self._lock = threading.Lock()
+        self._engine_waiting = 0
+        self._unapplied_adds = 0
+
+    def start(self) -> None:
+        """Start the engine thread; deltas are delivered on the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead_reason is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_open_requests(self) -> int:
+        """Requests whose stream has not ended yet."""
+        return len(self._streams)
+
+    # ---- the event loop's side ----------------------------------------------------------
+    def add_request(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
+                    prompt: Optional[str] = None, arrival_time: Optional[float] = None,
+                    stream: Optional[RequestStream] = None) -> RequestStream:
+        """Queue a validated request (see ``LLMEngine.validate_prompt``); returns the stream
+        its deltas go to (``stream`` if given, to share one among several requests). Raises
+        ``EngineDeadError`` if the engine is gone, ``QueueFullError`` if the waiting queue is
+        full, ``ValueError`` for an id already in use."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self.dead_reason or 'not started or shut down'}")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        with self._lock:
+            if self._engine_waiting + self._unapplied_adds >= self.max_waiting_requests:
+                raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests); "
+                                     "retry later")
+            self._unapplied_adds += 1
+        stream = stream if stream is not None else RequestStream()
+        stream.unfinished.add(request_id)
+        self._streams[request_id] = stream
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        self._commands.put(_Add(request_id, prompt, list(token_ids), params, arrival))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed before the next step. Its stream gets no more
+        deltas of it."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.unfinished.discard(request_id)
+            self._commands.put(_Abort(request_id))
+
+    def abort_stream(self, stream: RequestStream) -> None:
+        """Abort every unfinished request of ``stream`` (its reader has gone)."""
+        for request_id in list(stream.unfinished):
+            self.abort(request_id)
+
+    async def generate(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
+                       prompt: Optional[str] = None,
+                       arrival_time: Optional[float] = None) -> AsyncIterator[RequestOutput]:
+        """The deltas of one request. Leaving the loop early (a client disconnect cancels the
+        task) aborts the request."""
+        stream = self.add_request(request_id, token_ids, params, prompt, arrival_time)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            self.abort_stream(stream)
+
+    async def stats(self) -> EngineStats:
+        """A fresh ``EngineStats``, taken by the engine thread between two steps."""
+        if not self.is_running:
+            return self.engine.stats()
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Stats(answer))
+        return await asyncio.wrap_future(answer)
+
+    async def shutdown(self) -> None:
+        """Abort what is left, stop the engine thread and release the workers."""
+        if self._thread is not None and self._thread.is_alive():
+            self._commands.put(_STOP)
+            await asyncio.to_thread(self._thread.join)
+        self._end_all_streams(EngineDeadError("the server is shutting down"))
+        self.dead_reason = self.dead_reason or "shut down"
+        await asyncio.to_thread(self.engine.shutdown)
+
+    # ---- delivery (runs on the event loop) -----------------------------------------------
+    def _dispatch(self, deltas: List[RequestOutput]) -> None:
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is None:
+                continue  # aborted by its reader
+            stream.put(delta)
+            if delta.finished:
+                del self._streams[delta.request_id]
+
+    def _end_all_streams(self, error: BaseException) -> None:
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            stream.put(error)
+        self._streams.clear()
+
+    def _die(self, reason: str, last_deltas: List[RequestOutput]) -> None:
+        self.dead_reason = reason
+        self._dispatch(last_deltas)
+        self._end_all_streams(EngineDeadError(f"the engine died: {reason}"))
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while self._apply_commands(block=not engine.has_unfinished_requests()):
+                if engine.has_unfinished_requests():
+                    deltas = engine.step()
+                    self._publish_waiting()
+                    self._loop.call_soon_threadsafe(self._dispatch, deltas)
+        except EngineDeadError as err:
+            self._loop.call_soon_threadsafe(self._die, str(err), err.outputs)
+        except BaseException as err:  # noqa: BLE001 - a bug in the loop: nothing can step any more
+            logger.exception("the engine loop failed")
+            self._loop.call_soon_threadsafe(self._die, f"{type(err).__name__}: {err}", [])
+            engine.shutdown()
+        finally:
+            self._answer_left_over_stats()
+
+    def _answer_left_over_stats(self) -> None:
+        """Stats asked for while the loop was ending still get an answer."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Stats):
+                try:
+                    command.answer.set_result(self.engine.stats())
+                except Exception as err:  # noqa: BLE001 - the workers are gone
+                    command.answer.set_exception(err)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply every queued command (waiting for one if ``block``); False on stop."""
+        while True:
+            try:
+                command = self._commands.get(timeout=None) if block else self._commands.get_nowait()
+            except queue.Empty:
+                self._publish_waiting()
+                return True
+            block = False
+            if command is _STOP:
+                self.engine.abort_all_requests()
+                return False
+            self._apply(command)
+
+    def _apply(self, command: object) -> None:
+        engine = self.engine
+        if isinstance(command, _Add):
+            with self._lock:
+                self._unapplied_adds -= 1
+            try:
+                engine.add_request(command.prompt, command.params, command.request_id,
+                                   prompt_token_ids=command.token_ids, arrival_time=command.arrival_time)
+            except ValueError as err:  # a race the caller's checks could not see; fail only this one
+                self._loop.call_soon_threadsafe(self._fail_stream, command.request_id, err)
+        elif isinstance(command, _Abort):
+            engine.abort_request(command.request_id)
+        elif isinstance(command, _Stats):
+            command.answer.set_result(engine.stats())
+
+    def _fail_stream(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self.abort_stream(stream)  # the stream's other requests go with it
+            stream.put(error)
+
+    def _publish_waiting(self) -> None:
+        with self._lock:
+            self._engine_waiting = self.engine.scheduler.num_waiting

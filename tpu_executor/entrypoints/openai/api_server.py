@@ -1,0 +1,205 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) over the async engine.
+
+Routes follow vLLM's server: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``. Every error is OpenAI's
+``{"error": {message, type, param, code}}``; nothing a client receives ever holds a stack
+trace (unexpected errors are logged here and answered with a plain 500).
+"""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import time
+from typing import Any, Dict, Optional
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tpu_executor.engine.async_engine import AsyncLLMEngine
+from tpu_executor.entrypoints.openai.chat import create_chat_completion, render_chat
+from tpu_executor.entrypoints.openai.completions import create_completion
+from tpu_executor.entrypoints.openai.config import ServerConfig
+from tpu_executor.entrypoints.openai.metrics import ServerMetrics
+from tpu_executor.entrypoints.openai.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
+                                                      DetokenizeRequest, TokenizeRequest, bad_request)
+from tpu_executor.entrypoints.openai.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+class BodyLimit:
+    """ASGI middleware: a body over ``limit`` bytes is answered 413 before the app reads it
+    (by its Content-Length, or while a chunked body arrives)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = ApiError(413, f"the request body exceeds this server's limit of {self.limit} bytes",
+                             type="invalid_request_error", code="request_too_large")
+        length = dict(scope.get("headers", ())).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await error_response(too_large)(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _BodyTooLarge(too_large)
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge as err:
+            await error_response(err.error)(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    def __init__(self, error: ApiError):
+        self.error = error
+
+
+def _validation_error(err: RequestValidationError) -> ApiError:
+    """pydantic's first complaint, with the field path as ``param``."""
+    first = err.errors()[0] if err.errors() else {}
+    if first.get("type") == "json_invalid":
+        return bad_request(f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}")
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if not location and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+        return bad_request("the request body must be a JSON object (Content-Type: application/json)")
+    param = ".".join(location) or None
+    message = first.get("msg", "invalid request")
+    return bad_request(f"{param}: {message}" if param else message, param)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, err: ApiError):
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, err: RequestValidationError):
+        return error_response(_validation_error(err))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException):
+        kind = "NotFoundError" if err.status_code == 404 else "invalid_request_error"
+        return error_response(ApiError(err.status_code, str(err.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, err: Exception):
+        logger.exception("request failed")
+        return error_response(ApiError(500, "internal server error", type="server_error"))
+
+
+def _install_auth(app: FastAPI, api_key: Optional[str]) -> None:
+    if api_key is None:
+        return
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return error_response(ApiError(401, "Incorrect or missing API key (send Authorization: Bearer "
+                                                    "KEY).", type="invalid_request_error", code="invalid_api_key"))
+        return await call_next(request)
+
+
+def build_app(engine: AsyncLLMEngine, tokenizer, config: ServerConfig) -> FastAPI:
+    """The FastAPI app; the engine thread starts with the app and the workers stop with it."""
+    metrics = ServerMetrics()
+    serving = OpenAIServing(engine, tokenizer, config, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            logger.info("stopping the engine")
+            await engine.shutdown()
+
+    # strict_content_type=False: a JSON body without a Content-Type header is still read.
+    app = FastAPI(title="tpu_executor", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  strict_content_type=False)
+    app.state.serving = serving
+    _install_error_handlers(app)
+    _install_auth(app, config.api_key)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    _add_routes(app, serving)
+    return app
+
+
+def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    config, engine = serving.config, serving.engine
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(serving, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(serving, body, request)
+
+    @app.get("/v1/models")
+    async def models() -> Dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "tpu_executor",
+            "root": engine.engine.config.model.model, "max_model_len": serving.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_running:
+            return error_response(ApiError(503, f"the engine is not running: {engine.dead_reason}",
+                                           type="server_error", code="engine_unavailable"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics_page():
+        return Response(serving.metrics.render(await engine.stats()),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            tokens = render_chat(serving.tokenizer, body.messages, body.add_generation_prompt).token_ids
+        else:
+            tokens = serving.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+        return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": list(tokens)}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        serving.check_model(body.model)
+        vocab = engine.engine.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"tokens holds ids outside the vocabulary [0, {vocab}): {bad[:8]}", "tokens")
+        return {"prompt": serving.tokenizer.decode(body.tokens)}
+
+
+def uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
+    """uvicorn's settings: SIGTERM stops accepting, drains for ``drain_timeout_s``, then the
+    lifespan's end aborts what is left and releases the workers."""
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                          timeout_graceful_shutdown=config.drain_timeout_s, access_log=False)

@@ -1,0 +1,96 @@
+"""``POST /v1/completions``: one or more prompts (text or token ids), whole or streamed."""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request as HttpRequest
+
+from tpu_executor.core.request import CompletionOutput, RequestOutput
+from tpu_executor.entrypoints.openai.protocol import CompletionRequest, bad_request
+from tpu_executor.entrypoints.openai.serving import OpenAIServing, Prompt, token_text, usage
+
+
+class CompletionLogprobs:
+    """OpenAI's completions ``logprobs`` object of one choice, built delta by delta (text
+    offsets continue across deltas)."""
+
+    def __init__(self, tokenizer, start_offset: int = 0):
+        self.tokenizer = tokenizer
+        self.offset = start_offset
+
+    def build(self, completion: CompletionOutput) -> Dict[str, List[Any]]:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, entries in zip(completion.token_ids, completion.logprobs or []):
+            text = token_text(self.tokenizer, token_id)
+            tokens.append(text)
+            token_logprobs.append(entries[token_id])
+            top.append({token_text(self.tokenizer, t): lp for t, lp in entries.items()})
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+async def create_completion(serving: OpenAIServing, body: CompletionRequest, http: HttpRequest):
+    serving.check_request(body, "completions")
+    raw_prompts = body.prompts()
+    if len(raw_prompts) > serving.config.max_prompts:
+        raise bad_request(f"prompt lists {len(raw_prompts)} prompts but this server allows at most "
+                          f"{serving.config.max_prompts} per request", "prompt")
+    prompts = [serving.encode(p, "prompt") for p in raw_prompts]
+    params = [body.sampling_params(serving.max_tokens_for(p, body.max_tokens), body.logprobs) for p in prompts]
+    for prompt, p in zip(prompts, params):
+        serving.validate(prompt, p, "prompt")
+    started = serving.start("cmpl", prompts, params)
+    response = _Response(serving, body, prompts, started.request_ids[0])
+    if body.stream:
+        return StreamingResponse(serving.stream_events(started, response.chunks, response.final_chunks),
+                                 media_type="text/event-stream")
+    return JSONResponse(response.whole(await serving.collect(started, http)))
+
+
+class _Response:
+    """Builds the JSON of one completions call: whole, or chunk by chunk."""
+
+    def __init__(self, serving: OpenAIServing, body: CompletionRequest, prompts: List[Prompt], request_id: str):
+        self.serving, self.body, self.prompts = serving, body, prompts
+        self.id, self.created = request_id, int(time.time())
+        self.completion_tokens = 0
+        self.logprobs: Dict[int, CompletionLogprobs] = {}
+        self.echoed: set = set()
+
+    def _prompt_text(self, prompt: Prompt) -> str:
+        return prompt.text if prompt.text is not None else self.serving.tokenizer.decode(prompt.token_ids)
+
+    def _envelope(self, choices: List[Dict[str, Any]], usage_: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.serving.config.model_name, "choices": choices, "usage": usage_}
+
+    def _choice(self, prompt_index: int, completion: CompletionOutput) -> Dict[str, Any]:
+        index = prompt_index * self.body.n + completion.index
+        text = completion.text
+        if self.body.echo and index not in self.echoed:
+            self.echoed.add(index)
+            text = self._prompt_text(self.prompts[prompt_index]) + text
+        logprobs = None
+        if self.body.logprobs is not None:
+            builder = self.logprobs.setdefault(index, CompletionLogprobs(self.serving.tokenizer))
+            logprobs = builder.build(completion)
+        self.completion_tokens += len(completion.token_ids)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason}
+
+    def whole(self, outputs: List[RequestOutput]) -> Dict[str, Any]:
+        choices = [self._choice(i, c) for i, output in enumerate(outputs) for c in output.outputs]
+        return self._envelope(choices, usage(self.prompts, self.completion_tokens))
+
+    def chunks(self, prompt_index: int, delta: RequestOutput):
+        for completion in delta.outputs:
+            choice = self._choice(prompt_index, completion)
+            if choice["text"] or choice["finish_reason"] is not None or completion.token_ids:
+                yield self._envelope([choice])
+
+    def final_chunks(self):
+        if self.body.include_usage:
+            yield self._envelope([], usage(self.prompts, self.completion_tokens))

@@ -1,0 +1,43 @@
+"""The server's own settings (the engine's are the engine options)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where the server listens and what it lets one client ask for.
+
+    Binds to loopback unless ``host`` says otherwise. ``api_key`` (when set) is required on
+    ``/v1/*`` as ``Authorization: Bearer KEY``. ``max_waiting_requests`` bounds the queue of
+    requests not yet running (beyond it: 503 at once). ``max_body_bytes``, ``max_n`` and
+    ``max_prompts`` cap one request. ``allowed_origins`` turns CORS on for those origins.
+    ``drain_timeout_s`` is how long SIGTERM lets in-flight requests run before aborting them.
+    """
+
+    model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None
+    max_waiting_requests: int = 256
+    max_body_bytes: int = 4 << 20
+    max_n: int = 16
+    max_prompts: int = 64
+    allowed_origins: Tuple[str, ...] = ()
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        _require(bool(self.model_name), "served model name must not be empty")
+        _require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
+        _require(self.api_key is None or len(self.api_key) > 0, "api_key must not be empty when given")
+        for name in ("max_waiting_requests", "max_body_bytes", "max_n", "max_prompts"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer, got {value!r}")
+        _require(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))

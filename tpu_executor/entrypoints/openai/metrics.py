@@ -1,0 +1,109 @@
+"""Prometheus metrics of the server, named like vLLM's with the prefix ``tpu_executor:``.
+
+Two sources: the engine's own figures (``EngineStats``: running and waiting requests, KV-cache
+usage, preemptions, prefix-cache queries and hits, compiled graphs), read fresh at every
+scrape; and per-request timings the server observes as deltas stream out (time to first
+token, inter-token latency, end-to-end latency, queue time, token counts, finish reasons).
+Each server has a registry of its own, so several servers in one process do not collide.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterator, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tpu_executor.core.request import RequestOutput
+from tpu_executor.engine.stats import EngineStats
+
+PREFIX = "tpu_executor:"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+class EngineStatsCollector:
+    """Exposes the last ``EngineStats`` snapshot (set before each scrape)."""
+
+    def __init__(self):
+        self.stats = EngineStats()
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        gauges = {
+            "num_requests_running": ("Sequences running on the engine.", s.num_running),
+            "num_requests_waiting": ("Sequences waiting to be scheduled.", s.num_waiting),
+            "kv_cache_usage_perc": ("Fraction of KV-cache blocks in use (0-1).", s.kv_cache_usage),
+            "compiled_graphs": ("Graphs compiled at warm-up.", s.graphs_compiled_at_warmup),
+            "compilations_after_warmup": ("Graphs compiled after warm-up (must stay 0).",
+                                          s.graphs_compiled_after_warmup),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        counters = {
+            "num_preemptions": ("Preemptions (by recompute).", s.num_preemptions),
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+class ServerMetrics:
+    """The server's Prometheus registry and the per-request observations."""
+
+    def __init__(self):
+        disable_created_metrics()  # no ``*_created`` series beside every counter (vLLM does the same)
+        self.registry = CollectorRegistry()
+        self.engine_stats = EngineStatsCollector()
+        self.registry.register(self.engine_stats)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of requests admitted.",
+                                     registry=self.registry)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=self.registry)
+        self.request_success = Counter(PREFIX + "request_success", "Finished sequences by finish reason.",
+                                       ["finished_reason"], registry=self.registry)
+        self.ttft = histogram("time_to_first_token_seconds", "Seconds from arrival to the first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Seconds between two deltas of a request.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Seconds from arrival to the last token.")
+        self.queue_time = histogram("request_queue_time_seconds", "Seconds from arrival to first scheduling.")
+
+    def render(self, stats: EngineStats) -> bytes:
+        """The text exposition, with the engine figures of ``stats``."""
+        self.engine_stats.stats = stats
+        return generate_latest(self.registry)
+
+    def tracker(self, num_prompt_tokens: int, arrival_time: float) -> "RequestTracker":
+        """Observations of one engine request, fed each delta as it goes out."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        return RequestTracker(self, arrival_time)
+
+
+class RequestTracker:
+    """Times one request's deltas into the server's histograms and counters."""
+
+    def __init__(self, metrics: ServerMetrics, arrival_time: float):
+        self.metrics = metrics
+        self.arrival_time = arrival_time
+        self.last_token_time: Optional[float] = None
+
+    def observe(self, delta: RequestOutput) -> None:
+        m, now = self.metrics, time.monotonic()
+        new_tokens = sum(len(c.token_ids) for c in delta.outputs)
+        if new_tokens:
+            m.generation_tokens.inc(new_tokens)
+            if self.last_token_time is None:
+                m.ttft.observe(now - self.arrival_time)
+            else:
+                m.itl.observe(now - self.last_token_time)
+            self.last_token_time = now
+        for completion in delta.outputs:
+            if completion.finish_reason is not None:
+                m.request_success.labels(completion.finish_reason).inc()
+        if delta.finished:
+            m.e2e.observe(now - self.arrival_time)
+            if delta.metrics is not None and delta.metrics.queue_time is not None:
+                m.queue_time.observe(delta.metrics.queue_time)

@@ -1,0 +1,213 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and their translation into
+``SamplingParams``.
+
+Field names, types and defaults follow OpenAI's API and vLLM's server, including the extras
+vLLM users send through ``extra_body`` (``top_k``, ``min_p``, ``ignore_eos``,
+``stop_token_ids``, ``min_tokens``). Unknown fields are accepted (and logged by the server).
+Fields we know but do not implement are refused with a 400 that names them
+(``unsupported_field``), never ignored.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tpu_executor.core.sampling_params import SamplingParams
+
+_INT64 = 2**63
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's schema ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 type: str = "invalid_request_error", code: Union[None, int, str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type
+        self.code = code if code is not None else status
+
+    def body(self) -> Dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: Optional[str] = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields completions and chat share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[str] = None
+    n: int = Field(1, ge=1)
+    temperature: Optional[float] = Field(None, ge=0.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    stop: Optional[Union[str, List[str]]] = None
+    seed: Optional[int] = Field(None, ge=-_INT64, lt=_INT64)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    frequency_penalty: Optional[float] = 0.0
+    presence_penalty: Optional[float] = 0.0
+    logit_bias: Optional[Dict[str, float]] = None
+    # vLLM's extras (extra_body)
+    top_k: Optional[int] = Field(None, ge=-1)
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Optional[float] = None
+    ignore_eos: bool = False
+    stop_token_ids: Optional[List[int]] = None
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+
+    def check_supported(self) -> None:
+        """Refuse what we know but do not implement (the 400 names the field)."""
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise bad_request(f"{name} is not supported by this server (only 0)", name)
+        if self.repetition_penalty not in (None, 1, 1.0):
+            raise bad_request("repetition_penalty is not supported by this server (only 1)", "repetition_penalty")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        if self.min_tokens:
+            raise bad_request("min_tokens is not supported by this server yet", "min_tokens")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    def unknown_fields(self) -> List[str]:
+        return sorted(self.model_extra or {})
+
+    def sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+        """The engine's sampling parameters (defaults as vLLM's: temperature 1, top_p 1)."""
+        try:
+            return SamplingParams(
+                n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+                top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p,
+                min_p=self.min_p or 0.0, seed=None if self.seed is None else self.seed % _INT64,
+                max_tokens=max_tokens, stop=self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos, logprobs=logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output)
+        except ValueError as err:
+            raise bad_request(str(err), str(err).split(" ", 1)[0]) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+PromptInput = Union[str, List[str], List[int], List[List[int]]]
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``."""
+
+    prompt: PromptInput
+    max_tokens: Optional[int] = Field(16, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0)
+    echo: bool = False
+    best_of: Optional[int] = Field(None, ge=1)
+    suffix: Optional[str] = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported by this server", "best_of")
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs (prompt log-probs) is not supported by this server", "echo")
+
+    def prompts(self) -> List[Union[str, List[int]]]:
+        """The prompts of this request: each a string or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        return list(prompt)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, List[Dict[str, Any]]]] = None
+    name: Optional[str] = None
+
+    def text(self, index: int) -> str:
+        """The message's text; content parts other than text are refused."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request("only text content parts ({'type': 'text', 'text': ...}) are supported",
+                                  f"messages[{index}].content")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: List[ChatMessage]
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0)
+    response_format: Optional[Dict[str, Any]] = None
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    functions: Optional[List[Dict[str, Any]]] = None
+    add_generation_prompt: bool = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.messages:
+            raise bad_request("messages must not be empty", "messages")
+        if self.tools or self.functions:
+            name = "tools" if self.tools else "functions"
+            raise bad_request(f"{name} (function calling) is not supported by this server", name)
+        if self.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice is not supported by this server", "tool_choice")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("response_format other than text is not supported by this server",
+                              "response_format")
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: a prompt, or chat messages rendered with the chat template."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[List[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``."""
+
+    model: Optional[str] = None
+    tokens: List[int]

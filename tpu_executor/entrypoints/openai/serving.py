@@ -1,0 +1,212 @@
+"""What the completions and chat endpoints share: checking a request against the served model
+and the server's limits, encoding prompts, starting engine requests, and reading their deltas
+either whole (abort on client disconnect) or as server-sent events (errors in band).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Dict, Iterable, List, Optional, Sequence, Union
+
+from starlette.requests import Request as HttpRequest
+
+from tpu_executor.core.request import RequestOutput
+from tpu_executor.core.sampling_params import SamplingParams
+from tpu_executor.engine.async_engine import AsyncLLMEngine, QueueFullError, RequestStream
+from tpu_executor.engine.llm_engine import EngineDeadError
+from tpu_executor.entrypoints.openai.config import ServerConfig
+from tpu_executor.entrypoints.openai.metrics import RequestTracker, ServerMetrics
+from tpu_executor.entrypoints.openai.protocol import ApiError, bad_request
+
+logger = logging.getLogger(__name__)
+
+ChunkMaker = Callable[[int, RequestOutput], Iterable[Dict[str, Any]]]
+
+
+@dataclass
+class Prompt:
+    """One prompt, encoded: its text (None when it came as token ids) and token ids."""
+
+    text: Optional[str]
+    token_ids: List[int]
+
+
+@dataclass
+class Started:
+    """The engine requests of one HTTP request: their ids in prompt order, one shared stream."""
+
+    request_ids: List[str]
+    stream: RequestStream
+    trackers: Dict[str, RequestTracker]
+
+    def index_of(self, request_id: str) -> int:
+        return self.request_ids.index(request_id)
+
+
+def engine_unavailable(reason: str) -> ApiError:
+    return ApiError(503, f"the engine is not available: {reason}", type="server_error", code="engine_unavailable")
+
+
+def sse(payload: Union[str, Dict[str, Any]]) -> str:
+    """One server-sent event in OpenAI's framing."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+class OpenAIServing:
+    """Shared machinery of the generation endpoints over one async engine."""
+
+    def __init__(self, engine: AsyncLLMEngine, tokenizer, config: ServerConfig, metrics: ServerMetrics):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = metrics
+        self.max_model_len = engine.engine.config.max_model_len
+
+    # ---- checks -------------------------------------------------------------------------
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.config.model_name:
+            raise ApiError(404, f"The model `{name}` does not exist (this server serves "
+                                f"`{self.config.model_name}`).", "model", "NotFoundError", "model_not_found")
+
+    def check_request(self, body, endpoint: str) -> None:
+        """Model, supported fields, caps; logs unknown fields (accepted, ignored)."""
+        self.check_model(body.model)
+        body.check_supported()
+        if body.n > self.config.max_n:
+            raise bad_request(f"n is {body.n} but this server allows at most {self.config.max_n}", "n")
+        unknown = body.unknown_fields()
+        if unknown:
+            logger.info("%s: ignoring unknown fields %s", endpoint, unknown)
+        if not self.engine.is_running:
+            raise engine_unavailable(self.engine.dead_reason or "shutting down")
+
+    def encode(self, prompt: Union[str, List[int]], param: str, add_special_tokens: bool = True) -> Prompt:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise bad_request("prompt must not be empty", param)
+            return Prompt(prompt, list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]))
+        if not prompt:
+            raise bad_request("prompt token ids must not be empty", param)
+        return Prompt(None, list(prompt))
+
+    def max_tokens_for(self, prompt: Prompt, requested: Optional[int], param: str = "max_tokens") -> int:
+        """``requested`` if prompt + output fit the context, else a 400 clients can parse;
+        ``None`` means whatever fits."""
+        room = self.max_model_len - len(prompt.token_ids)
+        if room < 1 or (requested is not None and requested > room):
+            asked = len(prompt.token_ids) + (requested or 0)
+            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                f"you requested {asked} tokens ({len(prompt.token_ids)} in the prompt, "
+                                f"{requested or 0} for the completion). Please reduce the length of the "
+                                "prompt or the completion.", param, code="context_length_exceeded")
+        return room if requested is None else requested
+
+    def validate(self, prompt: Prompt, params: SamplingParams, param: str) -> None:
+        try:
+            self.engine.engine.validate_prompt(prompt.token_ids, params)
+        except ValueError as err:
+            raise bad_request(str(err), param) from None
+
+    # ---- running ------------------------------------------------------------------------
+    def start(self, kind: str, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> Started:
+        """Queue one engine request per prompt on one stream; all or none are queued."""
+        base = f"{kind}-{uuid.uuid4().hex}"
+        ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
+        arrival, stream = time.monotonic(), RequestStream()
+        trackers = {}
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(request_id, prompt.token_ids, p, prompt.text, arrival, stream)
+                trackers[request_id] = self.metrics.tracker(len(prompt.token_ids), arrival)
+        except QueueFullError as err:
+            self.engine.abort_stream(stream)
+            raise ApiError(503, str(err), type="server_error", code="queue_full") from None
+        except EngineDeadError as err:
+            self.engine.abort_stream(stream)
+            raise engine_unavailable(str(err)) from None
+        return Started(ids, stream, trackers)
+
+    async def _read(self, started: Started) -> AsyncIterator[RequestOutput]:
+        async for delta in started.stream:
+            started.trackers[delta.request_id].observe(delta)
+            yield delta
+
+    async def collect(self, started: Started, http: HttpRequest) -> List[RequestOutput]:
+        """Every request's whole output, in prompt order; a client that disconnects first
+        aborts them (their blocks are freed before the next step)."""
+        async def gather() -> Dict[str, RequestOutput]:
+            totals: Dict[str, RequestOutput] = {}
+            async for delta in self._read(started):
+                if delta.request_id not in totals:
+                    totals[delta.request_id] = RequestOutput(delta.request_id, delta.prompt,
+                                                             delta.prompt_token_ids, [], False)
+                totals[delta.request_id].add(delta)
+            return totals
+
+        work = asyncio.ensure_future(gather())
+        gone = asyncio.ensure_future(wait_for_disconnect(http))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                self.engine.abort_stream(started.stream)
+        if not work.done() or work.cancelled():
+            raise asyncio.CancelledError("client disconnected")
+        try:
+            totals = work.result()
+        except EngineDeadError as err:
+            raise engine_unavailable(str(err)) from None
+        outputs = [totals[i] for i in started.request_ids]
+        failed = next((o.error for o in outputs if o.error), None)
+        if failed:
+            raise ApiError(500, f"the engine failed this request: {failed}", type="server_error")
+        return outputs
+
+    async def stream_events(self, started: Started, chunks: ChunkMaker,
+                            final_chunks: Callable[[], Iterable[Dict[str, Any]]]) -> AsyncIterator[str]:
+        """Server-sent events: ``chunks(prompt_index, delta)`` per delta, then ``final_chunks()``,
+        then ``[DONE]``. An error after the first byte goes out in band. A client that goes
+        away closes this generator, which aborts what is left."""
+        try:
+            async for delta in self._read(started):
+                if delta.error:
+                    raise ApiError(500, f"the engine failed this request: {delta.error}", type="server_error")
+                for chunk in chunks(started.index_of(delta.request_id), delta):
+                    yield sse(chunk)
+            for chunk in final_chunks():
+                yield sse(chunk)
+        except ApiError as err:
+            yield sse(err.body())
+        except EngineDeadError as err:
+            yield sse(engine_unavailable(str(err)).body())
+        except Exception:  # noqa: BLE001 - the client gets a message, the log gets the trace
+            logger.exception("streaming a response failed")
+            yield sse(ApiError(500, "internal server error", type="server_error").body())
+        finally:
+            self.engine.abort_stream(started.stream)
+        yield sse("[DONE]")
+
+
+async def wait_for_disconnect(http: HttpRequest) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def usage(prompts: Sequence[Prompt], outputs_tokens: int) -> Dict[str, int]:
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": outputs_tokens,
+            "total_tokens": prompt_tokens + outputs_tokens}
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
