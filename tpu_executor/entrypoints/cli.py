@@ -1,10 +1,11 @@
 """The ``tpu-executor`` command (installed by setup.py): one subcommand per use.
 
     tpu-executor generate [MODEL] [--prompt ...] [engine options]
-    tpu-executor bench [--models ...] [engine options]
+    tpu-executor serve [MODEL] [--host ...] [--port ...] [engine options]
+    tpu-executor bench throughput [--models ...] [engine options]
+    tpu-executor bench serve [--base-url URL | --launch MODEL] [--request-rate ...]
 
-Every subcommand takes the same engine options (``engine/options.py``); ``serve`` and ``tune``
-join here as subcommands of their own.
+Every subcommand that starts an engine takes the same engine options (``engine/options.py``).
 """
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ import argparse
 import logging
 from typing import List, Optional
 
-from tpu_executor.entrypoints import bench, generate
+from tpu_executor.entrypoints import bench, generate, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpu-executor", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (generate, bench):
+    for module in (generate, serve, bench):
         module.add_parser(subparsers)
     return parser
 

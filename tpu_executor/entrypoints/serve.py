@@ -1,0 +1,86 @@
+"""``tpu-executor serve``: the OpenAI-compatible server.
+
+    tpu-executor serve                                   # default model on 127.0.0.1:8000
+    tpu-executor serve DIR --port 8080 --api-key KEY     # or KEY in $TPU_EXECUTOR_API_KEY
+    tpu-executor serve DIR --tensor-parallel-size 8 --ray-address auto --host 0.0.0.0
+
+The engine loads and compiles every bucket before the port opens, so a server that answers
+``/health`` never compiles again. SIGTERM (or Ctrl-C) stops accepting, lets in-flight requests
+finish for ``--drain-timeout`` seconds, aborts the rest and releases the workers.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+
+from tpu_executor.engine.options import add_engine_arguments, engine_options_from_args
+
+API_KEY_ENV = "TPU_EXECUTOR_API_KEY"
+# A serving shape for the default model on a CPU host: 512-token contexts, 16 sequences, and
+# few buckets (each is a graph compiled before the port opens). TPU users pass their own.
+ENGINE_DEFAULTS = dict(max_model_len=512, max_num_seqs=16, prefill_buckets=(128, 512), decode_buckets=(4, 16),
+                       decode_context_buckets=(512,))
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", help="Hugging Face checkpoint directory (default: SmolLM2-135M-"
+                                                 "Instruct, converted once into ~/.cache/tpu_executor)")
+    server = parser.add_argument_group("server options")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--api-key", default=None, help=f"required as 'Authorization: Bearer KEY' on /v1/* "
+                                                        f"(default: ${API_KEY_ENV} if set, else none)")
+    server.add_argument("--served-model-name", default=None, help="the model name clients send "
+                                                                  "(default: the checkpoint folder's name)")
+    server.add_argument("--max-waiting-requests", type=int, default=256,
+                        help="requests queued but not running; beyond it new requests get 503")
+    server.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body")
+    server.add_argument("--max-n", type=int, default=16, help="largest n (samples per prompt)")
+    server.add_argument("--max-prompts", type=int, default=64, help="most prompts in one completions request")
+    server.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins (default: CORS off)")
+    server.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds SIGTERM lets in-flight requests run before aborting them")
+    add_engine_arguments(parser)
+    parser.set_defaults(run=run, **ENGINE_DEFAULTS)
+    return parser
+
+
+def server_config(args: argparse.Namespace, model_path: str):
+    from tpu_executor.entrypoints.openai.config import ServerConfig
+
+    return ServerConfig(
+        model_name=args.served_model_name or os.path.basename(os.path.normpath(model_path)),
+        host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+        max_prompts=args.max_prompts, allowed_origins=tuple(args.allowed_origins),
+        drain_timeout_s=args.drain_timeout)
+
+
+def run(args: argparse.Namespace) -> None:
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from tpu_executor.engine.async_engine import AsyncLLMEngine
+    from tpu_executor.engine.llm_engine import LLMEngine
+    from tpu_executor.entrypoints.openai.api_server import build_app, uvicorn_config
+    from tpu_executor.tools.default_model import prepare
+
+    model_path = args.model or prepare()
+    config = server_config(args, model_path)  # bad server options fail before the engine starts
+    start = time.perf_counter()
+    engine = LLMEngine.from_options(model_path, **engine_options_from_args(args))
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=config.max_waiting_requests)
+    # The server encodes prompts on its own thread with its own tokenizer; the engine thread
+    # keeps the engine's for detokenizing.
+    app = build_app(async_engine, AutoTokenizer.from_pretrained(model_path), config)
+    stats = engine.stats()
+    print(f"engine ready in {time.perf_counter() - start:.1f} s ({stats.graphs_compiled_at_warmup} XLA "
+          f"compilations, {stats.kv_blocks_total} KV blocks); serving {config.model_name!r} on "
+          f"http://{config.host}:{config.port}/v1", flush=True)
+    uvicorn.Server(uvicorn_config(app, config)).run()
