@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import re
 import time
 from typing import Any, Dict, Optional
 
@@ -72,12 +73,16 @@ class _BodyTooLarge(Exception):
         self.error = error
 
 
+_TYPE_TAG = re.compile(r"str|int|float|bool|[\w-]*\[.*\]")
+
+
 def _validation_error(err: RequestValidationError) -> ApiError:
     """pydantic's first complaint, with the field path as ``param``."""
     first = err.errors()[0] if err.errors() else {}
     if first.get("type") == "json_invalid":
         return bad_request(f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}")
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # A union's members show up in the path as type tags ('str', 'list[int]'); drop them.
+    location = [str(part) for part in first.get("loc", ()) if part != "body" and not _TYPE_TAG.fullmatch(str(part))]
     if not location and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
         return bad_request("the request body must be a JSON object (Content-Type: application/json)")
     param = ".".join(location) or None
@@ -97,7 +102,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException):
         kind = "NotFoundError" if err.status_code == 404 else "invalid_request_error"
-        return error_response(ApiError(err.status_code, str(err.detail), type=kind))
+        message = str(err.detail)
+        if err.status_code == 400:  # FastAPI could not decode the body
+            message = f"the body is not valid JSON in UTF-8 ({message})"
+        return error_response(ApiError(err.status_code, message, type=kind))
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, err: Exception):

@@ -1,0 +1,139 @@
+"""Bad requests to the server: each gets a 4xx in OpenAI's error schema with a message that
+names the problem (and ``param`` where a field is at fault), no stack trace, and the server
+answers the next good request."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.common import live_server, tiny_engine_options
+from tpu_executor.engine.llm_engine import LLMEngine
+
+KEY = "secret-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GOOD = {"model": "tiny", "prompt": "hello there", "max_tokens": 2}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def completions(**fields):
+    return dict(GOOD, **fields)
+
+
+def chat(**fields):
+    return dict(CHAT, **fields)
+
+
+# (name, path, body (dict: JSON; bytes: raw), extra headers, status, words the message holds, param)
+CASES = [
+    ("malformed json", "/v1/completions", b'{"prompt": "a", ', {}, 400, "not valid JSON", None),
+    ("invalid utf-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', {}, 400, "JSON", None),
+    ("body is a list", "/v1/completions", b'[1, 2]', {}, 400, "JSON object", None),
+    ("missing prompt", "/v1/completions", {"model": "tiny"}, {}, 400, "prompt", "prompt"),
+    ("prompt wrong type", "/v1/completions", completions(prompt=3.5), {}, 400, "prompt", "prompt"),
+    ("empty prompt", "/v1/completions", completions(prompt=""), {}, 400, "empty", "prompt"),
+    ("empty prompt list", "/v1/completions", completions(prompt=[]), {}, 400, "empty", "prompt"),
+    ("token id out of vocab", "/v1/completions", completions(prompt=[5, 100000]), {}, 400, "vocabulary", "prompt"),
+    ("negative token id", "/v1/completions", completions(prompt=[5, -1]), {}, 400, "vocabulary", "prompt"),
+    ("max_tokens string", "/v1/completions", completions(max_tokens="ten"), {}, 400, "integer", "max_tokens"),
+    ("max_tokens zero", "/v1/completions", completions(max_tokens=0), {}, 400, "greater than", "max_tokens"),
+    ("max_tokens negative", "/v1/completions", completions(max_tokens=-5), {}, 400, "greater than", "max_tokens"),
+    ("max_tokens huge", "/v1/completions", completions(max_tokens=10**9), {}, 400,
+     "maximum context length is 320 tokens", "max_tokens"),
+    ("prompt over the context", "/v1/completions", completions(prompt="word " * 400), {}, 400,
+     "maximum context length is 320 tokens", "max_tokens"),
+    ("temperature negative", "/v1/completions", completions(temperature=-1), {}, 400, "greater than",
+     "temperature"),
+    ("top_p zero", "/v1/completions", completions(top_p=0), {}, 400, "greater than", "top_p"),
+    ("top_p above one", "/v1/completions", completions(top_p=1.5), {}, 400, "less than", "top_p"),
+    ("top_k below -1", "/v1/completions", completions(top_k=-3), {}, 400, "greater than", "top_k"),
+    ("n zero", "/v1/completions", completions(n=0), {}, 400, "greater than", "n"),
+    ("n over the cap", "/v1/completions", completions(n=100), {}, 400, "at most 16", "n"),
+    ("too many prompts", "/v1/completions", completions(prompt=["a"] * 65), {}, 400, "at most 64", "prompt"),
+    ("logprobs over the engine max", "/v1/completions", completions(logprobs=50), {}, 400, "max_logprobs",
+     "prompt"),
+    ("seed not an int", "/v1/completions", completions(seed="x"), {}, 400, "integer", "seed"),
+    ("stop wrong type", "/v1/completions", completions(stop=5), {}, 400, "stop", "stop"),
+    ("empty stop string", "/v1/completions", completions(stop=[""]), {}, 400, "stop", "stop"),
+    ("unknown model", "/v1/completions", completions(model="gpt-9"), {}, 404, "does not exist", "model"),
+    ("logit_bias", "/v1/completions", completions(logit_bias={"5": 10}), {}, 400, "logit_bias", "logit_bias"),
+    ("presence_penalty", "/v1/completions", completions(presence_penalty=0.5), {}, 400, "presence_penalty",
+     "presence_penalty"),
+    ("frequency_penalty", "/v1/completions", completions(frequency_penalty=1), {}, 400, "frequency_penalty",
+     "frequency_penalty"),
+    ("best_of above n", "/v1/completions", completions(best_of=3), {}, 400, "best_of", "best_of"),
+    ("suffix", "/v1/completions", completions(suffix="end"), {}, 400, "suffix", "suffix"),
+    ("echo with logprobs", "/v1/completions", completions(echo=True, logprobs=1), {}, 400, "echo", "echo"),
+    ("stream_options without stream", "/v1/completions", completions(stream_options={"include_usage": True}),
+     {}, 400, "stream", "stream_options"),
+    ("empty messages", "/v1/chat/completions", chat(messages=[]), {}, 400, "empty", "messages"),
+    ("message without role", "/v1/chat/completions", chat(messages=[{"content": "hi"}]), {}, 400, "role",
+     "messages.0.role"),
+    ("unknown role", "/v1/chat/completions", chat(messages=[{"role": "wizard", "content": "hi"}]), {}, 400,
+     "role", "messages.0.role"),
+    ("image content part", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), {}, 400,
+     "text content", "messages[0].content"),
+    ("tools", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400,
+     "function calling", "tools"),
+    ("json response_format", "/v1/chat/completions", chat(response_format={"type": "json_object"}), {}, 400,
+     "response_format", "response_format"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", chat(top_logprobs=2), {}, 400, "logprobs",
+     "top_logprobs"),
+    ("max_completion_tokens huge", "/v1/chat/completions", chat(max_completion_tokens=5000), {}, 400,
+     "maximum context length is 320 tokens", "max_completion_tokens"),
+    ("detokenize out of vocab", "/detokenize", {"tokens": [1, 99999]}, {}, 400, "vocabulary", "tokens"),
+    ("tokenize with neither field", "/tokenize", {"model": "tiny"}, {}, 400, "exactly one", "prompt"),
+    ("missing api key", "/v1/completions", GOOD, {"Authorization": ""}, 401, "API key", None),
+    ("wrong api key", "/v1/completions", GOOD, {"Authorization": "Bearer nope"}, 401, "API key", None),
+    ("key without Bearer", "/v1/models", None, {"Authorization": KEY}, 401, "API key", None),
+    ("oversized body", "/v1/completions", completions(prompt="x" * 70_000), {}, 413, "exceeds", None),
+    ("unknown route", "/v1/embeddings", GOOD, {}, 404, "Not Found", None),
+    ("wrong method", "/v1/completions", None, {}, 405, "Method Not Allowed", None),
+]
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    engine = LLMEngine.from_options(checkpoints["llama"], **tiny_engine_options(device="cpu"))
+    with live_server(engine, api_key=KEY, max_body_bytes=64 * 1024) as (url, _):
+        yield url
+
+
+def send(url: str, path: str, body, headers) -> httpx.Response:
+    headers = dict(AUTH, **headers)
+    if body is None:
+        return httpx.get(url + path, headers=headers)
+    if isinstance(body, bytes):
+        return httpx.post(url + path, content=body, headers=dict(headers, **{"Content-Type": "application/json"}))
+    return httpx.post(url + path, json=body, headers=headers)
+
+
+def test_there_are_at_least_30_cases():
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("name,path,body,headers,status,words,param", CASES, ids=[c[0] for c in CASES])
+def test_bad_request_gets_a_clear_error_and_the_server_goes_on(server, name, path, body, headers, status, words,
+                                                               param):
+    response = send(server, path, body, headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert words in error["message"], error
+    assert error["param"] == param, error
+    assert "Traceback" not in response.text and 'File "' not in response.text
+    good = send(server, "/v1/completions", GOOD, {})
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+
+
+def test_unknown_fields_are_accepted(server):
+    response = send(server, "/v1/completions", completions(some_future_field={"a": 1}, user="u1"), {})
+    assert response.status_code == 200
+
+
+def test_health_needs_no_key_and_v1_rejects_without_one(server):
+    assert httpx.get(server + "/health").status_code == 200
+    assert httpx.get(server + "/v1/models").status_code == 401
+    assert json.loads(httpx.get(server + "/v1/models", headers=AUTH).text)["data"][0]["id"] == "tiny"
