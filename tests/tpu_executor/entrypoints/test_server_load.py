@@ -1,0 +1,130 @@
+"""The server under load and failure: a full waiting queue answers 503 at once; a dead engine
+ends every open stream with an error and turns /health and new requests into 503; a soak of
+1,000 requests (a fifth cancelled mid-stream, concurrency above ``max_num_seqs``) leaves every
+other request correct and the KV cache empty."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import pytest
+
+from tests.common import live_server, run_to_end, tiny_engine_options
+from tests.tpu_executor.entrypoints.test_server import wait_until_idle
+from tpu_executor import SamplingParams
+from tpu_executor.core.request import accumulate_deltas
+from tpu_executor.engine.llm_engine import LLMEngine
+from tpu_executor.executor import WorkerFailure
+
+
+def tiny_engine(checkpoints, **overrides):
+    return LLMEngine.from_options(checkpoints["llama"], **tiny_engine_options(device="cpu", **overrides))
+
+
+async def stream_completion(client: httpx.AsyncClient, body, cancel_after=None):
+    """(text, finish reason, in-band error) of one streamed completion; ``cancel_after``
+    chunks closes the connection early (returns None)."""
+    text, finish, chunks = "", None, 0
+    async with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as response:
+        if response.status_code != 200:
+            return None, None, (await response.aread()).decode()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                return text, finish, data["error"]["message"]
+            text += data["choices"][0]["text"]
+            finish = data["choices"][0]["finish_reason"] or finish
+            chunks += 1
+            if cancel_after is not None and chunks >= cancel_after:
+                return None
+    return text, finish, None
+
+
+def test_a_full_waiting_queue_answers_503_at_once(checkpoints):
+    engine = tiny_engine(checkpoints, max_num_seqs=2)
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 200, "ignore_eos": True}
+
+    async def burst(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            responses = await asyncio.gather(*[client.post("/v1/completions", json=body) for _ in range(12)])
+        return [r.status_code for r in responses], [r.json() for r in responses if r.status_code != 200]
+
+    with live_server(engine, max_waiting_requests=3) as (url, async_engine):
+        statuses, errors = asyncio.run(burst(url))
+        wait_until_idle(async_engine)
+    # At least the queue's worth is admitted (more if the engine moved some to running first).
+    assert statuses.count(200) >= 3 and statuses.count(503) >= 1, statuses
+    assert set(statuses) == {200, 503}
+    assert all("waiting queue is full" in e["error"]["message"] for e in errors)
+
+
+def test_a_dead_engine_ends_open_streams_and_answers_503(checkpoints):
+    engine = tiny_engine(checkpoints)
+    real_execute = engine.executor.execute_model
+    calls = {"n": 0}
+
+    def failing_after_a_while(step):
+        calls["n"] += 1
+        if calls["n"] > 20:
+            raise WorkerFailure("rank 0 is gone (simulated)")
+        return real_execute(step)
+
+    engine.executor.execute_model = failing_after_a_while
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 250, "ignore_eos": True}
+
+    async def run(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            results = await asyncio.gather(*[stream_completion(client, body) for _ in range(3)])
+            health = await client.get("/health")
+            new = await client.post("/v1/completions", json=body)
+        return results, health, new
+
+    with live_server(engine) as (url, _):
+        results, health, new = asyncio.run(run(url))
+    assert all(error is not None and "rank 0 is gone" in error for _, _, error in results), results
+    assert health.status_code == 503 and "rank 0 is gone" in health.json()["error"]["message"]
+    assert new.status_code == 503
+
+
+@pytest.mark.slow
+def test_soak_1000_requests_with_cancellations(checkpoints):
+    engine = tiny_engine(checkpoints, max_num_seqs=8)
+    rng = random.Random(0)
+    vocab = engine.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 60))] for _ in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    outputs = accumulate_deltas(run_to_end(engine))
+    expected = [outputs[i].outputs[0].text for i in ids]
+    plan = [(rng.randrange(len(prompts)), rng.random() < 0.2, rng.randint(1, 16)) for _ in range(1000)]
+
+    async def one(client, gate, which, cancel, max_tokens):
+        body = {"model": "tiny", "prompt": prompts[which], "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True}
+        async with gate:
+            result = await stream_completion(client, body, cancel_after=rng.randint(1, 3) if cancel else None)
+        if result is None:
+            return "cancelled"
+        text, finish, error = result
+        assert error is None and finish == "length", (which, result)
+        # Greedy text of a shorter run is a prefix of the 16-token reference (same tokens).
+        assert expected[which].startswith(text), (which, text, expected[which])
+        return "done"
+
+    async def soak(url):
+        gate = asyncio.Semaphore(24)  # three times max_num_seqs
+        async with httpx.AsyncClient(base_url=url, timeout=120,
+                                     limits=httpx.Limits(max_connections=32)) as client:
+            return await asyncio.gather(*[one(client, gate, *p) for p in plan])
+
+    with live_server(engine) as (url, async_engine):
+        results = asyncio.run(soak(url))
+        wait_until_idle(async_engine)
+        assert async_engine.num_open_requests == 0
+        assert not engine.has_unfinished_requests()
+    assert results.count("done") + results.count("cancelled") == 1000
+    assert 150 <= results.count("cancelled") <= 250
