@@ -26,9 +26,14 @@ setup(
         # The default model ships as GGUF: transformers needs gguf (and accelerate) to read it.
         "gguf>=0.10",
         "accelerate>=1.0",
+        # The OpenAI-compatible server, its metrics, and the serving benchmark's HTTP client.
+        "fastapi>=0.115",
+        "uvicorn>=0.30",
+        "prometheus_client>=0.20",
+        "httpx>=0.27",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40"],
         "tpu": ["torch_xla[tpu]==2.9.0"],
     },
     entry_points={"console_scripts": ["tpu-executor = tpu_executor.entrypoints.cli:main"]},
