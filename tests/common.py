@@ -133,32 +133,15 @@ def run_to_end(engine):
 @contextlib.contextmanager
 def live_server(engine, **server_options):
     """An OpenAI-compatible server over ``engine`` (an LLMEngine) on a free loopback port, in a
-    thread of this process; yields its base URL (``http://127.0.0.1:PORT``) and the async
-    engine. Stopping it shuts the engine down."""
-    import threading
-    import time
-
-    import uvicorn
+    thread of this process; yields its base URL and the async engine. Stopping it shuts the
+    engine down."""
     from transformers import AutoTokenizer
 
     from tpu_executor.engine.async_engine import AsyncLLMEngine
-    from tpu_executor.entrypoints.openai.api_server import build_app, uvicorn_config
+    from tpu_executor.entrypoints.openai.api_server import serve_in_thread
     from tpu_executor.entrypoints.openai.config import ServerConfig
 
-    max_waiting = server_options.pop("max_waiting_requests", 256)
-    config = ServerConfig(**dict(dict(model_name="tiny", port=0, max_waiting_requests=max_waiting), **server_options))
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting)
-    app = build_app(async_engine, AutoTokenizer.from_pretrained(engine.config.model.model), config)
-    server = uvicorn.Server(uvicorn_config(app, config))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", async_engine
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
+    config = ServerConfig(**dict(dict(model_name="tiny", port=0), **server_options))
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=config.max_waiting_requests)
+    with serve_in_thread(async_engine, AutoTokenizer.from_pretrained(engine.config.model.model), config) as url:
+        yield url, async_engine

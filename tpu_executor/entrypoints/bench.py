@@ -1,14 +1,14 @@
-"""``tpu-executor bench``: throughput of tpu_executor versus transformers' batched ``generate``,
-side by side in one run.
+"""``tpu-executor bench throughput``: throughput of tpu_executor versus transformers' batched
+``generate``, side by side in one run (``tpu-executor bench serve`` loads a server instead).
 
 Workload: 32 prompts with lengths uniform in [16, 256] (seeded random token ids), 64 new
 tokens each, greedy, fp32. Prints output tokens/s, warm-up time, compiled graphs and padding
 waste for each model, then a Markdown table for the README.
 
-    tpu-executor bench                                # both models, XLA and native paths
-    tpu-executor bench --models gemma-100m --devices xla --skip-transformers
-    tpu-executor bench --models gemma-100m --tensor-parallel-sizes 1 2 4 --skip-transformers
-    tpu-executor bench --models mixtral-small smollm2 --quantizations none int8
+    tpu-executor bench throughput                     # both models, XLA and native paths
+    tpu-executor bench throughput --models gemma-100m --devices xla --skip-transformers
+    tpu-executor bench throughput --models gemma-100m --tensor-parallel-sizes 1 2 4 --skip-transformers
+    tpu-executor bench throughput --models mixtral-small smollm2 --quantizations none int8
 
 Tensor parallelism on a machine without TPUs runs one Ray actor per simulated chip (a local
 Ray node advertising that many ``TPU`` resources) and reduces through gloo on host copies:
@@ -36,7 +36,18 @@ ENGINE_DEFAULTS = dict(max_model_len=MAX_LEN + NEW_TOKENS, max_num_seqs=NUM_PROM
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("bench", help="throughput versus transformers' generate",
+    """``bench`` and its subcommands: ``throughput`` (here) and ``serve`` (bench_serve.py)."""
+    from tpu_executor.entrypoints import bench_serve
+
+    bench = subparsers.add_parser("bench", help="benchmarks: offline throughput, or a server under load")
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    add_throughput_parser(benchmarks)
+    bench_serve.add_parser(benchmarks)
+    return bench
+
+
+def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("throughput", help="throughput versus transformers' generate",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["gemma-100m", "smollm2"], choices=MODELS)
     parser.add_argument("--devices", nargs="+", default=["xla", "cpu"], help="xla, cpu, cuda, ...")

@@ -22,8 +22,8 @@ def tpu_executor(args, cwd, timeout=600) -> str:
 
 
 def test_every_subcommand_takes_the_same_engine_options(tmp_path):
-    for command in ("generate", "bench"):
-        help_text = tpu_executor([command, "--help"], cwd=tmp_path)
+    for command in (["generate"], ["serve"], ["bench", "throughput"], ["bench", "serve"]):
+        help_text = tpu_executor([*command, "--help"], cwd=tmp_path)
         for flag in ("--max-model-len", "--prefill-buckets", "--block-size", "--strict", "--max-num-seqs"):
             assert flag in help_text, (command, flag)
 

@@ -11,8 +11,9 @@ import contextlib
 import hmac
 import logging
 import re
+import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -211,3 +212,23 @@ def uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
     lifespan's end aborts what is left and releases the workers."""
     return uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                           timeout_graceful_shutdown=config.drain_timeout_s, access_log=False)
+
+
+@contextlib.contextmanager
+def serve_in_thread(engine: AsyncLLMEngine, tokenizer, config: ServerConfig) -> Iterator[str]:
+    """Run the server on a thread of this process (benchmarks, tests); yields its base URL
+    (``config.port`` 0 picks a free port). Leaving stops it and shuts the engine down."""
+    server = uvicorn.Server(uvicorn_config(build_app(engine, tokenizer, config), config))
+    thread = threading.Thread(target=server.run, name="http-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start on {config.host}:{config.port}")
+        time.sleep(0.02)
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=config.drain_timeout_s + 60)
