@@ -300,5 +300,6 @@ def print_table(runs: List[Dict]) -> None:
     print("\n| request rate | req/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms | "
           "E2E p50 / p99 ms |\n|---|---|---|---|---|---|---|")
     for r in runs:
-        cells = " | ".join(f"{r[f'{m}_ms']['p50']:.0f} / {r[f'{m}_ms']['p99']:.0f}" for m in ("ttft", "tpot", "itl", "e2e"))
+        cells = " | ".join(f"{r[f'{m}_ms']['p50']:.0f} / {r[f'{m}_ms']['p99']:.0f}"
+                           for m in ("ttft", "tpot", "itl", "e2e"))
         print(f"| {r['request_rate']} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} | {cells} |")

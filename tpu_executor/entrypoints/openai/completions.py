@@ -4,7 +4,6 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional
 
-from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request as HttpRequest
 
 from tpu_executor.core.request import CompletionOutput, RequestOutput
@@ -43,11 +42,8 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, htt
     for prompt, p in zip(prompts, params):
         serving.validate(prompt, p, "prompt")
     started = serving.start("cmpl", prompts, params)
-    response = _Response(serving, body, prompts, started.request_ids[0])
-    if body.stream:
-        return StreamingResponse(serving.stream_events(started, response.chunks, response.final_chunks),
-                                 media_type="text/event-stream")
-    return JSONResponse(response.whole(await serving.collect(started, http)))
+    builder = _Response(serving, body, prompts, started.request_ids[0])
+    return await serving.respond(started, builder, body.stream, http)
 
 
 class _Response:

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request as HttpRequest
 
 from tpu_executor.core.request import RequestOutput
@@ -130,6 +131,14 @@ class OpenAIServing:
             self.engine.abort_stream(stream)
             raise engine_unavailable(str(err)) from None
         return Started(ids, stream, trackers)
+
+    async def respond(self, started: Started, builder, stream: bool, http: HttpRequest):
+        """The HTTP response: server-sent events built by ``builder.chunks`` and
+        ``builder.final_chunks``, or one JSON body from ``builder.whole``."""
+        if stream:
+            return StreamingResponse(self.stream_events(started, builder.chunks, builder.final_chunks),
+                                     media_type="text/event-stream")
+        return JSONResponse(builder.whole(await self.collect(started, http)))
 
     async def _read(self, started: Started) -> AsyncIterator[RequestOutput]:
         async for delta in started.stream:
