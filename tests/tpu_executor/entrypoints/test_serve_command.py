@@ -18,6 +18,8 @@ SERVE_FLAGS = ["--device", "cpu", "--max-model-len", "1024", "--max-num-seqs", "
                "--memory-budget-bytes", str(256 << 20)]
 
 
+pytestmark = pytest.mark.slow  # server processes, each starting an engine
+
 # uvicorn shuts down, then raises the signal it caught again so the exit status says why.
 STOPPED_BY_SIGTERM = (0, -signal.SIGTERM)
 
