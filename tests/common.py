@@ -141,7 +141,7 @@ def live_server(engine, **server_options):
     from tpu_executor.entrypoints.openai.api_server import serve_in_thread
     from tpu_executor.entrypoints.openai.config import ServerConfig
 
-    config = ServerConfig(**dict(dict(model_name="tiny", port=0), **server_options))
+    config = ServerConfig(**{"model_name": "tiny", "port": 0, **server_options})
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=config.max_waiting_requests)
     with serve_in_thread(async_engine, AutoTokenizer.from_pretrained(engine.config.model.model), config) as url:
         yield url, async_engine

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Callable, Dict, Iterable, List, Optional,
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request as HttpRequest
 
-from tpu_executor.core.request import RequestOutput
+from tpu_executor.core.request import RequestOutput, accumulate_deltas
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.engine.async_engine import AsyncLLMEngine, QueueFullError, RequestStream
 from tpu_executor.engine.llm_engine import EngineDeadError
@@ -44,8 +44,11 @@ class Started:
     stream: RequestStream
     trackers: Dict[str, RequestTracker]
 
+    def __post_init__(self):
+        self._index = {request_id: i for i, request_id in enumerate(self.request_ids)}
+
     def index_of(self, request_id: str) -> int:
-        return self.request_ids.index(request_id)
+        return self._index[request_id]
 
 
 def engine_unavailable(reason: str) -> ApiError:
@@ -149,13 +152,7 @@ class OpenAIServing:
         """Every request's whole output, in prompt order; a client that disconnects first
         aborts them (their blocks are freed before the next step)."""
         async def gather() -> Dict[str, RequestOutput]:
-            totals: Dict[str, RequestOutput] = {}
-            async for delta in self._read(started):
-                if delta.request_id not in totals:
-                    totals[delta.request_id] = RequestOutput(delta.request_id, delta.prompt,
-                                                             delta.prompt_token_ids, [], False)
-                totals[delta.request_id].add(delta)
-            return totals
+            return accumulate_deltas([delta async for delta in self._read(started)])
 
         work = asyncio.ensure_future(gather())
         gone = asyncio.ensure_future(wait_for_disconnect(http))
