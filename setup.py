@@ -31,6 +31,8 @@ setup(
         "uvicorn>=0.30",
         "prometheus_client>=0.20",
         "httpx>=0.27",
+        # `tpu-executor tune` draws its padding/warm-up plot.
+        "matplotlib>=3.8",
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40"],

@@ -14,8 +14,11 @@ compiles exactly ``plan.graphs()`` at warm-up; nothing else may compile while se
 from __future__ import annotations
 
 import bisect
+import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple, Union
+
+from tpu_executor.core.step import DecodeWork, PaddingStats, PrefillWork, SchedulerOutput
 
 if TYPE_CHECKING:
     from tpu_executor.core.config import EngineConfig
@@ -64,6 +67,56 @@ Graph = Union[PrefillGraph, DecodeGraph, SamplerGraph]
 
 
 @dataclass(frozen=True)
+class PrefillCall:
+    """One packed prefill call: its prompts and the graph that runs them."""
+
+    pack: Tuple[PrefillWork, ...]
+    graph: PrefillGraph
+
+    @property
+    def context_tokens(self) -> int:
+        """Cached + new tokens of the pack: the size the bucket is picked by."""
+        return sum(w.num_context_tokens for w in self.pack)
+
+    def count_into(self, padding: PaddingStats) -> None:
+        padding.prefill_tokens_real += sum(len(w.token_ids) for w in self.pack)
+        padding.prefill_tokens_padded += self.graph.num_tokens
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """The decode call of a step: its rows, the context blocks each row needs, its graph."""
+
+    work: Tuple[DecodeWork, ...]
+    needed_blocks: Tuple[int, ...]
+    graph: DecodeGraph
+
+    def count_into(self, padding: PaddingStats) -> None:
+        padding.decode_rows_real += len(self.work)
+        padding.decode_rows_padded += self.graph.num_rows
+        padding.decode_context_blocks_real += sum(self.needed_blocks)
+        padding.decode_context_blocks_padded += len(self.work) * self.graph.context_blocks
+
+
+ModelCall = Union[PrefillCall, DecodeCall]
+
+
+def pack_prefills(work: Sequence[PrefillWork], max_tokens: int, max_seqs: int) -> List[List[PrefillWork]]:
+    """Group prefills, in order, into packs of at most ``max_seqs`` sequences whose contexts
+    (cached + new tokens) add up to at most ``max_tokens``."""
+    packs: List[List[PrefillWork]] = []
+    used = max_tokens + 1
+    for item in work:
+        size = item.num_context_tokens
+        if used + size > max_tokens or len(packs[-1]) == max_seqs:
+            packs.append([])
+            used = 0
+        packs[-1].append(item)
+        used += size
+    return packs
+
+
+@dataclass(frozen=True)
 class BucketPlan:
     """Every bucket of every dimension, and the graphs they make."""
 
@@ -73,6 +126,7 @@ class BucketPlan:
     sampler_row_buckets: Tuple[int, ...]
     logprob_widths: Tuple[int, ...]
     max_prefill_seqs: int
+    block_size: int
 
     @classmethod
     def from_config(cls, config: "EngineConfig") -> "BucketPlan":
@@ -86,7 +140,7 @@ class BucketPlan:
                    decode_context_block_buckets=tuple(t // block_size for t in context_tokens),
                    sampler_row_buckets=tuple(sorted(set(rows) | {compile_cfg.max_prefill_seqs})),
                    logprob_widths=tuple(sorted({0, compile_cfg.max_logprobs})),
-                   max_prefill_seqs=compile_cfg.max_prefill_seqs)
+                   max_prefill_seqs=compile_cfg.max_prefill_seqs, block_size=block_size)
 
     @property
     def max_prefill_tokens(self) -> int:
@@ -99,6 +153,17 @@ class BucketPlan:
         return DecodeGraph(pick_bucket(self.decode_row_buckets, num_rows),
                            pick_bucket(self.decode_context_block_buckets, context_blocks))
 
+    def model_calls(self, step: SchedulerOutput) -> List[ModelCall]:
+        """The model calls that run ``step``: its prefills packed, then one decode call."""
+        calls: List[ModelCall] = []
+        for pack in pack_prefills(step.prefills, self.max_prefill_tokens, self.max_prefill_seqs):
+            tokens = sum(w.num_context_tokens for w in pack)
+            calls.append(PrefillCall(tuple(pack), self.prefill_graph(tokens)))
+        if step.decodes:
+            needed = tuple(w.position // self.block_size + 1 for w in step.decodes)
+            calls.append(DecodeCall(step.decodes, needed, self.decode_graph(len(needed), max(needed))))
+        return calls
+
     def sampler_graph(self, num_rows: int, wants_logprobs: bool, all_greedy: bool) -> SamplerGraph:
         """The sampler graph for a model call that returned ``num_rows`` (padded) rows."""
         return SamplerGraph(num_rows, self.logprob_widths[-1] if wants_logprobs else 0, all_greedy)
@@ -110,3 +175,44 @@ class BucketPlan:
         sampler = [SamplerGraph(r, n, g) for r in self.sampler_row_buckets
                    for n in self.logprob_widths for g in (True, False)]
         return [*prefill, *decode, *sampler]
+
+
+# ---- bucket files (written by `tpu-executor tune`, read by every engine) -------------------
+BUCKET_FILE_FORMAT = "tpu_executor.buckets/1"
+BUCKET_FIELDS = ("prefill_buckets", "decode_buckets", "decode_context_buckets")
+# The limits the buckets were tuned for; they apply unless the user sets them.
+LIMIT_FIELDS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size")
+
+
+def write_bucket_file(path: str, options: Dict[str, Any], tuned_for: Dict[str, Any]) -> None:
+    """Write the bucket lists and limits in ``options`` (engine option names) to ``path``,
+    with ``tuned_for`` (trace, scheme, figures) as a record of where they came from."""
+    missing = [name for name in BUCKET_FIELDS + LIMIT_FIELDS if name not in options]
+    if missing:
+        raise ValueError(f"a bucket file needs {missing}")
+    body = {"format": BUCKET_FILE_FORMAT, **{name: options[name] for name in BUCKET_FIELDS},
+            "limits": {name: options[name] for name in LIMIT_FIELDS}, "tuned_for": tuned_for}
+    with open(path, "w") as handle:
+        json.dump(body, handle, indent=2)
+        handle.write("\n")
+
+
+def read_bucket_file(path: str) -> Dict[str, Any]:
+    """The engine options a bucket file sets: its three bucket lists and its limits. A file
+    that cannot be used fails with a message naming the file and what is wrong."""
+    try:
+        with open(path) as handle:
+            body = json.load(handle)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"bucket_config {path!r} cannot be read: {err}") from None
+    if not isinstance(body, dict) or body.get("format") != BUCKET_FILE_FORMAT:
+        raise ValueError(f"bucket_config {path!r} is not a bucket file (expected \"format\": "
+                         f"\"{BUCKET_FILE_FORMAT}\"; `tpu-executor tune --out` writes one)")
+    limits = body.get("limits")
+    missing = [name for name in BUCKET_FIELDS if not isinstance(body.get(name), list)]
+    missing += [] if isinstance(limits, dict) else ["limits"]
+    if missing:
+        raise ValueError(f"bucket_config {path!r} lacks {missing}")
+    options: Dict[str, Any] = {name: tuple(body[name]) for name in BUCKET_FIELDS}
+    options.update({name: limits[name] for name in LIMIT_FIELDS if name in limits})
+    return options

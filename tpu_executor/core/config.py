@@ -112,7 +112,8 @@ class CompileConfig:
     ``prefill_buckets`` are token counts of one prefill call, which packs up to
     ``max_prefill_seqs`` prompts (their cached + new tokens); ``decode_buckets`` are decode
     batch sizes (sequences); ``decode_context_buckets`` are token widths of a decode batch's
-    longest context (the attention reads that many cache slots per sequence). ``strict`` makes
+    longest context (the attention reads that many cache slots per sequence); ``bucket_config``
+    names the file they were read from, if any (``engine/options.py``). ``strict`` makes
     any compilation after warm-up an error. ``cache_dir`` holds the persistent XLA cache
     (``None`` disables it).
     """
@@ -127,6 +128,8 @@ class CompileConfig:
         help="persistent XLA compile cache (TPU)")
     max_logprobs: int = option(20, "largest logprobs a request may ask for")
     max_prefill_seqs: int = option(8, "prompts packed into one prefill call")
+    bucket_config: Optional[str] = option(None, "bucket file from `tpu-executor tune`: sets the three "
+                                                "bucket lists and the limits they were tuned for")
 
     def __post_init__(self):
         object.__setattr__(self, "prefill_buckets", _sorted_positive("prefill_buckets", self.prefill_buckets))

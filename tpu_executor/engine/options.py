@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import typing
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from models.layers.parallel import check_tensor_parallel
+from tpu_executor.core.buckets import BUCKET_FIELDS, LIMIT_FIELDS, read_bucket_file
 from tpu_executor.core.config import (OPTION_SECTIONS, CacheConfig, CompileConfig, DeviceConfig, EngineConfig,
                                       ModelConfig, ParallelConfig, SchedulerConfig, resolve_max_model_len)
 from tpu_executor.worker.model_loader import checkpoint_limit, load_hf_config
+
+logger = logging.getLogger(__name__)
 
 
 def option_fields() -> List[Tuple[type, dataclasses.Field]]:
@@ -24,9 +28,28 @@ def option_fields() -> List[Tuple[type, dataclasses.Field]]:
             if f.name != "model"]
 
 
+def apply_bucket_file(options: Dict[str, Any]) -> Dict[str, Any]:
+    """``options`` with the buckets and limits of its ``bucket_config`` file filled in. Bucket
+    lists given beside the file are an error (which should win is unclear); a limit given
+    beside it wins, with a warning that the buckets were tuned for another value."""
+    path = options.get("bucket_config")
+    if path is None:
+        return options
+    merged = dict(options)
+    for name, value in read_bucket_file(path).items():
+        if name in BUCKET_FIELDS and name in options:
+            raise ValueError(f"bucket_config {path!r} sets {name}; do not pass {name} as well")
+        if name in options and options[name] != value:
+            logger.warning("%s=%s differs from %s=%s that bucket_config %s was tuned for",
+                           name, options[name], name, value, path)
+        merged.setdefault(name, value)
+    return merged
+
+
 def build_engine_config(model: str, **options: Any) -> EngineConfig:
     """An EngineConfig from flat keyword options (each goes to the section that has the field).
     An impossible tensor-parallel split fails here, before any worker starts."""
+    options = apply_bucket_file(options)
     values: Dict[type, Dict[str, Any]] = {section: {} for section in OPTION_SECTIONS}
     for section, f in option_fields():
         if f.name in options:
@@ -71,7 +94,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, exclude: Iterable[str]
             group.add_argument("--" + f.name.replace("_", "-"), **_argument_kwargs(section, f))
 
 
-def engine_options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
-    """The engine options present in parsed ``args`` (the configs turn bucket lists into tuples)."""
+def engine_options_from_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The engine options given in parsed ``args`` over the subcommand's ``defaults`` (the
+    configs turn bucket lists into tuples). A bucket file replaces the default buckets and
+    limits: the user chose them by tuning."""
     values = vars(args)
-    return {f.name: values[f.name] for _, f in option_fields() if f.name in values}
+    given = {f.name: values[f.name] for _, f in option_fields() if f.name in values}
+    defaults = dict(defaults or {})
+    if given.get("bucket_config") is not None:
+        defaults = {k: v for k, v in defaults.items() if k not in BUCKET_FIELDS + LIMIT_FIELDS}
+    return {**defaults, **given}

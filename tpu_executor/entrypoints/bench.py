@@ -55,7 +55,7 @@ def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1])
     parser.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "int8"])
     add_engine_arguments(parser, exclude=SWEPT)
-    parser.set_defaults(run=run, **ENGINE_DEFAULTS)
+    parser.set_defaults(run=run)
     return parser
 
 
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> None:
 
     if max(args.tensor_parallel_sizes) > 1:
         start_local_ray(max(args.tensor_parallel_sizes))
-    base = engine_options_from_args(args)
+    base = engine_options_from_args(args, ENGINE_DEFAULTS)
     rows = []
     for name in args.models:
         path = model_path(name)

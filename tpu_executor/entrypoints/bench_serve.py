@@ -54,7 +54,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     load.add_argument("--goodput", nargs="*", default=[], metavar="METRIC:MS", help="SLOs, e.g. ttft:500 tpot:100")
     load.add_argument("--result-json", default=None, help="write every run's figures here")
     add_engine_arguments(parser)
-    parser.set_defaults(run=run, **ENGINE_DEFAULTS)
+    parser.set_defaults(run=run)
     return parser
 
 
@@ -244,7 +244,7 @@ def launched(args):
     from tpu_executor.tools.default_model import prepare
 
     path = args.launch or prepare()
-    return LLMEngine.from_options(path, **engine_options_from_args(args)), path
+    return LLMEngine.from_options(path, **engine_options_from_args(args, ENGINE_DEFAULTS)), path
 
 
 def run(args: argparse.Namespace) -> None:

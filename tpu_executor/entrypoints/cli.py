@@ -4,6 +4,7 @@
     tpu-executor serve [MODEL] [--host ...] [--port ...] [engine options]
     tpu-executor bench throughput [--models ...] [engine options]
     tpu-executor bench serve [--base-url URL | --launch MODEL] [--request-rate ...]
+    tpu-executor tune --trace TRACE [--model MODEL] [--max-graphs N] [--target v5e-8] [--out FILE]
 
 Every subcommand that starts an engine takes the same engine options (``engine/options.py``).
 """
@@ -13,13 +14,13 @@ import argparse
 import logging
 from typing import List, Optional
 
-from tpu_executor.entrypoints import bench, generate, serve
+from tpu_executor.entrypoints import bench, generate, serve, tune
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpu-executor", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (generate, serve, bench):
+    for module in (generate, serve, bench, tune):
         module.add_parser(subparsers)
     return parser
 

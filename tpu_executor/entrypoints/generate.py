@@ -36,7 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     add_engine_arguments(parser)
-    parser.set_defaults(run=run, **ENGINE_DEFAULTS)
+    parser.set_defaults(run=run)
     return parser
 
 
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> None:
     from tpu_executor.tools.default_model import prepare
 
     start = time.perf_counter()
-    llm = LLM(args.model or prepare(), **engine_options_from_args(args))
+    llm = LLM(args.model or prepare(), **engine_options_from_args(args, ENGINE_DEFAULTS))
     stats = llm.stats()
     print(f"engine ready in {time.perf_counter() - start:.1f} s ({stats.graphs_compiled_at_warmup} XLA "
           f"compilations, {stats.kv_blocks_total} KV blocks)")

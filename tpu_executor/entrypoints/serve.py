@@ -47,7 +47,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     server.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds SIGTERM lets in-flight requests run before aborting them")
     add_engine_arguments(parser)
-    parser.set_defaults(run=run, **ENGINE_DEFAULTS)
+    parser.set_defaults(run=run)
     return parser
 
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> None:
     model_path = args.model or prepare()
     config = server_config(args, model_path)  # bad server options fail before the engine starts
     start = time.perf_counter()
-    engine = LLMEngine.from_options(model_path, **engine_options_from_args(args))
+    engine = LLMEngine.from_options(model_path, **engine_options_from_args(args, ENGINE_DEFAULTS))
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=config.max_waiting_requests)
     # The server encodes prompts on its own thread with its own tokenizer; the engine thread
     # keeps the engine's for detokenizing.

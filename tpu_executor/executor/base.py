@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 from typing import Any, List, Optional, Sequence
 
+from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerStats
 
@@ -64,6 +65,10 @@ class Executor(abc.ABC):
         """Run one step on every worker; returns rank 0's tokens (all ranks sample alike)."""
         return agree_on_step(self._call_workers("execute_model", step,
                                                 timeout_s=self.config.parallel.step_timeout_s))
+
+    def time_graphs(self, graphs: Sequence[Graph], repeats: int = 3) -> List[float]:
+        """Seconds per run of each graph, rank 0's (every rank runs the same shapes)."""
+        return self._call_workers("time_graphs", list(graphs), repeats)[0]
 
     def stats(self) -> WorkerStats:
         return WorkerStats.combine(self._call_workers("stats"))

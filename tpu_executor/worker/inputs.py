@@ -7,27 +7,12 @@ real ones. Every tensor has the bucket's fixed shape, whatever the real sizes.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
 import torch
 
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.step import DecodeWork, PrefillWork, SamplingMeta
-
-
-def pack_prefills(work: Sequence[PrefillWork], max_tokens: int, max_seqs: int) -> List[List[PrefillWork]]:
-    """Group prefills, in order, into packs of at most ``max_seqs`` sequences whose contexts
-    (cached + new tokens) add up to at most ``max_tokens``."""
-    packs: List[List[PrefillWork]] = []
-    used = max_tokens + 1
-    for item in work:
-        size = item.num_context_tokens
-        if used + size > max_tokens or len(packs[-1]) == max_seqs:
-            packs.append([])
-            used = 0
-        packs[-1].append(item)
-        used += size
-    return packs
 
 
 def _slots(block_ids: Sequence[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -8,18 +8,20 @@ path (a torch device) the same code runs eagerly.
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from typing import Dict, List, Sequence, Tuple
 
 import torch
 from tqdm import tqdm
 
 from models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
-from tpu_executor.core.buckets import BucketPlan, DecodeGraph, Graph, PrefillGraph
+from tpu_executor.core.buckets import BucketPlan, DecodeCall, DecodeGraph, Graph, PrefillCall, PrefillGraph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.step import DecodeWork, PaddingStats, PrefillWork, SampledToken, SamplingMeta, SchedulerOutput
 from tpu_executor.worker.compile_guard import CompileGuard
-from tpu_executor.worker.inputs import decode_inputs, pack_prefills, prefill_inputs, sampling_tensors, to_device
+from tpu_executor.worker.inputs import decode_inputs, prefill_inputs, sampling_tensors, to_device
 from tpu_executor.worker.sampler import SamplerOutput, sample
 
 logger = logging.getLogger(__name__)
@@ -74,10 +76,10 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> Dict[str, SampledToken]:
         """Run the prefills (packed), then the decode batch; sample one token for each."""
         results: Dict[str, SampledToken] = {}
-        for pack in pack_prefills(step.prefills, self.plan.max_prefill_tokens, self.plan.max_prefill_seqs):
-            results.update(self._run_prefill(pack))
-        if step.decodes:
-            results.update(self._run_decode(step.decodes))
+        for call in self.plan.model_calls(step):
+            call.count_into(self.padding)
+            run = self._run_prefill if isinstance(call, PrefillCall) else self._run_decode
+            results.update(run(call))
         return results
 
     def _prefill_logits(self, pack: Sequence[PrefillWork], graph: PrefillGraph, kv_caches: KVCaches) -> torch.Tensor:
@@ -88,26 +90,15 @@ class ModelRunner:
         inputs = decode_inputs(work, graph.num_rows, graph.context_blocks, self.block_size)
         return self._decode_fn(**to_device(inputs, self.device), kv_caches=self.kv_caches)
 
-    def _run_prefill(self, pack: Sequence[PrefillWork]) -> Dict[str, SampledToken]:
-        graph = self.plan.prefill_graph(sum(w.num_context_tokens for w in pack))
-        self.padding.prefill_tokens_real += sum(len(w.token_ids) for w in pack)
-        self.padding.prefill_tokens_padded += graph.num_tokens
-        with self.guard.watch(f"prefill bucket {graph.num_tokens}"):
-            logits = self._prefill_logits(pack, graph, self.kv_caches)
-            return self._sample(pack, logits, self.plan.max_prefill_seqs)
+    def _run_prefill(self, call: PrefillCall) -> Dict[str, SampledToken]:
+        with self.guard.watch(f"prefill bucket {call.graph.num_tokens}"):
+            logits = self._prefill_logits(call.pack, call.graph, self.kv_caches)
+            return self._sample(call.pack, logits, self.plan.max_prefill_seqs)
 
-    def _run_decode(self, work: Sequence[DecodeWork]) -> Dict[str, SampledToken]:
-        needed = [item.position // self.block_size + 1 for item in work]
-        graph = self.plan.decode_graph(len(work), max(needed))
-        self._count_decode_padding(needed, graph)
+    def _run_decode(self, call: DecodeCall) -> Dict[str, SampledToken]:
+        graph = call.graph
         with self.guard.watch(f"decode bucket rows={graph.num_rows} blocks={graph.context_blocks}"):
-            return self._sample(work, self._decode_logits(work, graph), graph.num_rows)
-
-    def _count_decode_padding(self, needed_blocks: List[int], graph: DecodeGraph) -> None:
-        self.padding.decode_rows_real += len(needed_blocks)
-        self.padding.decode_rows_padded += graph.num_rows
-        self.padding.decode_context_blocks_real += sum(needed_blocks)
-        self.padding.decode_context_blocks_padded += len(needed_blocks) * graph.context_blocks
+            return self._sample(call.work, self._decode_logits(call.work, graph), graph.num_rows)
 
     def _sample(self, work, logits: torch.Tensor, rows: int) -> Dict[str, SampledToken]:
         metas = [item.sampling for item in work]
@@ -134,6 +125,17 @@ class ModelRunner:
         for graph in tqdm(graphs, desc="compiling buckets", disable=not show_progress):
             self._run_dummy(graph)
         self.guard.end_warmup()
+
+    @torch.no_grad()
+    def time_graph(self, graph: Graph, repeats: int) -> float:
+        """Median seconds of one run of ``graph`` on padding-only inputs (compiled already)."""
+        self._run_dummy(graph)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self._run_dummy(graph)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
 
     def _run_dummy(self, graph: Graph) -> None:
         """Run ``graph`` once on padding-only inputs (writes go to the null block)."""

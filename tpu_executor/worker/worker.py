@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from models.layers.parallel import SingleRank, TensorParallelGroup
+from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.step import ModelRunnerOutput, SampledToken, SchedulerOutput, WorkerStats
 from tpu_executor.worker.distributed import GlooGroup, RankPlacement, XlaGroup, tpu_topology_env
@@ -201,6 +202,10 @@ class Worker:
         """Compile every graph of the bucket plan (nothing to compile on the native path)."""
         if self.device.type == "xla":
             self.runner.warmup(show_progress and self.rank == 0)
+
+    def time_graphs(self, graphs: List[Graph], repeats: int) -> List[float]:
+        """Median seconds of each graph on padding-only inputs (the cost model's check)."""
+        return [self.runner.time_graph(graph, repeats) for graph in graphs]
 
     # ---- serving ------------------------------------------------------------------------
     def run_step(self, step: SchedulerOutput) -> Dict[str, SampledToken]:

@@ -1,0 +1,206 @@
+"""``tpu-executor tune``: choose bucket sizes from a request-length trace under a graph budget,
+and size a TPU job before renting it.
+
+    tpu-executor tune --trace requests.jsonl --model /ckpt --max-graphs 24 --out buckets.json
+    tpu-executor tune --trace sharegpt-like --model llama-3-8b --target v5e-8 --plot tuning.png
+    tpu-executor serve /ckpt --bucket-config buckets.json      # and LLM(..., bucket_config=...)
+
+The trace (a file: JSONL/CSV lengths, Azure, BurstGPT, Mooncake, ShareGPT; or a synthetic
+name: sharegpt-like, chat, long-prompt) is replayed through the real scheduler and bucket plan
+on a null device; every scheme's buckets are scored on the sizes the runner saw; the optimum
+under ``--max-graphs`` model graphs (prefill + decode; the sampler's small graphs are counted
+apart) is written with ``--out``. ``--measure N`` runs the default and the chosen buckets on
+the first N requests in the real engine here. ``--target`` adds a roofline estimate on a TPU
+slice, the HBM fit, and lowers every chosen bucket's Pallas kernels for the TPU. ``--model``
+may name a published config (llama-3-8b, gemma-7b) when the weights are not here.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from dataclasses import asdict
+from typing import Dict, List, Optional
+
+from tpu_executor.core.buckets import BucketPlan, write_bucket_file
+from tpu_executor.engine.options import add_engine_arguments, build_engine_config, engine_options_from_args
+
+COLUMNS = ("scheme", "model graphs", "all graphs", "prefill waste", "rows waste", "context waste",
+           "worst waste", "est. warm-up s", "TPU est. tok/s", "measured tok/s")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("tune", help="choose bucket sizes from a length trace",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trace", required=True, help="trace file, or sharegpt-like | chat | long-prompt")
+    parser.add_argument("--model", default=None, help="checkpoint directory, or llama-3-8b | gemma-7b "
+                                                      "(shapes only; default: the default model)")
+    parser.add_argument("--num-requests", type=int, default=None, help="first N requests (synthetic: 1000)")
+    parser.add_argument("--max-graphs", type=int, default=24, help="model graphs (prefill + decode) to compile")
+    parser.add_argument("--target", default=None, help="TPU slice to estimate and lower for, e.g. v5e-8")
+    parser.add_argument("--measure", type=int, default=32, metavar="N",
+                        help="run default and chosen buckets on the first N requests here (0: skip)")
+    parser.add_argument("--out", default=None, help="write the chosen buckets here (a bucket file)")
+    parser.add_argument("--csv", default=None, help="write the table as CSV")
+    parser.add_argument("--json", default=None, help="write the full report as JSON")
+    parser.add_argument("--plot", default=None, help="draw waste and warm-up versus graphs (PNG)")
+    add_engine_arguments(parser)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> None:
+    from tpu_executor.tools.tuning.traces import TraceError
+
+    try:
+        _run(args)
+    except (TraceError, ValueError) as err:
+        raise SystemExit(f"tpu-executor tune: {err}") from None
+
+
+def _run(args: argparse.Namespace) -> None:
+    from tpu_executor.tools.default_model import prepare
+    from tpu_executor.tools.tuning.roofline import ModelShape, Target
+    from tpu_executor.tools.tuning.traces import load_trace
+    from tpu_executor.tools.tuning.tuner import model_directory, tune
+    from tpu_executor.worker.model_loader import load_hf_config
+
+    options = engine_options_from_args(args)
+    target = Target.parse(args.target) if args.target else None
+    with model_directory(args.model or prepare()) as model_dir:
+        config = build_engine_config(model_dir, **options)
+        hf = load_hf_config(model_dir)
+        trace = load_trace(args.trace, _tokenizer(model_dir, args.trace), args.num_requests,
+                           config.max_model_len, config.model.seed)
+        report = tune(config, trace, hf.vocab_size, args.max_graphs, target, ModelShape.from_hf_config(hf))
+        measured = _measure(args, model_dir, options, report, ModelShape.from_hf_config(hf))
+    _print_report(report, measured, args)
+    _write_outputs(args, config, report, measured)
+
+
+def _tokenizer(model_dir: str, trace: str):
+    """The model's tokenizer for a ShareGPT trace (None when not needed or not there)."""
+    if not trace.endswith(".json"):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return None
+
+
+def _measure(args, model_dir: str, options: Dict, report, shape) -> Dict:
+    """Default and chosen buckets in the real engine on the first ``--measure`` requests, and
+    the cost model held against a few of the chosen buckets' step times."""
+    import glob
+
+    from tpu_executor.engine.llm_engine import LLMEngine
+    from tpu_executor.tools.tuning.measure import (check_cost_model, check_graphs, measure_cpu_chip, plan_options,
+                                                   run_engine)
+
+    if args.measure <= 0 or not glob.glob(f"{model_dir}/*.safetensors"):
+        return {"note": "not measured (--measure 0, or no weights for this model here)"}
+    sample = report.trace[:args.measure]
+    runs, checks = {}, []
+    for candidate in (report.candidates[0], report.chosen):
+        engine = LLMEngine.from_options(model_dir, **{**options, **plan_options(candidate.plan)})
+        try:
+            runs[candidate.name] = run_engine(engine, sample)
+            if candidate is report.chosen:
+                checks = check_cost_model(engine, shape, measure_cpu_chip(),
+                                          check_graphs(BucketPlan.from_config(engine.config)))
+        finally:
+            engine.shutdown()
+    return {"runs": runs, "checks": checks, "requests": len(sample)}
+
+
+def _row(candidate, measured: Dict, seconds_per_graph: Optional[float]) -> List[str]:
+    run = measured.get("runs", {}).get(candidate.name)
+    w = candidate.wastes
+    return [candidate.name, str(candidate.plan.model_graphs), str(candidate.graphs),
+            *(f"{100 * w[k]:.1f}%" for k in ("prefill", "rows", "context")), f"{100 * candidate.worst_waste:.1f}%",
+            f"{candidate.graphs * seconds_per_graph:.0f}" if seconds_per_graph else "-",
+            f"{candidate.tpu_tokens_per_s:.0f}" if candidate.tpu_tokens_per_s else "-",
+            f"{run.tokens_per_s:.1f}" if run else "-"]
+
+
+def seconds_per_graph(measured: Dict) -> Optional[float]:
+    runs = list(measured.get("runs", {}).values())
+    return runs[0].seconds_per_graph if runs else None
+
+
+def _print_report(report, measured: Dict, args) -> None:
+    result = report.replay
+    print(f"replayed {len(report.trace)} requests on the null device in {result.replay_seconds:.1f} s: "
+          f"{len(result.steps)} steps, {len(result.calls)} model calls, {result.output_tokens} output tokens")
+    rows = [_row(c, measured, seconds_per_graph(measured)) for c in report.candidates]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(COLUMNS)]
+    for line in [list(COLUMNS)] + rows:
+        print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
+    plan = report.chosen.plan
+    print(f"chosen (optimal, <= {args.max_graphs} model graphs): prefill {list(plan.prefill)}, "
+          f"decode rows {list(plan.rows)}, decode context {list(plan.context)}")
+    for note in report.lowering_notes:
+        print(f"TPU lowering: {note}")
+    _print_target(report)
+    _print_measured(measured)
+
+
+def _print_target(report) -> None:
+    if report.fit is None:
+        return
+    fit, gib = report.fit, 1 << 30
+    print(f"{report.target.name} (estimated, roofline): per chip {fit.weight_bytes / gib:.2f} GiB weights + "
+          f"{fit.kv_bytes / gib:.2f} GiB KV (max_num_seqs x max_model_len) + {fit.activation_bytes / gib:.2f} GiB "
+          f"activations of {fit.usable_bytes / gib:.1f} GiB usable: {'fits' if fit.fits else 'DOES NOT FIT'}; "
+          f"room for {fit.max_kv_blocks} KV blocks")
+
+
+def _print_measured(measured: Dict) -> None:
+    if "note" in measured:
+        print(f"this machine: {measured['note']}")
+        return
+    for name, run in measured["runs"].items():
+        print(f"this machine, {name}: {run.graphs_at_warmup} graphs compiled in {run.warmup_s:.1f} s, "
+              f"{run.tokens_per_s:.1f} output tok/s on {measured['requests']} requests, "
+              f"{run.graphs_after_warmup} compilations after warm-up")
+    for check in measured["checks"]:
+        print(f"cost model on this CPU: {check.graph}: measured {1e3 * check.measured_s:.1f} ms, "
+              f"roofline {1e3 * check.estimated_s:.1f} ms ({check.ratio:.1f}x)")
+
+
+def _write_outputs(args, config, report, measured: Dict) -> None:
+    from tpu_executor.tools.tuning.plot import draw
+
+    if args.out:
+        plan, chosen = report.chosen.plan, report.chosen
+        write_bucket_file(args.out, {
+            "prefill_buckets": list(plan.prefill), "decode_buckets": list(plan.rows),
+            "decode_context_buckets": list(plan.context), "max_model_len": config.max_model_len,
+            "max_num_seqs": config.scheduler.max_num_seqs, "block_size": config.cache.block_size,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens},
+            {"trace": args.trace, "requests": len(report.trace), "max_graphs": args.max_graphs,
+             "target": args.target, "wastes": chosen.wastes, "graphs": chosen.graphs})
+        print(f"wrote {args.out}")
+    rows = [_row(c, measured, seconds_per_graph(measured)) for c in report.candidates]
+    if args.csv:
+        with open(args.csv, "w", newline="") as handle:
+            csv.writer(handle).writerows([COLUMNS, *rows])
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(_report_json(report, measured), handle, indent=2, default=str)
+    if args.plot:
+        draw(report, seconds_per_graph(measured), args.plot)
+        print(f"wrote {args.plot}")
+
+
+def _report_json(report, measured: Dict) -> Dict:
+    return {"requests": len(report.trace), "replay_seconds": report.replay.replay_seconds,
+            "candidates": [{"name": c.name, "buckets": asdict(c.plan), "model_graphs": c.plan.model_graphs,
+                            "graphs": c.graphs, "wastes": c.wastes, "tpu_tokens_per_s": c.tpu_tokens_per_s}
+                           for c in report.candidates],
+            "target": report.target.name if report.target else None,
+            "hbm_fit": asdict(report.fit) if report.fit else None, "lowering": report.lowering_notes,
+            "measured": {name: asdict(run) for name, run in measured.get("runs", {}).items()},
+            "cost_checks": [asdict(c) for c in measured.get("checks", [])]}

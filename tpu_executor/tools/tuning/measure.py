@@ -1,0 +1,122 @@
+"""Measurements on this machine: a candidate's buckets in the real engine (warm-up, graphs,
+throughput on a trace sample, recompilations), and the cost model held against measured step
+times of a few buckets.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+import torch
+
+from tpu_executor.core.buckets import BucketPlan, DecodeGraph, Graph, PrefillGraph
+from tpu_executor.core.sampling_params import SamplingParams
+from tpu_executor.engine.llm_engine import LLMEngine
+from tpu_executor.tools.tuning.roofline import Chip, CostModel, ModelShape
+from tpu_executor.tools.tuning.schemes import Plan
+from tpu_executor.tools.tuning.traces import TraceRequest
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One candidate run for real on this machine."""
+
+    warmup_s: float
+    graphs_at_warmup: int
+    graphs_after_warmup: int
+    output_tokens: int
+    run_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.run_s
+
+    @property
+    def seconds_per_graph(self) -> float:
+        return self.warmup_s / self.graphs_at_warmup if self.graphs_at_warmup else 0.0
+
+
+def plan_options(plan: Plan) -> Dict[str, tuple]:
+    return {"prefill_buckets": plan.prefill, "decode_buckets": plan.rows, "decode_context_buckets": plan.context}
+
+
+def run_engine(engine: LLMEngine, trace: Sequence[TraceRequest], seed: int = 0) -> Measured:
+    """Serve ``trace`` (all at once, random prompt ids, exact output lengths) on ``engine``."""
+    stats = engine.stats()
+    warmup_s, graphs = stats.startup_seconds.get("warmup", 0.0), stats.graphs_compiled_at_warmup
+    rng = random.Random(seed)
+    for request in trace:
+        prompt = [rng.randrange(2, engine.vocab_size) for _ in range(request.prompt_len)]
+        engine.add_request({"prompt_token_ids": prompt},
+                           SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0))
+    start, tokens = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        tokens += sum(len(out.token_ids) for delta in engine.step() for out in delta.outputs)
+    run_s = time.perf_counter() - start
+    return Measured(warmup_s, graphs, engine.stats().graphs_compiled_after_warmup, tokens, run_s)
+
+
+def measure_candidate(model_dir: str, options: Dict, plan: Plan, trace: Sequence[TraceRequest]) -> Measured:
+    """Start an engine on ``plan``'s buckets, serve ``trace``, shut it down."""
+    engine = LLMEngine.from_options(model_dir, **{**options, **plan_options(plan)})
+    try:
+        return run_engine(engine, trace)
+    finally:
+        engine.shutdown()
+
+
+# ---- the cost model against this machine --------------------------------------------------
+def measure_cpu_chip(size: int = 1024, copy_mib: int = 256) -> Chip:
+    """This CPU as a roofline 'chip': fp32 matmul FLOP/s and copy bandwidth, measured now."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    flops = _best_rate(lambda: a @ b, 2.0 * size ** 3)
+    src = torch.empty(copy_mib << 18)  # fp32: 4 bytes an element
+    dst = torch.empty_like(src)
+    bandwidth = _best_rate(lambda: dst.copy_(src), 2.0 * src.numel() * 4)
+    return Chip("this CPU (measured)", 0, bandwidth, flops, 0)
+
+
+def _best_rate(fn, work: float, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return work / best
+
+
+@dataclass(frozen=True)
+class CostCheck:
+    """A graph's step time measured here beside the cost model's estimate for this CPU."""
+
+    graph: Graph
+    measured_s: float
+    estimated_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_s / self.estimated_s
+
+
+def check_cost_model(engine: LLMEngine, shape: ModelShape, chip: Chip, graphs: List[Graph]) -> List[CostCheck]:
+    """Time ``graphs`` on ``engine``'s device and estimate them with the roofline of ``chip``
+    (fp32 weights and activations, as the CPU runs them; the reference attention reads the
+    full context width)."""
+    cost = CostModel(shape, chip, tp=1, weight_bytes=4, act_bytes=4,
+                     max_logit_rows=engine.config.compile.max_prefill_seqs)
+    measured = engine.executor.time_graphs(graphs)
+    bs = engine.config.cache.block_size
+    estimates = [cost.prefill_seconds(g) if isinstance(g, PrefillGraph) else cost.decode_seconds(g, bs)
+                 for g in graphs]
+    return [CostCheck(g, m, e) for g, m, e in zip(graphs, measured, estimates)]
+
+
+def check_graphs(plan: BucketPlan) -> List[Graph]:
+    """A few graphs spanning the plan: the smallest and largest prefill and decode."""
+    rows, widths = plan.decode_row_buckets, plan.decode_context_block_buckets
+    picks = [PrefillGraph(plan.prefill_token_buckets[0]), PrefillGraph(plan.prefill_token_buckets[-1]),
+             DecodeGraph(rows[0], widths[0]), DecodeGraph(rows[-1], widths[-1])]
+    return list(dict.fromkeys(picks))

@@ -1,0 +1,205 @@
+"""Bucket tuning: replay a trace on the null device, score every scheme's buckets on what the
+runner saw, pick the optimum under the graph budget, and estimate it on a TPU slice.
+
+``tune(...)`` returns a ``TuneReport``; ``entrypoints/tune.py`` prints, plots and writes it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from tpu_executor.core.buckets import BucketPlan, DecodeCall, DecodeGraph, PrefillCall, PrefillGraph
+from tpu_executor.core.config import EngineConfig
+from tpu_executor.engine.options import build_engine_config
+from tpu_executor.tools.tuning.lowering import kernel_support, lower_graphs
+from tpu_executor.tools.tuning.replay import ReplayResult, replay
+from tpu_executor.tools.tuning.roofline import CostModel, HbmFit, ModelShape, Target, hbm_fit
+from tpu_executor.tools.tuning.schemes import (Dimension, Plan, optimal_tables, recipe_plans, round_up,
+                                               split_budget)
+from tpu_executor.tools.tuning.traces import TraceRequest
+
+# Published configs (config.json on the Hugging Face hub) of models a user may size a job for
+# without having the weights here: the tuner needs only their shapes.
+MODEL_SHAPES: Dict[str, Dict[str, Any]] = {
+    "llama-3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                       rope_theta=500000.0, rms_norm_eps=1e-5),
+    "gemma-7b": dict(architectures=["GemmaForCausalLM"], model_type="gemma", hidden_size=3072,
+                     intermediate_size=24576, num_hidden_layers=28, num_attention_heads=16,
+                     num_key_value_heads=16, head_dim=256, vocab_size=256000, max_position_embeddings=8192,
+                     rms_norm_eps=1e-6),
+}
+
+
+@contextmanager
+def model_directory(model: str) -> Iterator[str]:
+    """A checkpoint directory for ``model``: the directory itself, or a temporary one holding
+    only the config.json of a name in ``MODEL_SHAPES``."""
+    if os.path.isdir(model):
+        yield model
+        return
+    if model not in MODEL_SHAPES:
+        raise ValueError(f"model {model!r} is neither a checkpoint directory nor one of {sorted(MODEL_SHAPES)}")
+    with tempfile.TemporaryDirectory(prefix="tpu-executor-shape-") as path:
+        with open(os.path.join(path, "config.json"), "w") as handle:
+            json.dump(MODEL_SHAPES[model], handle)
+        yield path
+
+
+def with_buckets(config: EngineConfig, plan: Plan) -> EngineConfig:
+    """``config`` serving ``plan``'s buckets (the configs validate them again)."""
+    compile_config = dataclasses.replace(config.compile, prefill_buckets=plan.prefill, decode_buckets=plan.rows,
+                                         decode_context_buckets=plan.context)
+    return dataclasses.replace(config, compile=compile_config)
+
+
+def replay_config(config: EngineConfig) -> EngineConfig:
+    """``config`` with only the top buckets: the prefill packing depends on the top prefill
+    bucket alone (``max_num_batched_tokens``), so one replay serves every scheme."""
+    bs = config.cache.block_size
+    top = Plan((config.scheduler.max_num_batched_tokens // bs * bs,), (config.scheduler.max_num_seqs,),
+               (round_up(config.max_model_len, bs),))
+    return with_buckets(config, top)
+
+
+def dimensions(result: ReplayResult, config: EngineConfig, row_multiple: int) -> Dict[str, Dimension]:
+    """The three bucketed sizes the runner saw in the replay (see ``schemes``)."""
+    bs = config.cache.block_size
+    prefill = [call.context_tokens for call in result.calls if isinstance(call, PrefillCall)]
+    decodes = [call for call in result.calls if isinstance(call, DecodeCall)]
+    rows = np.array([len(call.work) for call in decodes])
+    widths = np.array([max(call.needed_blocks) * bs for call in decodes])
+    top = replay_config(config).compile
+    return {"prefill": Dimension("prefill", np.array(prefill), np.ones(len(prefill)), bs, top.prefill_buckets[-1]),
+            "rows": Dimension("rows", rows, np.ones(len(rows)), row_multiple, top.decode_buckets[-1]),
+            "context": Dimension("context", widths, rows.astype(float), bs, top.decode_context_buckets[-1])}
+
+
+def plan_of(config: EngineConfig) -> Plan:
+    """The buckets ``config`` serves, as the engine cuts them (context in tokens)."""
+    plan = BucketPlan.from_config(config)
+    return Plan(plan.prefill_token_buckets, plan.decode_row_buckets,
+                tuple(b * config.cache.block_size for b in plan.decode_context_block_buckets))
+
+
+@dataclass
+class Candidate:
+    """One scheme's buckets and what they cost on the trace."""
+
+    name: str
+    plan: Plan
+    wastes: Dict[str, float]
+    graphs: int  # every graph the engine compiles (model steps and sampler)
+    tpu_tokens_per_s: Optional[float] = None
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def worst_waste(self) -> float:
+        return max(self.wastes.values())
+
+
+def score(name: str, plan: Plan, config: EngineConfig, dims: Dict[str, Dimension]) -> Candidate:
+    engine_plan = BucketPlan.from_config(with_buckets(config, plan))
+    return Candidate(name, plan, plan.wastes(dims), len(engine_plan.graphs()))
+
+
+def estimated_seconds(result: ReplayResult, plan: BucketPlan, cost: CostModel, real_context: bool) -> float:
+    """Model time of the replayed steps padded to ``plan``. With the Pallas decode kernel a row
+    reads only its own context (``real_context``); the reference reads the full width."""
+    total, bs = 0.0, plan.block_size
+    for call in result.calls:
+        if isinstance(call, PrefillCall):
+            total += cost.prefill_seconds(plan.prefill_graph(call.context_tokens))
+        else:
+            graph = plan.decode_graph(len(call.work), max(call.needed_blocks))
+            context = sum(call.needed_blocks) * bs / graph.num_rows if real_context else None
+            total += cost.decode_seconds(graph, bs, context)
+    return total
+
+
+@dataclass
+class TuneReport:
+    """Everything ``tune`` found: the replay, each candidate, the choice, the TPU sizing."""
+
+    trace: List[TraceRequest]
+    replay: ReplayResult
+    dims: Dict[str, Dimension]
+    candidates: List[Candidate]
+    chosen: Candidate
+    curve: List[Candidate]  # the optimum at each graph budget (for the plot)
+    target: Optional[Target] = None
+    fit: Optional[HbmFit] = None
+    lowering_notes: List[str] = field(default_factory=list)
+
+
+def tune(config: EngineConfig, trace: Sequence[TraceRequest], vocab_size: int, max_graphs: int,
+         target: Optional[Target] = None, shape: Optional[ModelShape] = None) -> TuneReport:
+    """Replay ``trace``, score the schemes, and choose the optimum under ``max_graphs`` model
+    graphs (prefill + decode; the sampler's graphs come on top and are counted in ``graphs``)."""
+    result = replay(replay_config(config), trace, vocab_size)
+    dims = dimensions(result, config, row_multiple=8 if target else 1)
+    candidates = [score("default", plan_of(config), config, dims)]
+    candidates += [score(name, plan, config, dims) for name, plan in recipe_plans(dims).items()]
+    budgets = range(2, max(max_graphs, 40) + 1)
+    tables = optimal_tables(dims, budgets[-1])
+    curve = [score(f"optimal@{b}", split_budget(dims, b, tables), config, dims) for b in budgets]
+    chosen = score("optimal", split_budget(dims, max_graphs, tables), config, dims)
+    report = TuneReport(list(trace), result, dims, candidates + [chosen], chosen, curve, target)
+    if target is not None and shape is not None:
+        _check_on_target(report, config, shape)
+    return report
+
+
+def _check_on_target(report: TuneReport, config: EngineConfig, shape: ModelShape) -> None:
+    """Lower the chosen buckets' kernels for the TPU (dropping any that fail), size the HBM,
+    and estimate each candidate's throughput on the target."""
+    target, tp = report.target, report.target.num_chips
+    unsupported = kernel_support(shape, tp)
+    if unsupported:
+        report.lowering_notes.append(unsupported)
+    else:
+        _drop_unlowerable(report, config, shape, tp)
+    cost = CostModel(shape, target.chip, tp)
+    report.fit = hbm_fit(cost, config.scheduler.max_num_seqs, config.max_model_len,
+                         report.chosen.plan.prefill[-1], config.cache.block_size, config.cache.memory_utilization)
+    for candidate in report.candidates:
+        seconds = estimated_seconds(report.replay, BucketPlan.from_config(with_buckets(config, candidate.plan)),
+                                    cost, real_context=unsupported is None)
+        candidate.tpu_tokens_per_s = report.replay.output_tokens / seconds if seconds else None
+
+
+def _drop_unlowerable(report: TuneReport, config: EngineConfig, shape: ModelShape, tp: int) -> None:
+    chosen = report.chosen
+    engine_plan = BucketPlan.from_config(with_buckets(config, chosen.plan))
+    graphs = [g for g in engine_plan.graphs() if isinstance(g, (PrefillGraph, DecodeGraph))]
+    results = lower_graphs(tqdm(graphs, desc="lowering kernels for TPU"), shape, tp, config.cache.block_size)
+    failed = [r for r in results if r.error]
+    report.lowering_notes.append(f"{len(results) - len(failed)} of {len(results)} graphs' kernels lower for the TPU")
+    bad_prefill = {r.graph.num_tokens for r in failed if isinstance(r.graph, PrefillGraph)}
+    bad_rows = {r.graph.num_rows for r in failed if isinstance(r.graph, DecodeGraph)}
+    bad_context = {r.graph.context_blocks * config.cache.block_size for r in failed if isinstance(r.graph, DecodeGraph)}
+    for r in failed:
+        report.lowering_notes.append(f"dropped: {r.kernel} at {r.graph}: {r.error}")
+    plan = chosen.plan
+    kept = Plan(_keep_top(plan.prefill, bad_prefill), _keep_top(plan.rows, bad_rows), _keep_top(plan.context, bad_context))
+    if kept != plan:
+        report.chosen = score("optimal", kept, config, report.dims)
+        report.candidates[-1] = report.chosen
+
+
+def _keep_top(buckets: Sequence[int], bad: set) -> tuple:
+    """``buckets`` without the ``bad`` ones; the top stays (it is the engine's limit), and if
+    its kernel fails the engine cannot serve this configuration on a TPU at all."""
+    if buckets[-1] in bad:
+        raise ValueError(f"the top bucket {buckets[-1]} does not lower for the TPU; see the notes above "
+                         "and lower max_num_batched_tokens / max_model_len or change block_size")
+    return tuple(b for b in buckets if b not in bad)
