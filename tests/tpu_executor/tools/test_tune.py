@@ -1,0 +1,148 @@
+"""Bucket tuning end to end: the null-device replay sees what the real engine runs, tuned
+buckets meet the waste target on sharegpt-like, bucket files drive every engine, and an engine
+started from one compiles exactly its graphs and never again while serving the trace."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.common import tiny_engine_options
+from tpu_executor.core.buckets import BucketPlan, DecodeGraph, PrefillGraph, read_bucket_file
+from tpu_executor.engine.llm_engine import LLMEngine
+from tpu_executor.engine.options import build_engine_config
+from tpu_executor.entrypoints.cli import main
+from tpu_executor.tools.tuning.lowering import kernel_support, lower_graphs
+from tpu_executor.tools.tuning.measure import run_engine
+from tpu_executor.tools.tuning.replay import replay
+from tpu_executor.tools.tuning.roofline import CostModel, ModelShape, Target
+from tpu_executor.tools.tuning.traces import load_trace
+from tpu_executor.tools.tuning.tuner import model_directory, tune
+
+TINY = dict(max_model_len=320, max_num_seqs=8, max_num_batched_tokens=320, prefill_buckets=(32, 128, 320),
+            decode_buckets=(2, 8), decode_context_buckets=(128, 320), memory_budget_bytes=256 << 20)
+
+
+def test_null_replay_pads_exactly_like_the_real_engine(checkpoints):
+    """Same config, same trace: the real engine (native CPU) and the null-device replay count
+    the same padded and real work in every dimension, and produce the same tokens count."""
+    trace = load_trace("chat", num_requests=24, max_model_len=320, seed=1)
+    engine = LLMEngine.from_options(checkpoints["llama"], device="cpu", show_progress=False, **TINY)
+    try:
+        real = run_engine(engine, trace)
+        real_padding = engine.stats().padding
+        config = engine.config
+    finally:
+        engine.shutdown()
+    replayed = replay(config, trace, engine.vocab_size)
+    assert replayed.stats.padding == real_padding
+    assert replayed.output_tokens == real.output_tokens == sum(r.output_len for r in trace)
+    assert replayed.stats.kv_blocks_used == 0 and replayed.stats.num_running == 0
+
+
+def test_sharegpt_like_tuned_buckets_waste_at_most_10_percent_with_24_graphs():
+    with model_directory("llama-3-8b") as path:
+        config = build_engine_config(path, max_model_len=2048, max_num_seqs=32)
+        trace = load_trace("sharegpt-like", num_requests=1000, max_model_len=2048)
+        report = tune(config, trace, 128256, max_graphs=24)
+    default, chosen = report.candidates[0], report.chosen
+    assert chosen.plan.model_graphs <= 24
+    assert chosen.worst_waste <= 0.10, chosen.wastes
+    assert default.wastes["prefill"] > 0.25  # powers of two pad a third of the prefill work
+    assert all(c.worst_waste >= chosen.worst_waste for c in report.candidates if c.plan.model_graphs <= 24)
+
+
+def test_bucket_file_sets_buckets_and_limits_and_refuses_conflicts(checkpoints, tmp_path):
+    path = tmp_path / "buckets.json"
+    main(["tune", "--trace", "chat", "--num-requests", "40", "--model", checkpoints["llama"], "--device", "cpu",
+          "--max-model-len", "320", "--max-num-seqs", "8", "--max-num-batched-tokens", "320", "--max-graphs", "6",
+          "--measure", "0", "--out", str(path)])
+    options = read_bucket_file(str(path))
+    config = build_engine_config(checkpoints["llama"], bucket_config=str(path))
+    assert config.compile.prefill_buckets == options["prefill_buckets"]
+    assert (config.max_model_len, config.scheduler.max_num_seqs) == (320, 8)
+    with pytest.raises(ValueError, match="sets prefill_buckets; do not pass prefill_buckets as well"):
+        build_engine_config(checkpoints["llama"], bucket_config=str(path), prefill_buckets=(32,))
+    (tmp_path / "bad.json").write_text('{"prefill_buckets": [16]}')
+    with pytest.raises(ValueError, match="is not a bucket file"):
+        build_engine_config(checkpoints["llama"], bucket_config=str(tmp_path / "bad.json"))
+
+
+def test_tune_command_measures_writes_table_csv_json_and_plot(checkpoints, tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"prompt_len": 20 + 7 * i, "output_len": 4 + i % 5}) + "\n" for i in range(30)))
+    out = {name: tmp_path / name for name in ("b.json", "t.csv", "r.json", "p.png")}
+    main(["tune", "--trace", str(trace), "--model", checkpoints["llama"], "--device", "cpu", "--max-model-len", "320",
+          "--max-num-seqs", "8", "--max-num-batched-tokens", "320", "--max-graphs", "8", "--measure", "6",
+          "--out", str(out["b.json"]), "--csv", str(out["t.csv"]), "--json", str(out["r.json"]),
+          "--plot", str(out["p.png"])])
+    printed = capsys.readouterr().out
+    assert "replayed 30 requests" in printed and "optimal" in printed
+    assert "output tok/s on 6 requests" in printed and "cost model on this CPU" in printed
+    report = json.loads(out["r.json"].read_text())
+    assert {c["name"] for c in report["candidates"]} >= {"default", "pow2", "optimal"}
+    assert set(report["measured"]) == {"default", "optimal"}
+    assert out["t.csv"].read_text().startswith("scheme,model graphs")
+    assert out["p.png"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_trace_fails_the_command_with_its_line(checkpoints, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"prompt_len": 5, "output_len": 2}\n{"prompt_len": -1, "output_len": 2}\n')
+    with pytest.raises(SystemExit, match=r"t\.jsonl:2: prompt_len must be >= 1"):
+        main(["tune", "--trace", str(trace), "--model", checkpoints["llama"], "--device", "cpu", "--measure", "0",
+              "--max-model-len", "320", "--max-num-batched-tokens", "320"])
+
+
+def test_kernels_lower_for_the_tpu_and_a_bad_block_shape_is_reported():
+    shape = ModelShape(layers=2, hidden=1024, intermediate=2048, heads=8, kv_heads=2, head_dim=128, vocab=1000)
+    graphs = [PrefillGraph(128), DecodeGraph(8, 4)]
+    assert [r.error for r in lower_graphs(graphs, shape, tp=1, block_size=16)] == [None, None]
+    bad = lower_graphs([DecodeGraph(8, 4)], shape, tp=1, block_size=8)  # bf16 pages need rows of 16
+    assert "block_size=8 must be a multiple of 16" in bad[0].error
+    assert "head_dim 64" in kernel_support(ModelShape(2, 576, 1536, 9, 3, 64, 1000), tp=1)
+
+
+def test_roofline_decode_is_memory_bound_and_long_prefill_compute_bound():
+    with model_directory("llama-3-8b") as path:
+        from tpu_executor.worker.model_loader import load_hf_config
+        shape = ModelShape.from_hf_config(load_hf_config(path))
+    target = Target.parse("v5e-1")
+    cost = CostModel(shape, target.chip, tp=1)
+    # A decode step reads every weight but the input embedding (one row a token).
+    weights_s = (shape.weight_params() - shape.vocab * shape.hidden) * 2 / target.chip.hbm_bytes_per_s
+    assert cost.decode_seconds(DecodeGraph(1, 1), 16) == pytest.approx(weights_s, rel=0.05)
+    assert cost.prefill_seconds(PrefillGraph(2048)) > 2 * 2048 * 7e9 / target.chip.peak_flops
+    assert Target.parse("v5p-8").num_chips == 4 and Target.parse("v6e-8").num_chips == 8
+    with pytest.raises(ValueError, match="not a TPU slice"):
+        Target.parse("a100-8")
+
+
+SERVE_THE_TRACE = textwrap.dedent("""
+    import json, sys
+    from tpu_executor import LLM
+    from tpu_executor.core.buckets import BucketPlan
+    from tpu_executor.tools.tuning.measure import run_engine
+    from tpu_executor.tools.tuning.traces import load_trace
+    llm = LLM(sys.argv[1], device="xla", bucket_config=sys.argv[2], cache_dir=None, num_blocks=200,
+              show_progress=False)
+    planned = len(BucketPlan.from_config(llm.engine.config).graphs())
+    run = run_engine(llm.engine, load_trace("chat", num_requests=40, max_model_len=320, seed=2))
+    print(json.dumps([run.graphs_at_warmup, planned, run.graphs_after_warmup, run.output_tokens]))
+""")
+
+
+@pytest.mark.slow
+def test_engine_from_a_tuned_file_compiles_exactly_its_graphs_and_never_recompiles(checkpoints, tmp_path):
+    """Fresh process (XLA's in-memory cache would serve graphs of earlier engines)."""
+    path = tmp_path / "buckets.json"
+    main(["tune", "--trace", "chat", "--num-requests", "40", "--model", checkpoints["llama"], "--device", "cpu",
+          "--max-model-len", "320", "--max-num-seqs", "8", "--max-num-batched-tokens", "320", "--max-graphs", "6",
+          "--measure", "0", "--seed", "2", "--out", str(path)])
+    result = subprocess.run([sys.executable, "-c", SERVE_THE_TRACE, checkpoints["llama"], str(path)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled, planned, after, tokens = json.loads(result.stdout.strip().splitlines()[-1])
+    assert compiled == planned and after == 0 and tokens > 0
+    assert planned == len(BucketPlan.from_config(build_engine_config(checkpoints["llama"], bucket_config=str(path))).graphs())
