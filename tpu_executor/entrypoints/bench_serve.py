@@ -6,8 +6,8 @@ throughput, latency percentiles and goodput.
     tpu-executor bench serve --launch DIR --trace requests.jsonl --goodput ttft:500 tpot:100
 
 Requests come from random lengths (``--input-len``/``--output-len`` +- ``--range-ratio``,
-seeded; prompts are random token ids) or a JSONL trace (``prompt_len``/``output_len`` or
-Mooncake's ``input_length``/``output_length`` per line). Arrivals are a Poisson process at
+seeded; prompts are random token ids) or a trace file (``--trace``: any format
+``tpu-executor tune`` reads, e.g. JSONL ``prompt_len``/``output_len``, Mooncake, Azure CSV). Arrivals are a Poisson process at
 ``--request-rate`` (a gamma process with ``--burstiness`` != 1), or all at once (``inf``).
 The client speaks only HTTP, so it measures any OpenAI-compatible server. ``--launch`` starts
 our server in this process and first runs the same workload through the offline engine, so
@@ -47,7 +47,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     load.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1 +- ratio)")
     load.add_argument("--vocab-size", type=int, default=None, help="prompt ids below this (default: the "
                                                                    "launched model's vocabulary, else 1000)")
-    load.add_argument("--trace", default=None, help="JSONL of prompt/output lengths instead of random ones")
+    load.add_argument("--trace", default=None, help="trace file of prompt/output lengths (formats as tune) instead of random ones")
     load.add_argument("--request-rate", nargs="+", default=["inf"], help="requests/s, one run each (inf: all at once)")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)")
     load.add_argument("--max-concurrency", type=int, default=None)
@@ -68,23 +68,16 @@ def random_workload(num: int, input_len: int, output_len: int, ratio: float, voc
 
 
 def trace_workload(path: str, vocab: int, seed: int) -> Workload:
-    """Lengths from a JSONL trace; a bad line fails with its number."""
-    rng, workload = random.Random(seed), []
-    with open(path) as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                prompt_len = int(row.get("prompt_len", row.get("input_length")))
-                output_len = int(row.get("output_len", row.get("output_length")))
-                if prompt_len < 1 or output_len < 1:
-                    raise ValueError("lengths must be >= 1")
-            except (ValueError, TypeError) as err:
-                raise SystemExit(f"{path}:{number}: need prompt_len/output_len (or input_length/output_length) "
-                                 f"as positive integers: {err}") from None
-            workload.append(([rng.randrange(10, vocab) for _ in range(prompt_len)], output_len))
-    return workload
+    """Lengths from a trace file (any format ``tpu-executor tune`` reads); a bad row fails with
+    its line number."""
+    from tpu_executor.tools.tuning.traces import TraceError, load_trace
+
+    rng = random.Random(seed)
+    try:
+        trace = load_trace(path)
+    except TraceError as err:
+        raise SystemExit(str(err)) from None
+    return [([rng.randrange(10, vocab) for _ in range(r.prompt_len)], r.output_len) for r in trace]
 
 
 def arrival_gaps(count: int, rate: float, burstiness: float, seed: int) -> List[float]:
