@@ -146,3 +146,20 @@ def test_engine_from_a_tuned_file_compiles_exactly_its_graphs_and_never_recompil
     compiled, planned, after, tokens = json.loads(result.stdout.strip().splitlines()[-1])
     assert compiled == planned and after == 0 and tokens > 0
     assert planned == len(BucketPlan.from_config(build_engine_config(checkpoints["llama"], bucket_config=str(path))).graphs())
+
+
+def test_arrival_times_are_honoured_on_the_targets_clock(tmp_path):
+    """A trace arriving at 2 requests/s runs smaller decode batches than the same requests all
+    at once, and the virtual clock passes the last arrival."""
+    rows = [{"prompt_len": 100 + i, "output_len": 50, "arrival_s": i / 2} for i in range(40)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with model_directory("llama-3-8b") as model:
+        config = build_engine_config(model, max_model_len=1024)
+        from tpu_executor.worker.model_loader import load_hf_config
+        shape = ModelShape.from_hf_config(load_hf_config(model))
+        trace = load_trace(str(path))
+        paced = tune(config, trace, 128256, 8, Target.parse("v5e-8"), shape)
+        at_once = tune(config, [r.__class__(r.prompt_len, r.output_len) for r in trace], 128256, 8)
+    assert paced.replay.virtual_seconds >= 19.5
+    assert paced.dims["rows"].sizes.mean() < at_once.dims["rows"].sizes.mean() / 4

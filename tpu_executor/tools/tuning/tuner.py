@@ -145,7 +145,7 @@ def tune(config: EngineConfig, trace: Sequence[TraceRequest], vocab_size: int, m
          target: Optional[Target] = None, shape: Optional[ModelShape] = None) -> TuneReport:
     """Replay ``trace``, score the schemes, and choose the optimum under ``max_graphs`` model
     graphs (prefill + decode; the sampler's graphs come on top and are counted in ``graphs``)."""
-    result = replay(replay_config(config), trace, vocab_size)
+    result = replay(replay_config(config), trace, vocab_size, step_cost=_arrival_clock(config, trace, target, shape))
     dims = dimensions(result, config, row_multiple=8 if target else 1)
     candidates = [score("default", plan_of(config), config, dims)]
     candidates += [score(name, plan, config, dims) for name, plan in recipe_plans(dims).items()]
@@ -157,6 +157,21 @@ def tune(config: EngineConfig, trace: Sequence[TraceRequest], vocab_size: int, m
     if target is not None and shape is not None:
         _check_on_target(report, config, shape)
     return report
+
+
+def _arrival_clock(config: EngineConfig, trace: Sequence[TraceRequest], target: Optional[Target],
+                   shape: Optional[ModelShape]):
+    """With arrival times and a target, the replay's clock advances by each step's roofline
+    time (at the replay's top buckets), so requests join as they would on that slice; without
+    either, every request arrives at once (the saturated case)."""
+    if target is None or shape is None or any(r.arrival_s is None for r in trace):
+        return None
+    cost, bs = CostModel(shape, target.chip, target.num_chips), config.cache.block_size
+
+    def step_seconds(calls) -> float:
+        return sum(cost.prefill_seconds(c.graph) if isinstance(c, PrefillCall) else
+                   cost.decode_seconds(c.graph, bs, sum(c.needed_blocks) * bs / c.graph.num_rows) for c in calls)
+    return step_seconds
 
 
 def _check_on_target(report: TuneReport, config: EngineConfig, shape: ModelShape) -> None:
