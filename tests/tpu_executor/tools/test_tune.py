@@ -17,7 +17,7 @@ from tpu_executor.tools.tuning.lowering import kernel_support, lower_graphs
 from tpu_executor.tools.tuning.measure import run_engine
 from tpu_executor.tools.tuning.replay import replay
 from tpu_executor.tools.tuning.roofline import CostModel, ModelShape, Target
-from tpu_executor.tools.tuning.traces import load_trace
+from tpu_executor.tools.tuning.traces import TraceRequest, load_trace
 from tpu_executor.tools.tuning.tuner import model_directory, tune
 
 TINY = dict(max_model_len=320, max_num_seqs=8, max_num_batched_tokens=320, prefill_buckets=(32, 128, 320),
@@ -124,7 +124,7 @@ SERVE_THE_TRACE = textwrap.dedent("""
     from tpu_executor import LLM
     from tpu_executor.core.buckets import BucketPlan
     from tpu_executor.tools.tuning.measure import run_engine
-    from tpu_executor.tools.tuning.traces import load_trace
+    from tpu_executor.tools.tuning.traces import TraceRequest, load_trace
     llm = LLM(sys.argv[1], device="xla", bucket_config=sys.argv[2], cache_dir=None, num_blocks=200,
               show_progress=False)
     planned = len(BucketPlan.from_config(llm.engine.config).graphs())
@@ -160,6 +160,29 @@ def test_arrival_times_are_honoured_on_the_targets_clock(tmp_path):
         shape = ModelShape.from_hf_config(load_hf_config(model))
         trace = load_trace(str(path))
         paced = tune(config, trace, 128256, 8, Target.parse("v5e-8"), shape)
-        at_once = tune(config, [r.__class__(r.prompt_len, r.output_len) for r in trace], 128256, 8)
+        at_once = tune(config, [TraceRequest(r.prompt_len, r.output_len) for r in trace], 128256, 8)
     assert paced.replay.virtual_seconds >= 19.5
     assert paced.dims["rows"].sizes.mean() < at_once.dims["rows"].sizes.mean() / 4
+
+
+def test_a_bucket_whose_kernel_does_not_lower_is_dropped_with_its_reason(monkeypatch):
+    from tpu_executor.tools.tuning import tuner
+    from tpu_executor.tools.tuning.lowering import LoweringResult
+
+    failing = []
+
+    def lower(graphs, *args, **kwargs):  # the smallest prefill bucket fails to lower
+        graphs = list(graphs)
+        failing.append(PrefillGraph(min(g.num_tokens for g in graphs if isinstance(g, PrefillGraph))))
+        return [LoweringResult(g, "prefill_attention", "MosaicError: block shape" if g == failing[0] else None)
+                for g in graphs]
+    monkeypatch.setattr(tuner, "lower_graphs", lower)
+    with model_directory("llama-3-8b") as path:
+        config = build_engine_config(path, max_model_len=2048)
+        from tpu_executor.worker.model_loader import load_hf_config
+        shape = ModelShape.from_hf_config(load_hf_config(path))
+        report = tune(config, load_trace("chat", num_requests=300, max_model_len=2048), 128256, 24,
+                      Target.parse("v5e-8"), shape)
+    assert failing[0].num_tokens not in report.chosen.plan.prefill
+    assert report.chosen.plan.prefill[-1] == 2048
+    assert any(f"dropped: prefill_attention at {failing[0]}: MosaicError" in n for n in report.lowering_notes)

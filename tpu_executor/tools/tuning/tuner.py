@@ -199,13 +199,18 @@ def _drop_unlowerable(report: TuneReport, config: EngineConfig, shape: ModelShap
     results = lower_graphs(tqdm(graphs, desc="lowering kernels for TPU"), shape, tp, config.cache.block_size)
     failed = [r for r in results if r.error]
     report.lowering_notes.append(f"{len(results) - len(failed)} of {len(results)} graphs' kernels lower for the TPU")
-    bad_prefill = {r.graph.num_tokens for r in failed if isinstance(r.graph, PrefillGraph)}
-    bad_rows = {r.graph.num_rows for r in failed if isinstance(r.graph, DecodeGraph)}
-    bad_context = {r.graph.context_blocks * config.cache.block_size for r in failed if isinstance(r.graph, DecodeGraph)}
+    bs, plan = config.cache.block_size, chosen.plan
+    bad = {"prefill": set(), "rows": set(), "context": set()}
     for r in failed:
         report.lowering_notes.append(f"dropped: {r.kernel} at {r.graph}: {r.error}")
-    plan = chosen.plan
-    kept = Plan(_keep_top(plan.prefill, bad_prefill), _keep_top(plan.rows, bad_rows), _keep_top(plan.context, bad_context))
+        if isinstance(r.graph, PrefillGraph):
+            bad["prefill"].add(r.graph.num_tokens)
+        elif r.graph.context_blocks * bs != plan.context[-1]:  # drop the narrower width first
+            bad["context"].add(r.graph.context_blocks * bs)
+        else:
+            bad["rows"].add(r.graph.num_rows)
+    kept = Plan(_keep_top(plan.prefill, bad["prefill"]), _keep_top(plan.rows, bad["rows"]),
+                _keep_top(plan.context, bad["context"]))
     if kept != plan:
         report.chosen = score("optimal", kept, config, report.dims)
         report.candidates[-1] = report.chosen
