@@ -26,7 +26,7 @@ from tpu_executor.core.buckets import BucketPlan, write_bucket_file
 from tpu_executor.engine.options import add_engine_arguments, build_engine_config, engine_options_from_args
 
 COLUMNS = ("scheme", "model graphs", "all graphs", "prefill waste", "rows waste", "context waste",
-           "worst waste", "est. warm-up s", "TPU est. tok/s", "measured tok/s")
+           "worst waste", "est. warm-up s", "TPU est. tok/s", "here: sample tok/s", "here: trace tok/s")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -73,7 +73,7 @@ def _run(args: argparse.Namespace) -> None:
         trace = load_trace(args.trace, _tokenizer(model_dir, args.trace), args.num_requests,
                            config.max_model_len, config.model.seed)
         report = tune(config, trace, hf.vocab_size, args.max_graphs, target, ModelShape.from_hf_config(hf))
-        measured = _measure(args, model_dir, options, report, ModelShape.from_hf_config(hf))
+        measured = _measure(args, model_dir, config, options, report, ModelShape.from_hf_config(hf))
     _print_report(report, measured, args)
     _write_outputs(args, config, report, measured)
 
@@ -90,28 +90,22 @@ def _tokenizer(model_dir: str, trace: str):
         return None
 
 
-def _measure(args, model_dir: str, options: Dict, report, shape) -> Dict:
+def _measure(args, model_dir: str, config, options: Dict, report, shape) -> Dict:
     """Default and chosen buckets in the real engine on the first ``--measure`` requests, and
     the cost model held against a few of the chosen buckets' step times."""
     import glob
 
-    from tpu_executor.engine.llm_engine import LLMEngine
-    from tpu_executor.tools.tuning.measure import (check_cost_model, check_graphs, measure_cpu_chip, plan_options,
-                                                   run_engine)
+    from tpu_executor.tools.tuning.measure import measure_finalists
 
     if args.measure <= 0 or not glob.glob(f"{model_dir}/*.safetensors"):
         return {"note": "not measured (--measure 0, or no weights for this model here)"}
     sample = report.trace[:args.measure]
-    runs, checks = {}, []
-    for candidate in (report.candidates[0], report.chosen):
-        engine = LLMEngine.from_options(model_dir, **{**options, **plan_options(candidate.plan)})
-        try:
-            runs[candidate.name] = run_engine(engine, sample)
-            if candidate is report.chosen:
-                checks = check_cost_model(engine, shape, measure_cpu_chip(),
-                                          check_graphs(BucketPlan.from_config(engine.config)))
-        finally:
-            engine.shutdown()
+    if len(sample) < 4 * config.scheduler.max_num_seqs:
+        print(f"warning: --measure {len(sample)} requests cannot keep max_num_seqs sequences running for long: "
+              "the sample's batches are smaller than the trace's, so its throughput does not judge buckets "
+              "fitted to the whole trace (use at least 4 x max_num_seqs)")
+    finalists = [(c.name, c.plan) for c in (report.candidates[0], report.chosen)]
+    runs, checks = measure_finalists(model_dir, options, finalists, sample, report.replay, shape)
     return {"runs": runs, "checks": checks, "requests": len(sample)}
 
 
@@ -122,7 +116,7 @@ def _row(candidate, measured: Dict, seconds_per_graph: Optional[float]) -> List[
             *(f"{100 * w[k]:.1f}%" for k in ("prefill", "rows", "context")), f"{100 * candidate.worst_waste:.1f}%",
             f"{candidate.graphs * seconds_per_graph:.0f}" if seconds_per_graph else "-",
             f"{candidate.tpu_tokens_per_s:.0f}" if candidate.tpu_tokens_per_s else "-",
-            f"{run.tokens_per_s:.1f}" if run else "-"]
+            f"{run.tokens_per_s:.1f}" if run else "-", f"{run.trace_tokens_per_s:.1f}" if run else "-"]
 
 
 def seconds_per_graph(measured: Dict) -> Optional[float]:
@@ -163,7 +157,8 @@ def _print_measured(measured: Dict) -> None:
         return
     for name, run in measured["runs"].items():
         print(f"this machine, {name}: {run.graphs_at_warmup} graphs compiled in {run.warmup_s:.1f} s, "
-              f"{run.tokens_per_s:.1f} output tok/s on {measured['requests']} requests, "
+              f"{run.tokens_per_s:.1f} output tok/s serving the first {measured['requests']} requests, "
+              f"{run.trace_tokens_per_s:.1f} for the whole trace at measured model step times, "
               f"{run.graphs_after_warmup} compilations after warm-up")
     for check in measured["checks"]:
         print(f"cost model on this CPU: {check.graph}: measured {1e3 * check.measured_s:.1f} ms, "

@@ -79,10 +79,12 @@ def test_tune_command_measures_writes_table_csv_json_and_plot(checkpoints, tmp_p
           "--plot", str(out["p.png"])])
     printed = capsys.readouterr().out
     assert "replayed 30 requests" in printed and "optimal" in printed
-    assert "output tok/s on 6 requests" in printed and "cost model on this CPU" in printed
+    assert "output tok/s serving the first 6 requests" in printed and "cost model on this CPU" in printed
+    assert "for the whole trace at measured model step times" in printed
     report = json.loads(out["r.json"].read_text())
     assert {c["name"] for c in report["candidates"]} >= {"default", "pow2", "optimal"}
     assert set(report["measured"]) == {"default", "optimal"}
+    assert report["measured"]["optimal"]["trace_tokens_per_s"] > 0
     assert out["t.csv"].read_text().startswith("scheme,model graphs")
     assert out["p.png"].read_bytes()[:4] == b"\x89PNG"
 

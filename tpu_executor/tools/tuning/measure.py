@@ -4,16 +4,18 @@ times of a few buckets.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
 from tpu_executor.core.buckets import BucketPlan, DecodeGraph, Graph, PrefillGraph
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.engine.llm_engine import LLMEngine
+from tpu_executor.tools.tuning.replay import ReplayResult
 from tpu_executor.tools.tuning.roofline import Chip, CostModel, ModelShape
 from tpu_executor.tools.tuning.schemes import Plan
 from tpu_executor.tools.tuning.traces import TraceRequest
@@ -28,6 +30,7 @@ class Measured:
     graphs_after_warmup: int
     output_tokens: int
     run_s: float
+    trace_tokens_per_s: float = 0.0  # the whole replayed trace at this machine's step times
 
     @property
     def tokens_per_s(self) -> float:
@@ -58,13 +61,34 @@ def run_engine(engine: LLMEngine, trace: Sequence[TraceRequest], seed: int = 0) 
     return Measured(warmup_s, graphs, engine.stats().graphs_compiled_after_warmup, tokens, run_s)
 
 
-def measure_candidate(model_dir: str, options: Dict, plan: Plan, trace: Sequence[TraceRequest]) -> Measured:
-    """Start an engine on ``plan``'s buckets, serve ``trace``, shut it down."""
-    engine = LLMEngine.from_options(model_dir, **{**options, **plan_options(plan)})
-    try:
-        return run_engine(engine, trace)
-    finally:
-        engine.shutdown()
+def replayed_model_seconds(engine: LLMEngine, result: ReplayResult) -> float:
+    """The replayed trace's model calls, each at the measured time of the graph ``engine``
+    would run it on: the whole trace's model time here, without serving all of it."""
+    calls = result.graphs_under(BucketPlan.from_config(engine.config))
+    graphs = sorted({graph for _, graph in calls}, key=repr)
+    seconds = dict(zip(graphs, engine.executor.time_graphs(graphs, repeats=1)))
+    return sum(seconds[graph] for _, graph in calls)
+
+
+def measure_finalists(model_dir: str, options: Dict, finalists: Sequence[Tuple[str, Plan]],
+                      sample: Sequence[TraceRequest], result: ReplayResult,
+                      shape: ModelShape) -> Tuple[Dict[str, Measured], List["CostCheck"]]:
+    """Each finalist's buckets in a real engine: serving ``sample``, and the whole replayed
+    trace at measured step times; the last finalist also checks the cost model."""
+    runs: Dict[str, Measured] = {}
+    checks: List[CostCheck] = []
+    for index, (name, plan) in enumerate(finalists):
+        engine = LLMEngine.from_options(model_dir, **{**options, **plan_options(plan)})
+        try:
+            run = run_engine(engine, sample)
+            trace_rate = result.output_tokens / replayed_model_seconds(engine, result)
+            runs[name] = dataclasses.replace(run, trace_tokens_per_s=trace_rate)
+            if index == len(finalists) - 1:
+                graphs = check_graphs(BucketPlan.from_config(engine.config))
+                checks = check_cost_model(engine, shape, measure_cpu_chip(), graphs)
+        finally:
+            engine.shutdown()
+    return runs, checks
 
 
 # ---- the cost model against this machine --------------------------------------------------

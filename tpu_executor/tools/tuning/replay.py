@@ -12,9 +12,9 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from tpu_executor.core.buckets import BucketPlan, ModelCall
+from tpu_executor.core.buckets import BucketPlan, Graph, ModelCall, PrefillCall
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.core.step import ModelRunnerOutput, PaddingStats, SampledToken, SchedulerOutput, WorkerStats
@@ -101,6 +101,11 @@ class ReplayResult:
 
     def __post_init__(self):
         self.calls = [call for step in self.steps for call in step]
+
+    def graphs_under(self, plan: BucketPlan) -> List[Tuple[ModelCall, Graph]]:
+        """Each replayed model call with the graph ``plan`` would run it on."""
+        return [(call, plan.prefill_graph(call.context_tokens) if isinstance(call, PrefillCall)
+                 else plan.decode_graph(len(call.work), max(call.needed_blocks))) for call in self.calls]
 
 
 def replay(config: EngineConfig, trace: Sequence[TraceRequest], vocab_size: int,

@@ -113,14 +113,14 @@ def score(name: str, plan: Plan, config: EngineConfig, dims: Dict[str, Dimension
 
 
 def estimated_seconds(result: ReplayResult, plan: BucketPlan, cost: CostModel, real_context: bool) -> float:
-    """Model time of the replayed steps padded to ``plan``. With the Pallas decode kernel a row
-    reads only its own context (``real_context``); the reference reads the full width."""
+    """Roofline time of the replayed model calls padded to ``plan``. With the Pallas decode
+    kernel a row reads only its own context (``real_context``); the reference reads the full
+    width."""
     total, bs = 0.0, plan.block_size
-    for call in result.calls:
-        if isinstance(call, PrefillCall):
-            total += cost.prefill_seconds(plan.prefill_graph(call.context_tokens))
+    for call, graph in result.graphs_under(plan):
+        if isinstance(graph, PrefillGraph):
+            total += cost.prefill_seconds(graph)
         else:
-            graph = plan.decode_graph(len(call.work), max(call.needed_blocks))
             context = sum(call.needed_blocks) * bs / graph.num_rows if real_context else None
             total += cost.decode_seconds(graph, bs, context)
     return total
