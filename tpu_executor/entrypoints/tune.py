@@ -72,7 +72,8 @@ def _run(args: argparse.Namespace) -> None:
         hf = load_hf_config(model_dir)
         trace = load_trace(args.trace, _tokenizer(model_dir, args.trace), args.num_requests,
                            config.max_model_len, config.model.seed)
-        report = tune(config, trace, hf.vocab_size, args.max_graphs, target, ModelShape.from_hf_config(hf))
+        report = tune(config, trace, hf.vocab_size, args.max_graphs, target, ModelShape.from_hf_config(hf),
+                      show_progress=True)
         measured = _measure(args, model_dir, config, options, report, ModelShape.from_hf_config(hf))
     _print_report(report, measured, args)
     _write_outputs(args, config, report, measured)

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from tqdm import tqdm
+
 from tpu_executor.core.buckets import BucketPlan, Graph, ModelCall, PrefillCall
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.sampling_params import SamplingParams
@@ -108,8 +110,8 @@ class ReplayResult:
                  else plan.decode_graph(len(call.work), max(call.needed_blocks))) for call in self.calls]
 
 
-def replay(config: EngineConfig, trace: Sequence[TraceRequest], vocab_size: int,
-           num_blocks: Optional[int] = None, step_cost: Optional[StepCost] = None, seed: int = 0) -> ReplayResult:
+def replay(config: EngineConfig, trace: Sequence[TraceRequest], vocab_size: int, num_blocks: Optional[int] = None,
+           step_cost: Optional[StepCost] = None, seed: int = 0, show_progress: bool = False) -> ReplayResult:
     """Run ``trace`` through an engine of ``config`` on the null device. ``num_blocks`` is the
     KV cache size (default: room for ``max_num_seqs`` full-length sequences, so nothing is
     preempted); with ``step_cost`` requests arrive at their trace times on a virtual clock,
@@ -120,6 +122,7 @@ def replay(config: EngineConfig, trace: Sequence[TraceRequest], vocab_size: int,
     rng = random.Random(seed)
     pending = sorted(trace, key=lambda r: r.arrival_s or 0.0) if step_cost else list(trace)
     start, clock, next_request, output_tokens = time.perf_counter(), 0.0, 0, 0
+    progress = tqdm(total=len(pending), desc="replaying on the null device", unit="req", disable=not show_progress)
     while next_request < len(pending) or engine.has_unfinished_requests():
         while next_request < len(pending) and (step_cost is None or (pending[next_request].arrival_s or 0.0) <= clock):
             _add(engine, pending[next_request], rng, vocab_size)
@@ -130,8 +133,10 @@ def replay(config: EngineConfig, trace: Sequence[TraceRequest], vocab_size: int,
         steps_before = len(executor.worker.steps)
         for delta in engine.step():
             output_tokens += sum(len(out.token_ids) for out in delta.outputs)
+            progress.update(int(delta.finished))
         if step_cost is not None and len(executor.worker.steps) > steps_before:
             clock += step_cost(executor.worker.steps[-1])
+    progress.close()
     stats = engine.stats()
     engine.shutdown()
     return ReplayResult(executor.worker.steps, stats, output_tokens, time.perf_counter() - start, clock)

@@ -142,10 +142,12 @@ class TuneReport:
 
 
 def tune(config: EngineConfig, trace: Sequence[TraceRequest], vocab_size: int, max_graphs: int,
-         target: Optional[Target] = None, shape: Optional[ModelShape] = None) -> TuneReport:
+         target: Optional[Target] = None, shape: Optional[ModelShape] = None,
+         show_progress: bool = False) -> TuneReport:
     """Replay ``trace``, score the schemes, and choose the optimum under ``max_graphs`` model
     graphs (prefill + decode; the sampler's graphs come on top and are counted in ``graphs``)."""
-    result = replay(replay_config(config), trace, vocab_size, step_cost=_arrival_clock(config, trace, target, shape))
+    result = replay(replay_config(config), trace, vocab_size, step_cost=_arrival_clock(config, trace, target, shape),
+                    show_progress=show_progress)
     dims = dimensions(result, config, row_multiple=8 if target else 1)
     candidates = [score("default", plan_of(config), config, dims)]
     candidates += [score(name, plan, config, dims) for name, plan in recipe_plans(dims).items()]
@@ -155,7 +157,7 @@ def tune(config: EngineConfig, trace: Sequence[TraceRequest], vocab_size: int, m
     chosen = score("optimal", split_budget(dims, max_graphs, tables), config, dims)
     report = TuneReport(list(trace), result, dims, candidates + [chosen], chosen, curve, target)
     if target is not None and shape is not None:
-        _check_on_target(report, config, shape)
+        _check_on_target(report, config, shape, show_progress)
     return report
 
 
@@ -174,7 +176,7 @@ def _arrival_clock(config: EngineConfig, trace: Sequence[TraceRequest], target: 
     return step_seconds
 
 
-def _check_on_target(report: TuneReport, config: EngineConfig, shape: ModelShape) -> None:
+def _check_on_target(report: TuneReport, config: EngineConfig, shape: ModelShape, show_progress: bool) -> None:
     """Lower the chosen buckets' kernels for the TPU (dropping any that fail), size the HBM,
     and estimate each candidate's throughput on the target."""
     target, tp = report.target, report.target.num_chips
@@ -182,7 +184,7 @@ def _check_on_target(report: TuneReport, config: EngineConfig, shape: ModelShape
     if unsupported:
         report.lowering_notes.append(unsupported)
     else:
-        _drop_unlowerable(report, config, shape, tp)
+        _drop_unlowerable(report, config, shape, tp, show_progress)
     cost = CostModel(shape, target.chip, tp)
     report.fit = hbm_fit(cost, config.scheduler.max_num_seqs, config.max_model_len,
                          report.chosen.plan.prefill[-1], config.cache.block_size, config.cache.memory_utilization)
@@ -192,11 +194,13 @@ def _check_on_target(report: TuneReport, config: EngineConfig, shape: ModelShape
         candidate.tpu_tokens_per_s = report.replay.output_tokens / seconds if seconds else None
 
 
-def _drop_unlowerable(report: TuneReport, config: EngineConfig, shape: ModelShape, tp: int) -> None:
+def _drop_unlowerable(report: TuneReport, config: EngineConfig, shape: ModelShape, tp: int,
+                      show_progress: bool) -> None:
     chosen = report.chosen
     engine_plan = BucketPlan.from_config(with_buckets(config, chosen.plan))
     graphs = [g for g in engine_plan.graphs() if isinstance(g, (PrefillGraph, DecodeGraph))]
-    results = lower_graphs(tqdm(graphs, desc="lowering kernels for TPU"), shape, tp, config.cache.block_size)
+    results = lower_graphs(tqdm(graphs, desc="lowering kernels for TPU", disable=not show_progress), shape, tp,
+                           config.cache.block_size)
     failed = [r for r in results if r.error]
     report.lowering_notes.append(f"{len(results) - len(failed)} of {len(results)} graphs' kernels lower for the TPU")
     bs, plan = config.cache.block_size, chosen.plan
