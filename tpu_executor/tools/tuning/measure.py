@@ -66,7 +66,7 @@ def replayed_model_seconds(engine: LLMEngine, result: ReplayResult) -> float:
     would run it on: the whole trace's model time here, without serving all of it."""
     calls = result.graphs_under(BucketPlan.from_config(engine.config))
     graphs = sorted({graph for _, graph in calls}, key=repr)
-    seconds = dict(zip(graphs, engine.executor.time_graphs(graphs, repeats=1)))
+    seconds = dict(zip(graphs, engine.executor.time_graphs(graphs, repeats=3)))
     return sum(seconds[graph] for _, graph in calls)
 
 
