@@ -22,7 +22,7 @@ import json
 from dataclasses import asdict
 from typing import Dict, List, Optional
 
-from tpu_executor.core.buckets import BucketPlan, write_bucket_file
+from tpu_executor.core.buckets import write_bucket_file
 from tpu_executor.engine.options import add_engine_arguments, build_engine_config, engine_options_from_args
 
 COLUMNS = ("scheme", "model graphs", "all graphs", "prefill waste", "rows waste", "context waste",
@@ -70,13 +70,14 @@ def _run(args: argparse.Namespace) -> None:
     with model_directory(args.model or prepare()) as model_dir:
         config = build_engine_config(model_dir, **options)
         hf = load_hf_config(model_dir)
+        shape = ModelShape.from_hf_config(hf)
         trace = load_trace(args.trace, _tokenizer(model_dir, args.trace), args.num_requests,
                            config.max_model_len, config.model.seed)
-        report = tune(config, trace, hf.vocab_size, args.max_graphs, target, ModelShape.from_hf_config(hf),
-                      show_progress=True)
-        measured = _measure(args, model_dir, config, options, report, ModelShape.from_hf_config(hf))
-    _print_report(report, measured, args)
-    _write_outputs(args, config, report, measured)
+        report = tune(config, trace, hf.vocab_size, args.max_graphs, target, shape, show_progress=True)
+        measured = _measure(args, model_dir, config, options, report, shape)
+    rows = [_row(c, measured, seconds_per_graph(measured)) for c in report.candidates]
+    _print_report(report, rows, measured, args)
+    _write_outputs(args, config, report, rows, measured)
 
 
 def _tokenizer(model_dir: str, trace: str):
@@ -125,11 +126,10 @@ def seconds_per_graph(measured: Dict) -> Optional[float]:
     return runs[0].seconds_per_graph if runs else None
 
 
-def _print_report(report, measured: Dict, args) -> None:
+def _print_report(report, rows: List[List[str]], measured: Dict, args) -> None:
     result = report.replay
     print(f"replayed {len(report.trace)} requests on the null device in {result.replay_seconds:.1f} s: "
           f"{len(result.steps)} steps, {len(result.calls)} model calls, {result.output_tokens} output tokens")
-    rows = [_row(c, measured, seconds_per_graph(measured)) for c in report.candidates]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(COLUMNS)]
     for line in [list(COLUMNS)] + rows:
         print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
@@ -166,20 +166,18 @@ def _print_measured(measured: Dict) -> None:
               f"roofline {1e3 * check.estimated_s:.1f} ms ({check.ratio:.1f}x)")
 
 
-def _write_outputs(args, config, report, measured: Dict) -> None:
+def _write_outputs(args, config, report, rows: List[List[str]], measured: Dict) -> None:
     from tpu_executor.tools.tuning.plot import draw
 
     if args.out:
         plan, chosen = report.chosen.plan, report.chosen
         write_bucket_file(args.out, {
-            "prefill_buckets": list(plan.prefill), "decode_buckets": list(plan.rows),
-            "decode_context_buckets": list(plan.context), "max_model_len": config.max_model_len,
+            **{name: list(buckets) for name, buckets in plan.options().items()}, "max_model_len": config.max_model_len,
             "max_num_seqs": config.scheduler.max_num_seqs, "block_size": config.cache.block_size,
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens},
             {"trace": args.trace, "requests": len(report.trace), "max_graphs": args.max_graphs,
              "target": args.target, "wastes": chosen.wastes, "graphs": chosen.graphs})
         print(f"wrote {args.out}")
-    rows = [_row(c, measured, seconds_per_graph(measured)) for c in report.candidates]
     if args.csv:
         with open(args.csv, "w", newline="") as handle:
             csv.writer(handle).writerows([COLUMNS, *rows])

@@ -13,9 +13,8 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from tpu_executor.core.buckets import BucketPlan, DecodeGraph, Graph, PrefillGraph
-from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.engine.llm_engine import LLMEngine
-from tpu_executor.tools.tuning.replay import ReplayResult
+from tpu_executor.tools.tuning.replay import ReplayResult, add_trace_request
 from tpu_executor.tools.tuning.roofline import Chip, CostModel, ModelShape
 from tpu_executor.tools.tuning.schemes import Plan
 from tpu_executor.tools.tuning.traces import TraceRequest
@@ -41,19 +40,13 @@ class Measured:
         return self.warmup_s / self.graphs_at_warmup if self.graphs_at_warmup else 0.0
 
 
-def plan_options(plan: Plan) -> Dict[str, tuple]:
-    return {"prefill_buckets": plan.prefill, "decode_buckets": plan.rows, "decode_context_buckets": plan.context}
-
-
 def run_engine(engine: LLMEngine, trace: Sequence[TraceRequest], seed: int = 0) -> Measured:
     """Serve ``trace`` (all at once, random prompt ids, exact output lengths) on ``engine``."""
     stats = engine.stats()
     warmup_s, graphs = stats.startup_seconds.get("warmup", 0.0), stats.graphs_compiled_at_warmup
     rng = random.Random(seed)
     for request in trace:
-        prompt = [rng.randrange(2, engine.vocab_size) for _ in range(request.prompt_len)]
-        engine.add_request({"prompt_token_ids": prompt},
-                           SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0))
+        add_trace_request(engine, request, rng, engine.vocab_size)
     start, tokens = time.perf_counter(), 0
     while engine.has_unfinished_requests():
         tokens += sum(len(out.token_ids) for delta in engine.step() for out in delta.outputs)
@@ -78,7 +71,7 @@ def measure_finalists(model_dir: str, options: Dict, finalists: Sequence[Tuple[s
     runs: Dict[str, Measured] = {}
     checks: List[CostCheck] = []
     for index, (name, plan) in enumerate(finalists):
-        engine = LLMEngine.from_options(model_dir, **{**options, **plan_options(plan)})
+        engine = LLMEngine.from_options(model_dir, **{**options, **plan.options()})
         try:
             run = run_engine(engine, sample)
             trace_rate = result.output_tokens / replayed_model_seconds(engine, result)

@@ -125,7 +125,7 @@ def replay(config: EngineConfig, trace: Sequence[TraceRequest], vocab_size: int,
     progress = tqdm(total=len(pending), desc="replaying on the null device", unit="req", disable=not show_progress)
     while next_request < len(pending) or engine.has_unfinished_requests():
         while next_request < len(pending) and (step_cost is None or (pending[next_request].arrival_s or 0.0) <= clock):
-            _add(engine, pending[next_request], rng, vocab_size)
+            add_trace_request(engine, pending[next_request], rng, vocab_size)
             next_request += 1
         if not engine.has_unfinished_requests():
             clock = pending[next_request].arrival_s or clock
@@ -142,7 +142,8 @@ def replay(config: EngineConfig, trace: Sequence[TraceRequest], vocab_size: int,
     return ReplayResult(executor.worker.steps, stats, output_tokens, time.perf_counter() - start, clock)
 
 
-def _add(engine: LLMEngine, request: TraceRequest, rng: random.Random, vocab_size: int) -> None:
+def add_trace_request(engine: LLMEngine, request: TraceRequest, rng: random.Random, vocab_size: int) -> None:
+    """Queue ``request`` on ``engine``: random prompt ids, exactly its output length, greedy."""
     # Random ids: no two prompts share a prefix by accident (the trace says nothing of content).
     prompt = [rng.randrange(2, vocab_size) for _ in range(request.prompt_len)]
     params = SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0)

@@ -120,6 +120,10 @@ class Plan:
     rows: Buckets
     context: Buckets
 
+    def options(self) -> Dict[str, Buckets]:
+        """The engine options that serve these buckets."""
+        return {"prefill_buckets": self.prefill, "decode_buckets": self.rows, "decode_context_buckets": self.context}
+
     @property
     def model_graphs(self) -> int:
         return len(self.prefill) + len(self.rows) * len(self.context)

@@ -18,7 +18,6 @@ from tqdm import tqdm
 
 from tpu_executor.core.buckets import BucketPlan, DecodeCall, DecodeGraph, PrefillCall, PrefillGraph
 from tpu_executor.core.config import EngineConfig
-from tpu_executor.engine.options import build_engine_config
 from tpu_executor.tools.tuning.lowering import kernel_support, lower_graphs
 from tpu_executor.tools.tuning.replay import ReplayResult, replay
 from tpu_executor.tools.tuning.roofline import CostModel, HbmFit, ModelShape, Target, hbm_fit
@@ -57,9 +56,7 @@ def model_directory(model: str) -> Iterator[str]:
 
 def with_buckets(config: EngineConfig, plan: Plan) -> EngineConfig:
     """``config`` serving ``plan``'s buckets (the configs validate them again)."""
-    compile_config = dataclasses.replace(config.compile, prefill_buckets=plan.prefill, decode_buckets=plan.rows,
-                                         decode_context_buckets=plan.context)
-    return dataclasses.replace(config, compile=compile_config)
+    return dataclasses.replace(config, compile=dataclasses.replace(config.compile, **plan.options()))
 
 
 def replay_config(config: EngineConfig) -> EngineConfig:
@@ -100,7 +97,6 @@ class Candidate:
     wastes: Dict[str, float]
     graphs: int  # every graph the engine compiles (model steps and sampler)
     tpu_tokens_per_s: Optional[float] = None
-    notes: List[str] = field(default_factory=list)
 
     @property
     def worst_waste(self) -> float:
