@@ -1,8 +1,12 @@
 """Incremental detokenization and stop conditions (pure Python; the tokenizer is passed in).
 
-Text is decoded incrementally with a prefix window: a token's text can depend on its
-neighbours (byte-level BPE, SentencePiece's leading spaces), so each step decodes a short
-window and keeps only the new characters, holding back incomplete UTF-8 sequences.
+Text is decoded incrementally. A fast tokenizer (one backed by the ``tokenizers`` library)
+decodes through a ``DecodeStream`` per sample, primed with the prompt's last tokens: one call
+per token, which holds back incomplete UTF-8 sequences itself. Any other tokenizer (or one that
+cleans up spaces after decoding, which a stream cannot know) goes through a prefix window: a
+token's text can depend on its neighbours (byte-level BPE, SentencePiece's leading spaces), so
+each step decodes a short window and keeps only the new characters. The window costs two full
+``decode`` calls per token, the stream about a tenth of that.
 
 Streaming: the text handed out so far must never be taken back, yet a stop string that
 completes later truncates the text where it began. So while a request with stop strings runs,
@@ -12,7 +16,7 @@ the next delta or, truncated, with the last one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from tpu_executor.core.request import Request, RequestStatus
 from tpu_executor.core.sampling_params import SamplingParams
@@ -30,6 +34,7 @@ class DetokenizerState:
     prefix_offset: int = 0
     read_offset: int = 0
     sent_text_len: int = 0
+    stream: Any = None  # a tokenizers DecodeStream, when the tokenizer has one
 
 
 class Detokenizer:
@@ -38,16 +43,27 @@ class Detokenizer:
     def __init__(self, tokenizer, max_model_len: int):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self._backend = _stream_backend(tokenizer)
 
     def new_state(self, prompt_token_ids: Sequence[int]) -> DetokenizerState:
         start = max(0, len(prompt_token_ids) - _CONTEXT_TOKENS)
-        return DetokenizerState(prefix_offset=start, read_offset=len(prompt_token_ids))
+        state = DetokenizerState(prefix_offset=start, read_offset=len(prompt_token_ids))
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            # Primed with the prompt's tail, so the first output token keeps its leading space.
+            state.stream = DecodeStream(ids=list(prompt_token_ids[start:]), skip_special_tokens=True)
+        return state
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def append_token(self, state: DetokenizerState, all_token_ids: List[int]) -> str:
         """Add the text of the last token of ``all_token_ids``; returns the new characters."""
+        if state.stream is not None:
+            new_text = state.stream.step(self._backend, all_token_ids[-1]) or ""
+            state.text += new_text
+            return new_text
         prefix = self._decode(all_token_ids[state.prefix_offset:state.read_offset])
         full = self._decode(all_token_ids[state.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
@@ -88,6 +104,19 @@ class Detokenizer:
                 request.stop_reason = stop
                 return True
         return False
+
+
+def _stream_backend(tokenizer) -> Optional[Any]:
+    """The ``tokenizers.Tokenizer`` behind ``tokenizer`` if a DecodeStream gives the same text
+    as its ``decode``; else None (the window path)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream  # noqa: F401 - tokenizers >= 0.21
+    except ImportError:
+        return None
+    return backend
 
 
 def take_text_delta(state: DetokenizerState, params: SamplingParams, finished: bool) -> str:

@@ -94,6 +94,8 @@ class KVCacheManager:
         Returns False, changing nothing, when the free blocks do not suffice.
         """
         held = self._req_blocks.get(request_id, [])
+        if not cached and len(held) * self.block_size >= num_tokens:
+            return True  # the common decode step: the last block still has room
         if cached and held:
             raise ValueError(f"request {request_id} already holds blocks; cached blocks only on admission")
         reused_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)

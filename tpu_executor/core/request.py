@@ -20,7 +20,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self is not RequestStatus.WAITING and self is not RequestStatus.RUNNING
 
 
 @dataclass
@@ -50,11 +50,20 @@ class Request:
     def all_token_ids(self) -> List[int]:
         """Prompt then outputs (read-only). Outputs are only ever appended, so the list is
         extended with the new ones instead of being rebuilt on every step."""
-        if not self._token_ids:
-            self._token_ids.extend(self.prompt_token_ids)
-        known = len(self._token_ids) - len(self.prompt_token_ids)
-        self._token_ids.extend(self.output_token_ids[known:])
-        return self._token_ids
+        tokens = self._token_ids
+        missing = len(self.prompt_token_ids) + len(self.output_token_ids) - len(tokens)
+        if missing:
+            if not tokens:
+                tokens.extend(self.prompt_token_ids)
+                missing -= len(tokens)
+            if missing:
+                tokens.extend(self.output_token_ids[-missing:])
+        return tokens
+
+    @property
+    def last_token_id(self) -> int:
+        """The newest token (the next decode step's input)."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +71,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        status = self.status
+        return status is not RequestStatus.WAITING and status is not RequestStatus.RUNNING
 
     def finish_reason(self) -> Optional[str]:
         return self.status.value if self.is_finished else None

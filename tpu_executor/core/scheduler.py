@@ -20,9 +20,8 @@ from tpu_executor.core.step import DecodeWork, PrefillWork, SampledToken, Sampli
 def sampling_meta(request: Request) -> SamplingMeta:
     """The sampler's view of ``request`` at its next output position."""
     params = request.sampling_params
-    return SamplingMeta(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                        min_p=params.min_p, seed=request.seed, step=len(request.output_token_ids),
-                        num_logprobs=-1 if params.logprobs is None else params.logprobs)
+    return SamplingMeta(params.temperature, params.top_k, params.top_p, params.min_p, request.seed,
+                        len(request.output_token_ids), -1 if params.logprobs is None else params.logprobs)
 
 
 class Scheduler:
@@ -76,7 +75,7 @@ class Scheduler:
                     break
             else:
                 decodes.append(DecodeWork(
-                    request.request_id, request.all_token_ids[-1], request.num_tokens - 1,
+                    request.request_id, request.last_token_id, request.num_tokens - 1,
                     tuple(self.kv_cache.block_ids(request.request_id)), sampling_meta(request)))
                 index += 1
         return decodes

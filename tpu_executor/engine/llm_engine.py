@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.detokenizer import Detokenizer, DetokenizerState, take_text_delta
 from tpu_executor.core.kv_cache_manager import KVCacheManager
+from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.core.scheduler import Scheduler
@@ -99,6 +100,7 @@ class LLMEngine:
         self._worker_stats = WorkerStats()
         self._seed_rng = random.Random(config.model.seed)
         self._counter = itertools.count()
+        self.timer = NullPhaseTimer()  # bench host swaps in a PhaseTimer
 
     @classmethod
     def from_options(cls, model: str, show_progress: bool = True, worker_class: Optional[type] = None,
@@ -217,11 +219,14 @@ class LLMEngine:
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> List[RequestOutput]:
         """One scheduling + model step; returns a delta per request that advanced."""
-        scheduled = self.scheduler.schedule()
+        with self.timer.phase("schedule"):
+            scheduled = self.scheduler.schedule()
         if not scheduled.is_empty:
             self._execute(scheduled)
-        self._release_deferred_samples()
-        return self._take_deltas()
+        with self.timer.phase("schedule"):
+            self._release_deferred_samples()
+        with self.timer.phase("output"):
+            return self._take_deltas()
 
     def _execute(self, scheduled: SchedulerOutput) -> None:
         now = time.monotonic()
@@ -241,8 +246,11 @@ class LLMEngine:
             logger.error("engine step failed: %s", output.error)
             self._fail(scheduled.request_ids, output.error)
             return
-        for request in self.scheduler.update(output.sampled, self._requests):
-            self._process_token(request)
+        with self.timer.phase("output"):
+            updated = self.scheduler.update(output.sampled, self._requests)
+        with self.timer.phase("detokenize"):
+            for request in updated:
+                self._process_token(request)
 
     def _release_deferred_samples(self) -> None:
         """Queue the remaining samples of groups whose first sample has been prefilled."""
@@ -292,10 +300,12 @@ class LLMEngine:
         deltas = []
         for group_id, indices in self._advanced.items():
             group = self._groups[group_id]
-            outputs = [self._sample_delta(group.samples[i], i) for i in sorted(indices)]
+            outputs = [self._sample_delta(group.samples[i], i) for i in (indices if len(indices) == 1 else sorted(indices))]
+            finished = group.finished
             deltas.append(RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
-                                        finished=group.finished, error=group.error, metrics=group.metrics))
-            if group.finished:
+                                        finished=finished, error=group.error,
+                                        metrics=group.metrics))
+            if finished:
                 self._forget(group)
         self._advanced = {}
         return deltas

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,10 +43,17 @@ def convert(out_dir: str) -> str:
         plain = LlamaForCausalLM(gguf_model.config)
         plain.load_state_dict(gguf_model.state_dict())
         plain.config.torch_dtype = "float32"
-        tmp_out = out_dir + ".partial"
+        # A private partial directory per process: two processes converting at once (test
+        # runs side by side) must not write into, or rename onto, each other's files.
+        tmp_out = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".partial-", dir=os.path.dirname(out_dir))
         plain.save_pretrained(tmp_out, safe_serialization=True)
         tokenizer.save_pretrained(tmp_out)
-        os.replace(tmp_out, out_dir)
+        try:
+            os.replace(tmp_out, out_dir)
+        except OSError:
+            if not os.path.exists(os.path.join(out_dir, "config.json")):
+                raise
+            shutil.rmtree(tmp_out)  # another process finished first; its copy is the same
     return out_dir
 
 

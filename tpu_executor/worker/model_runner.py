@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from tqdm import tqdm
@@ -19,6 +19,7 @@ from models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMe
 from tpu_executor.core.buckets import BucketPlan, DecodeCall, DecodeGraph, Graph, PrefillCall, PrefillGraph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
+from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.step import DecodeWork, PaddingStats, PrefillWork, SampledToken, SamplingMeta, SchedulerOutput
 from tpu_executor.worker.compile_guard import CompileGuard
 from tpu_executor.worker.inputs import decode_inputs, prefill_inputs, sampling_tensors, to_device
@@ -42,6 +43,7 @@ class ModelRunner:
         compiled = device.type == "xla"
         self.guard = CompileGuard(config.compile.strict, enabled=compiled)
         self.padding = PaddingStats()
+        self.timer = NullPhaseTimer()  # bench host swaps in a PhaseTimer
         if compiled:
             _raise_dynamo_limits(len(self.plan.graphs()))
         # Host-side collectives (gloo on CPU) split the model step into one graph per piece
@@ -83,12 +85,21 @@ class ModelRunner:
         return results
 
     def _prefill_logits(self, pack: Sequence[PrefillWork], graph: PrefillGraph, kv_caches: KVCaches) -> torch.Tensor:
-        inputs = prefill_inputs(pack, graph.num_tokens, self.plan.max_prefill_seqs, self.block_size)
-        return self._prefill_fn(**to_device(inputs, self.device), kv_caches=kv_caches)
+        with self.timer.phase("inputs"):
+            inputs = prefill_inputs(pack, graph.num_tokens, self.plan.max_prefill_seqs, self.block_size)
+        return self._run_fn(self._prefill_fn, inputs, kv_caches=kv_caches)
 
     def _decode_logits(self, work: Sequence[DecodeWork], graph: DecodeGraph) -> torch.Tensor:
-        inputs = decode_inputs(work, graph.num_rows, graph.context_blocks, self.block_size)
-        return self._decode_fn(**to_device(inputs, self.device), kv_caches=self.kv_caches)
+        with self.timer.phase("inputs"):
+            inputs = decode_inputs(work, graph.num_rows, graph.context_blocks, self.block_size)
+        return self._run_fn(self._decode_fn, inputs, kv_caches=self.kv_caches)
+
+    def _run_fn(self, fn, host_inputs: Dict[str, torch.Tensor], **static):
+        """Copy ``host_inputs`` to the device and call ``fn`` on them."""
+        with self.timer.phase("transfer"):
+            inputs = to_device(host_inputs, self.device)
+        with self.timer.phase("device"):
+            return fn(**inputs, **static)
 
     def _run_prefill(self, call: PrefillCall) -> Dict[str, SampledToken]:
         with self.guard.watch(f"prefill bucket {call.graph.num_tokens}"):
@@ -104,9 +115,14 @@ class ModelRunner:
         metas = [item.sampling for item in work]
         graph = self.plan.sampler_graph(rows, wants_logprobs=any(m.num_logprobs > 0 for m in metas),
                                         all_greedy=all(m.temperature == 0 for m in metas))
-        tensors = to_device(sampling_tensors(metas, rows), self.device)
-        out = self._sample_fn(logits, **tensors, num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy)
-        return _to_host(work, out)
+        with self.timer.phase("inputs"):
+            tensors = sampling_tensors(metas, rows)
+        out = self._run_fn(self._sample_fn, tensors, logits=logits, num_logprobs=graph.num_logprobs,
+                           all_greedy=graph.all_greedy)
+        with self.timer.phase("transfer"):
+            host = _read_back(out)
+        with self.timer.phase("output"):
+            return _to_host(work, host)
 
     @torch.no_grad()
     def profile_run(self, kv_caches: KVCaches) -> None:
@@ -146,16 +162,20 @@ class ModelRunner:
             self._decode_logits([DecodeWork("warmup", 0, 0, (NULL_BLOCK,), SamplingMeta.greedy())], graph).cpu()
         else:
             logits = torch.zeros(graph.num_rows, self.model.config.vocab_size).to(self.device)  # device data, as in serving
-            tensors = to_device(sampling_tensors([], graph.num_rows), self.device)
-            self._sample_fn(logits, **tensors, num_logprobs=graph.num_logprobs,
-                            all_greedy=graph.all_greedy).token_ids.cpu()
+            self._run_fn(self._sample_fn, sampling_tensors([], graph.num_rows), logits=logits,
+                         num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy).token_ids.cpu()
 
 
-def _to_host(work, out: SamplerOutput) -> Dict[str, SampledToken]:
-    token_ids = out.token_ids.cpu().tolist()
-    logprobs = out.token_logprobs.cpu().tolist()
-    top_ids = out.top_ids.cpu().tolist() if out.top_ids is not None else None
-    top_lps = out.top_logprobs.cpu().tolist() if out.top_logprobs is not None else None
+def _read_back(out: SamplerOutput) -> Tuple[list, list, Optional[list], Optional[list]]:
+    """The sampler's outputs as host lists (waits for the device)."""
+    def as_list(tensor: Optional[torch.Tensor]) -> Optional[list]:
+        return None if tensor is None else tensor.cpu().tolist()
+
+    return as_list(out.token_ids), as_list(out.token_logprobs), as_list(out.top_ids), as_list(out.top_logprobs)
+
+
+def _to_host(work, host: Tuple[list, list, Optional[list], Optional[list]]) -> Dict[str, SampledToken]:
+    token_ids, logprobs, top_ids, top_lps = host
     results = {}
     for row, item in enumerate(work):
         wanted = item.sampling.num_logprobs

@@ -33,7 +33,10 @@ class Worker:
     """One device's share of the engine: rank ``placement.rank`` of the tensor-parallel group.
 
     The Ray executor runs one per chip inside an actor; the in-process executor runs one.
+    ``runner_class`` is the model runner it builds (``bench host`` swaps in one without a model).
     """
+
+    runner_class = ModelRunner
 
     def __init__(self, config: EngineConfig, placement: RankPlacement = RankPlacement()):
         self.config = config
@@ -140,7 +143,7 @@ class Worker:
         model_config = self.config.model
         self.model = load_model(model_config.model, self.dtype, self.tp, model_config.quantization).to(self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.runner = ModelRunner(self.config, self.model, self.device)
+        self.runner = self.runner_class(self.config, self.model, self.device)
         return self.model.config.vocab_size
 
     def cache_block_bytes(self) -> int:
