@@ -55,3 +55,19 @@ def test_eos_stop_ids_and_length(tokenizer):
     assert status is RequestStatus.FINISHED_STOPPED and request.stop_reason == ids[1]
     request, _, status = feed(detok, tokenizer, [1], ids, SamplingParams(max_tokens=3))
     assert status is RequestStatus.FINISHED_LENGTH and len(request.output_token_ids) == 3
+
+
+def test_stream_and_window_paths_give_the_same_text(tokenizer):
+    """The DecodeStream path (fast tokenizers) against the two-decode window path."""
+    fast = Detokenizer(tokenizer, max_model_len=10_000)
+    assert fast._backend is not None
+    window = Detokenizer(tokenizer, max_model_len=10_000)
+    window._backend = None
+    prompt = tokenizer("Once upon a time")["input_ids"]
+    output = tokenizer("there was a café in Zürich, 東京 too 🙂, and\n  a   space")["input_ids"] + [tokenizer.eos_token_id] + \
+        tokenizer(" after the end")["input_ids"]
+    params = SamplingParams(max_tokens=500, ignore_eos=True)
+    _, fast_state, _ = feed(fast, tokenizer, prompt, output, params)
+    _, window_state, _ = feed(window, tokenizer, prompt, output, params)
+    assert fast_state.stream is not None and window_state.stream is None
+    assert fast_state.text == window_state.text == tokenizer.decode(output, skip_special_tokens=True)

@@ -1,0 +1,40 @@
+"""``bench host``: the empty model step drives the real engine, and every phase is measured."""
+import random
+
+from tpu_executor.core.phase_timer import PHASES
+from tpu_executor.entrypoints import bench_host
+from tpu_executor.entrypoints.cli import main
+
+
+def test_null_model_engine_generates_the_expected_chain_of_tokens():
+    engine = bench_host.engine_for(bench_host.tiny_checkpoint(), num_seqs=8, steps=4, device="cpu")
+    try:
+        vocab = engine.vocab_size
+        [request_id] = bench_host._add_requests(engine, 1, random.Random(0), max_tokens=6)
+        prompt = engine._groups[request_id].prompt_token_ids
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += [t for delta in engine.step() for c in delta.outputs for t in c.token_ids]
+        # Each greedy token is the empty step's function of the token before it.
+        expected, last = [], prompt[-1]
+        for _ in range(6):
+            last = (last * 7919 + 13) % (vocab - 3) + 3
+            expected.append(last)
+        assert outputs == expected
+    finally:
+        engine.shutdown()
+
+
+def test_measure_reports_every_phase_for_decode_and_mixed_steps():
+    results = bench_host.measure(bench_host.tiny_checkpoint(), num_seqs=16, steps=3, device="cpu")
+    for kind in ("decode", "mixed"):
+        ms = results[kind]
+        assert set(PHASES) | {"other", "host", "median_step"} <= set(ms)
+        assert ms["schedule"] > 0 and ms["inputs"] > 0 and ms["detokenize"] > 0 and ms["device"] > 0
+        assert abs(ms["host"] - sum(ms[p] for p in bench_host.HOST_PHASES) - ms["other"]) < 1e-9
+
+
+def test_command_prints_the_table(capsys):
+    main(["bench", "host", "--num-seqs", "8", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert "| 8 | decode |" in out and "| 8 | mixed |" in out

@@ -1,0 +1,37 @@
+"""Input building: the numpy block tables and slots equal a row-by-row construction."""
+import random
+
+import torch
+
+from tpu_executor.core.kv_cache_manager import NULL_BLOCK
+from tpu_executor.core.step import DecodeWork, SamplingMeta
+from tpu_executor.worker.inputs import decode_inputs, sampling_tensors
+
+
+def test_decode_inputs_match_row_by_row_tables_and_slots():
+    rng, block_size, rows, width = random.Random(0), 16, 12, 9
+    work = []
+    for i in range(7):
+        position = rng.randrange(0, width * block_size)
+        blocks = tuple(rng.sample(range(1, 500), position // block_size + 1))
+        work.append(DecodeWork(f"r{i}", rng.randrange(100), position, blocks, SamplingMeta.greedy()))
+    t = decode_inputs(work, rows, width, block_size)
+    for row in range(rows):
+        item = work[row] if row < len(work) else None
+        blocks = list(item.block_ids) if item else []
+        assert t["block_tables"][row].tolist() == blocks + [NULL_BLOCK] * (width - len(blocks))
+        if item:
+            slot = item.block_ids[item.position // block_size] * block_size + item.position % block_size
+            assert (t["input_ids"][row], t["positions"][row], t["slot_mapping"][row]) == (item.token_id, item.position, slot)
+            assert t["context_lens"][row] == item.position + 1
+        else:
+            assert t["slot_mapping"][row] == NULL_BLOCK * block_size
+    assert all(v.dtype == torch.int64 for v in t.values())
+
+
+def test_sampling_tensors_pad_with_greedy_rows():
+    meta = SamplingMeta(0.7, 5, 0.9, 0.1, 1234, 3, 2)
+    t = sampling_tensors([meta], 4)
+    torch.testing.assert_close(t["temperature"], torch.tensor([0.7, 0, 0, 0]))
+    assert t["top_k"].tolist() == [5, 0, 0, 0] and t["seeds"].tolist() == [1234, 0, 0, 0]
+    assert t["steps"].tolist() == [3, 0, 0, 0] and t["top_p"].tolist()[1:] == [1.0] * 3
