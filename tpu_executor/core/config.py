@@ -97,6 +97,8 @@ class SchedulerConfig:
 
     max_num_seqs: int = option(32, "sequences running at once (the largest decode batch)")
     max_num_batched_tokens: int = option(2048, "tokens computed in one step")
+    async_scheduling: bool = option(True, "schedule and prepare step N+1 while step N runs (identical "
+                                          "outputs; a finished request may compute one discarded token)")
 
     def __post_init__(self):
         _require(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")

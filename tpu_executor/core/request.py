@@ -41,6 +41,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    num_in_flight: int = 0  # tokens scheduled whose ids have not come back yet
     cumulative_logprob: float = 0.0
     stop_reason: Optional[object] = None
     error: Optional[str] = None

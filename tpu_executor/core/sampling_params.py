@@ -37,7 +37,7 @@ class SamplingParams:
         stop = self.stop
         stop = () if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop))
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))  # None as in vLLM
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()

@@ -43,8 +43,13 @@ class PrefillWork(NamedTuple):
         return self.start_pos + len(self.token_ids)
 
 
+# A decode's input token that the previous step is still sampling (asynchronous scheduling):
+# the worker takes it from that step's output for the same request.
+PENDING_TOKEN = -1
+
+
 class DecodeWork(NamedTuple):
-    """Compute one token (the last sampled) at ``position``."""
+    """Compute one token (the last sampled, or ``PENDING_TOKEN``) at ``position``."""
 
     request_id: str
     token_id: int

@@ -13,6 +13,7 @@ import itertools
 import logging
 import random
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
 
@@ -23,7 +24,7 @@ from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.core.scheduler import Scheduler
-from tpu_executor.core.step import SchedulerOutput, WorkerStats
+from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerStats
 from tpu_executor.engine.options import build_engine_config
 from tpu_executor.engine.stats import EngineStats
 from tpu_executor.executor import Executor, WorkerFailure, executor_class_for
@@ -90,7 +91,7 @@ class LLMEngine:
             self.executor.shutdown()
             raise
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.max_model_len)
         self.detokenizer = Detokenizer(tokenizer, config.max_model_len)
         self._groups: Dict[str, RequestGroup] = {}
         self._streams: Dict[str, Tuple[RequestGroup, int]] = {}  # sample id -> (group, index)
@@ -101,6 +102,8 @@ class LLMEngine:
         self._seed_rng = random.Random(config.model.seed)
         self._counter = itertools.count()
         self.timer = NullPhaseTimer()  # bench host swaps in a PhaseTimer
+        # The step started but not yet read back (asynchronous scheduling).
+        self._in_flight: Optional[Tuple[SchedulerOutput, "Future[ModelRunnerOutput]"]] = None
 
     @classmethod
     def from_options(cls, model: str, show_progress: bool = True, worker_class: Optional[type] = None,
@@ -214,28 +217,52 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Whether any request still runs, waits, or has a delta not yet handed out."""
         # A deferred sample's group always has its first sample in the scheduler.
-        return self.scheduler.has_unfinished() or bool(self._advanced)
+        return self.scheduler.has_unfinished() or bool(self._advanced) or self._in_flight is not None
 
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> List[RequestOutput]:
-        """One scheduling + model step; returns a delta per request that advanced."""
+        """One scheduling + model step; returns a delta per request that advanced.
+
+        With asynchronous scheduling the step just scheduled is started and left running while
+        the previous one's tokens are read, detokenized and checked for stops: each call
+        returns the previous step's deltas, and the device never waits for that host work.
+        """
         with self.timer.phase("schedule"):
             scheduled = self.scheduler.schedule()
-        if not scheduled.is_empty:
-            self._execute(scheduled)
+        if self.config.scheduler.async_scheduling:
+            started = self._start(scheduled) if not scheduled.is_empty else None
+            previous, self._in_flight = self._in_flight, started
+            if previous is not None:
+                self._finish(*previous)
+        elif not scheduled.is_empty:
+            started = self._start(scheduled)
+            if started is not None:
+                self._finish(*started)
         with self.timer.phase("schedule"):
             self._release_deferred_samples()
         with self.timer.phase("output"):
             return self._take_deltas()
 
-    def _execute(self, scheduled: SchedulerOutput) -> None:
+    def _start(self, scheduled: SchedulerOutput) -> Optional[Tuple[SchedulerOutput, "Future[ModelRunnerOutput]"]]:
+        """Hand the step to the executor; None if it could not even start (its requests fail)."""
         now = time.monotonic()
         for work in scheduled.prefills:
             metrics = self._streams[work.request_id][0].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         try:
-            output = self.executor.execute_model(scheduled)
+            return scheduled, self.executor.execute_model_async(scheduled)
+        except WorkerFailure as err:
+            self._shut_down_after(err)
+        except Exception as err:  # noqa: BLE001 - a failed step fails its requests, not the engine
+            logger.exception("engine step failed to start")
+            self._fail(scheduled.request_ids, f"{type(err).__name__}: {err}")
+        return None
+
+    def _finish(self, scheduled: SchedulerOutput, running: "Future[ModelRunnerOutput]") -> None:
+        """Wait for a started step; record its tokens, detokenize, apply stop conditions."""
+        try:
+            output = running.result()
         except WorkerFailure as err:
             self._shut_down_after(err)
         except Exception as err:  # noqa: BLE001 - a failed step fails its requests, not the engine
@@ -291,6 +318,7 @@ class LLMEngine:
         self.dead_reason = str(failure)
         self._fail(list(self._streams), message)
         self._deferred = []
+        self._in_flight = None
         self.executor.shutdown()
         raise EngineDeadError(message, self._take_deltas()) from failure
 

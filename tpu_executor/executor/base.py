@@ -13,7 +13,8 @@ cannot go on.
 from __future__ import annotations
 
 import abc
-from typing import Any, List, Optional, Sequence
+from concurrent.futures import Future
+from typing import Any, Callable, List, Optional, Sequence
 
 from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig
@@ -66,12 +67,28 @@ class Executor(abc.ABC):
         return agree_on_step(self._call_workers("execute_model", step,
                                                 timeout_s=self.config.parallel.step_timeout_s))
 
+    def execute_model_async(self, step: SchedulerOutput) -> "Future[ModelRunnerOutput]":
+        """Start one step and return at once; the future's ``result()`` is ``execute_model``'s
+        answer (or raises what it would raise). Steps run in the order they were started.
+        This default runs the step before returning; executors that can overlap override it."""
+        return completed_future(lambda: self.execute_model(step))
+
     def time_graphs(self, graphs: Sequence[Graph], repeats: int = 3) -> List[float]:
         """Seconds per run of each graph, rank 0's (every rank runs the same shapes)."""
         return self._call_workers("time_graphs", list(graphs), repeats)[0]
 
     def stats(self) -> WorkerStats:
         return WorkerStats.combine(self._call_workers("stats"))
+
+
+def completed_future(call: Callable[[], Any]) -> Future:
+    """A future already holding ``call()``'s result, or the exception it raised."""
+    future: Future = Future()
+    try:
+        future.set_result(call())
+    except BaseException as err:  # noqa: BLE001 - handed to whoever reads the future
+        future.set_exception(err)
+    return future
 
 
 def agree_on_step(outputs: Sequence[ModelRunnerOutput]) -> ModelRunnerOutput:

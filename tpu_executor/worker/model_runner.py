@@ -20,7 +20,8 @@ from tpu_executor.core.buckets import BucketPlan, DecodeCall, DecodeGraph, Graph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.phase_timer import NullPhaseTimer
-from tpu_executor.core.step import DecodeWork, PaddingStats, PrefillWork, SampledToken, SamplingMeta, SchedulerOutput
+from tpu_executor.core.step import (PENDING_TOKEN, DecodeWork, PaddingStats, PrefillWork, SampledToken, SamplingMeta,
+                                   SchedulerOutput)
 from tpu_executor.worker.compile_guard import CompileGuard
 from tpu_executor.worker.inputs import decode_inputs, prefill_inputs, sampling_tensors, to_device
 from tpu_executor.worker.sampler import SamplerOutput, sample
@@ -44,6 +45,7 @@ class ModelRunner:
         self.guard = CompileGuard(config.compile.strict, enabled=compiled)
         self.padding = PaddingStats()
         self.timer = NullPhaseTimer()  # bench host swaps in a PhaseTimer
+        self._last_tokens: Dict[str, int] = {}  # the previous step's tokens, for PENDING_TOKEN inputs
         if compiled:
             _raise_dynamo_limits(len(self.plan.graphs()))
         # Host-side collectives (gloo on CPU) split the model step into one graph per piece
@@ -78,10 +80,13 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> Dict[str, SampledToken]:
         """Run the prefills (packed), then the decode batch; sample one token for each."""
         results: Dict[str, SampledToken] = {}
+        last_tokens, self._last_tokens = self._last_tokens, {}  # a failed step leaves none
+        step = _fill_pending_tokens(step, last_tokens)
         for call in self.plan.model_calls(step):
             call.count_into(self.padding)
             run = self._run_prefill if isinstance(call, PrefillCall) else self._run_decode
             results.update(run(call))
+        self._last_tokens = {request_id: token.token_id for request_id, token in results.items()}
         return results
 
     def _prefill_logits(self, pack: Sequence[PrefillWork], graph: PrefillGraph, kv_caches: KVCaches) -> torch.Tensor:
@@ -164,6 +169,17 @@ class ModelRunner:
             logits = torch.zeros(graph.num_rows, self.model.config.vocab_size).to(self.device)  # device data, as in serving
             self._run_fn(self._sample_fn, sampling_tensors([], graph.num_rows), logits=logits,
                          num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy).token_ids.cpu()
+
+
+def _fill_pending_tokens(step: SchedulerOutput, last_tokens: Dict[str, int]) -> SchedulerOutput:
+    """``step`` with each ``PENDING_TOKEN`` input replaced by the token the previous step
+    sampled for that request. A request of a failed previous step has none; it gets token 0,
+    and the engine, which has failed that request, discards what it computes."""
+    if not any(work.token_id == PENDING_TOKEN for work in step.decodes):
+        return step
+    decodes = tuple(work._replace(token_id=last_tokens.get(work.request_id, 0)) if work.token_id == PENDING_TOKEN
+                    else work for work in step.decodes)
+    return SchedulerOutput(prefills=step.prefills, decodes=decodes)
 
 
 def _read_back(out: SamplerOutput) -> Tuple[list, list, Optional[list], Optional[list]]:

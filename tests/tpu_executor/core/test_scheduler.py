@@ -13,7 +13,7 @@ BLOCK = 4
 
 def make_scheduler(num_blocks, max_num_seqs=8, max_tokens_per_step=64):
     kv = KVCacheManager(num_blocks, BLOCK)
-    return Scheduler(SchedulerConfig(max_num_seqs, max_tokens_per_step), kv), kv
+    return Scheduler(SchedulerConfig(max_num_seqs, max_tokens_per_step), kv, max_model_len=10_000), kv
 
 
 def make_request(rid, prompt_len, max_tokens):

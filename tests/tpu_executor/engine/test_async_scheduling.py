@@ -1,0 +1,88 @@
+"""Asynchronous scheduling changes nothing a user sees: the same tokens, text, log-probs and
+finish reasons as the synchronous engine, through preemption, stops, n > 1 and abort."""
+import random
+
+import pytest
+import torch
+
+from tests.common import run_to_end, tiny_engine_options
+from tpu_executor import LLM, SamplingParams
+from tpu_executor.core.request import accumulate_deltas
+
+
+def random_requests(count: int, seed: int = 1):
+    """Random lengths; greedy and seeded sampling, log-probs, n = 2, stop strings and ids."""
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for i in range(count):
+        prompts.append({"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randint(1, 200))]})
+        sampled = i % 3 != 0
+        stop = rng.choice([None, None, ["ka"], ["lo mi", "ne"]])
+        params.append(SamplingParams(
+            temperature=0.8 if sampled else 0, top_k=rng.choice([0, 20]), top_p=rng.choice([1.0, 0.9]),
+            max_tokens=rng.randint(1, 60), ignore_eos=rng.random() < 0.7, seed=i if sampled else None,
+            logprobs=rng.choice([None, 2]), n=2 if i % 17 == 0 else 1, stop=stop,
+            stop_token_ids=[rng.randrange(3, 500)] if i % 11 == 0 else None))
+    return prompts, params
+
+
+def summary(outputs):
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs]
+
+
+def logprob_values(outputs):
+    return torch.tensor([lp for o in outputs for c in o.outputs for step in (c.logprobs or [])
+                         for lp in sorted(step.values())])
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoints):
+    """(synchronous, asynchronous) native engines with a small KV cache, so requests get preempted."""
+    options = tiny_engine_options(device="cpu", num_blocks=60, block_size=16)
+    pair = [LLM(model=checkpoints["llama"], async_scheduling=flag, **options) for flag in (False, True)]
+    yield pair
+    for llm in pair:
+        llm.shutdown()
+
+
+def test_async_outputs_equal_sync_outputs_over_200_random_requests(engines):
+    sync, asynchronous = engines
+    prompts, params = random_requests(200)
+    expected = sync.generate(prompts, params, use_tqdm=False)
+    got = asynchronous.generate(prompts, params, use_tqdm=False)
+    assert summary(got) == summary(expected)
+    torch.testing.assert_close(logprob_values(got), logprob_values(expected), rtol=1e-4, atol=1e-4)
+    for llm in engines:
+        stats = llm.stats()
+        assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+    assert sync.stats().num_preemptions > 0 and asynchronous.stats().num_preemptions > 0
+
+
+def test_async_abort_mid_generation_returns_blocks_and_keeps_the_others(engines):
+    sync, asynchronous = engines
+    expected = sync.generate({"prompt_token_ids": [7, 8, 9]}, SamplingParams(temperature=0, max_tokens=20,
+                                                                                ignore_eos=True), use_tqdm=False)
+    engine = asynchronous.engine
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    doomed = engine.add_request({"prompt_token_ids": [5, 6, 7]}, greedy)
+    kept = engine.add_request({"prompt_token_ids": [7, 8, 9]}, greedy)
+    deltas = engine.step() + engine.step() + engine.step()
+    engine.abort_request(doomed)
+    deltas += run_to_end(engine)
+    totals = accumulate_deltas(deltas)
+    assert totals[doomed].outputs[0].finish_reason == "abort"
+    assert totals[kept].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished_requests()
+
+
+def test_a_finished_request_computes_at_most_one_discarded_token(engines):
+    """EOS is only known when the token is read back: the step already started decodes once
+    more for that request; its token is dropped, and max_tokens never schedules one too many."""
+    _, asynchronous = engines
+    engine = asynchronous.engine
+    before = engine.stats().padding.decode_rows_real
+    outputs = asynchronous.generate({"prompt_token_ids": [5, 6, 7]},
+                                    SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) == 10
+    # One prefill token, then exactly nine decodes: none beyond max_tokens.
+    assert engine.stats().padding.decode_rows_real - before == 9
