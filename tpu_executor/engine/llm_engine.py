@@ -28,6 +28,7 @@ from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerSta
 from tpu_executor.engine.options import build_engine_config
 from tpu_executor.engine.stats import EngineStats
 from tpu_executor.executor import Executor, WorkerFailure, executor_class_for
+from tpu_executor.executor.base import completed_future
 
 logger = logging.getLogger(__name__)
 
@@ -230,12 +231,12 @@ class LLMEngine:
         with self.timer.phase("schedule"):
             scheduled = self.scheduler.schedule()
         if self.config.scheduler.async_scheduling:
-            started = self._start(scheduled) if not scheduled.is_empty else None
+            started = self._start(scheduled, self.executor.execute_model_async) if not scheduled.is_empty else None
             previous, self._in_flight = self._in_flight, started
             if previous is not None:
                 self._finish(*previous)
         elif not scheduled.is_empty:
-            started = self._start(scheduled)
+            started = self._start(scheduled, lambda step: completed_future(lambda: self.executor.execute_model(step)))
             if started is not None:
                 self._finish(*started)
         with self.timer.phase("schedule"):
@@ -243,15 +244,16 @@ class LLMEngine:
         with self.timer.phase("output"):
             return self._take_deltas()
 
-    def _start(self, scheduled: SchedulerOutput) -> Optional[Tuple[SchedulerOutput, "Future[ModelRunnerOutput]"]]:
-        """Hand the step to the executor; None if it could not even start (its requests fail)."""
+    def _start(self, scheduled: SchedulerOutput, execute) -> Optional[Tuple[SchedulerOutput, "Future[ModelRunnerOutput]"]]:
+        """Hand the step to ``execute`` (returns a future); None if it could not even start
+        (its requests fail)."""
         now = time.monotonic()
         for work in scheduled.prefills:
             metrics = self._streams[work.request_id][0].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         try:
-            return scheduled, self.executor.execute_model_async(scheduled)
+            return scheduled, execute(scheduled)
         except WorkerFailure as err:
             self._shut_down_after(err)
         except Exception as err:  # noqa: BLE001 - a failed step fails its requests, not the engine
@@ -329,10 +331,12 @@ class LLMEngine:
         for group_id, indices in self._advanced.items():
             group = self._groups[group_id]
             outputs = [self._sample_delta(group.samples[i], i) for i in (indices if len(indices) == 1 else sorted(indices))]
-            finished = group.finished
+            if len(group.samples) == 1:  # the common case, without the generators over samples
+                finished, error = outputs[0].finish_reason is not None, group.samples[0].request.error
+            else:
+                finished, error = group.finished, group.error
             deltas.append(RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
-                                        finished=finished, error=group.error,
-                                        metrics=group.metrics))
+                                        finished=finished, error=error, metrics=group.metrics))
             if finished:
                 self._forget(group)
         self._advanced = {}
@@ -340,14 +344,15 @@ class LLMEngine:
 
     def _sample_delta(self, sample: SampleStream, index: int) -> CompletionOutput:
         request = sample.request
-        finished = request.is_finished
-        wants_logprobs = request.sampling_params.logprobs is not None
+        finish_reason = request.finish_reason()
+        params = request.sampling_params
+        wants_logprobs = params.logprobs is not None
         new_ids = request.output_token_ids[sample.sent_tokens:]
         new_logprobs = request.output_logprobs[sample.sent_tokens:] if wants_logprobs else None
         sample.sent_tokens = len(request.output_token_ids)
-        text = take_text_delta(sample.detok, request.sampling_params, finished)
-        return CompletionOutput(index, text, list(new_ids), request.cumulative_logprob if wants_logprobs else None,
-                                new_logprobs, request.finish_reason(), request.stop_reason)
+        text = take_text_delta(sample.detok, params, finish_reason is not None)
+        return CompletionOutput(index, text, new_ids, request.cumulative_logprob if wants_logprobs else None,
+                                new_logprobs, finish_reason, request.stop_reason)
 
     def _forget(self, group: RequestGroup) -> None:
         del self._groups[group.request_id]

@@ -9,6 +9,7 @@ waste for each model, then a Markdown table for the README.
     tpu-executor bench throughput --models gemma-100m --devices xla --skip-transformers
     tpu-executor bench throughput --models gemma-100m --tensor-parallel-sizes 1 2 4 --skip-transformers
     tpu-executor bench throughput --models mixtral-small smollm2 --quantizations none int8
+    tpu-executor bench throughput --models gemma-100m --scheduling async sync
 
 Tensor parallelism on a machine without TPUs runs one Ray actor per simulated chip (a local
 Ray node advertising that many ``TPU`` resources) and reduces through gloo on host copies:
@@ -29,7 +30,7 @@ from tpu_executor.engine.options import add_engine_arguments, engine_options_fro
 NUM_PROMPTS, MIN_LEN, MAX_LEN, NEW_TOKENS = 32, 16, 256, 64
 MODELS = ("gemma-100m", "smollm2", "mixtral-small")
 # The options each run sweeps over (their own flags below), and the engine settings of the workload.
-SWEPT = ("device", "tensor_parallel_size", "quantization")
+SWEPT = ("device", "tensor_parallel_size", "quantization", "async_scheduling")
 ENGINE_DEFAULTS = dict(max_model_len=MAX_LEN + NEW_TOKENS, max_num_seqs=NUM_PROMPTS,
                        prefill_buckets=(128, 256, 320, 384, 448, 512), decode_buckets=(8, 16, 32),
                        decode_context_buckets=(160, 320))
@@ -55,6 +56,8 @@ def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1])
     parser.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "int8"])
+    parser.add_argument("--scheduling", nargs="+", default=["async"], choices=["async", "sync"],
+                        help="asynchronous (default) and/or synchronous scheduling, side by side")
     add_engine_arguments(parser, exclude=SWEPT)
     parser.set_defaults(run=run)
     return parser
@@ -92,7 +95,8 @@ def run_engine(path: str, prompts: List[List[int]], options: Dict) -> Dict:
     llm.shutdown()
     return {"tokens_per_s": tokens / elapsed, "seconds": elapsed, "warmup_s": warmup, "stats": stats,
             "tokens": [o.outputs[0].token_ids for o in outs], "tp": options["tensor_parallel_size"],
-            "quantization": options["quantization"] or "fp32"}
+            "quantization": options["quantization"] or "fp32",
+            "scheduling": "async" if options["async_scheduling"] else "sync"}
 
 
 def run_transformers(path: str, prompts: List[List[int]]) -> Dict:
@@ -128,9 +132,11 @@ def run(args: argparse.Namespace) -> None:
             print(f"{name}: transformers generate {theirs['tokens_per_s']:.1f} tok/s ({theirs['seconds']:.1f} s)")
         for device in args.devices:
             first = None
-            for quantization, tp in itertools.product(args.quantizations, args.tensor_parallel_sizes):
+            for quantization, tp, scheduling in itertools.product(args.quantizations, args.tensor_parallel_sizes,
+                                                                  args.scheduling):
                 ours = run_engine(path, prompts, dict(base, device=device, tensor_parallel_size=tp,
-                                                      quantization=None if quantization == "none" else quantization))
+                                                      quantization=None if quantization == "none" else quantization,
+                                                      async_scheduling=scheduling == "async"))
                 first = first or ours
                 print_run(name, device, ours, first)
                 rows.append((name, device, ours, theirs))
@@ -141,7 +147,7 @@ def print_run(name: str, device: str, ours: Dict, first: Dict) -> None:
     stats = ours["stats"]
     same = sum(a == b for x, y in zip(ours["tokens"], first["tokens"]) for a, b in zip(x, y))
     waste = {k: f"{v:.0%}" for k, v in stats.padding.waste().items()}
-    print(f"{name} [{device}, tp={ours['tp']}, {ours['quantization']}]: {ours['tokens_per_s']:.1f} tok/s "
+    print(f"{name} [{device}, tp={ours['tp']}, {ours['quantization']}, {ours['scheduling']}]: {ours['tokens_per_s']:.1f} tok/s "
           f"({ours['seconds']:.1f} s), warm-up {ours['warmup_s']:.1f} s, {stats.graphs_compiled_at_warmup} XLA "
           f"compilations, {stats.graphs_compiled_after_warmup} after warm-up, padding waste {waste}, "
           f"greedy tokens equal to the first row's at {same / (NUM_PROMPTS * NEW_TOKENS):.1%} of positions")
@@ -156,15 +162,16 @@ def start_local_ray(chips: int) -> None:
 
 
 def print_table(rows) -> None:
-    print("\n| model | path | tp | weights | engine tok/s | transformers tok/s | ratio | warm-up s | XLA compilations | "
-          "prefill padding | decode row padding |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| model | path | tp | weights | scheduling | engine tok/s | transformers tok/s | ratio | warm-up s | "
+          "XLA compilations | prefill padding | decode row padding |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, device, ours, theirs in rows:
         ref = f"{theirs['tokens_per_s']:.1f}" if theirs else "-"
         ratio = f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x" if theirs else "-"
         path = "XLA" if device == "xla" else f"native eager ({device})"
         stats = ours["stats"]
         waste = stats.padding.waste()
-        print(f"| {name} | {path} | {ours['tp']} | {ours['quantization']} | {ours['tokens_per_s']:.1f} | {ref} | "
+        print(f"| {name} | {path} | {ours['tp']} | {ours['quantization']} | {ours['scheduling']} | "
+              f"{ours['tokens_per_s']:.1f} | {ref} | "
               f"{ratio} | {ours['warmup_s']:.0f} | {stats.graphs_compiled_at_warmup} | "
               f"{waste['prefill_tokens']:.0%} | {waste['decode_rows']:.0%} |")
     hardware = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"

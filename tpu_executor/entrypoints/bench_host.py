@@ -7,6 +7,7 @@ the host does between two device steps, which on a TPU is time the chip waits.
 
     tpu-executor bench host                              # 32, 256 and 1,024 running sequences
     tpu-executor bench host --num-seqs 256 --steps 100
+    tpu-executor bench host --device xla --num-seqs 32 256 --overlap   # + the real model, sync vs async
 
 For each number of running sequences it measures a decode step (every sequence decodes) and a
 mixed step (``JOINING`` sequences leave and as many new prompts prefill in the same step), and
@@ -66,6 +67,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="running sequences to measure at")
     parser.add_argument("--steps", type=int, default=50, help="measured steps of each kind")
     parser.add_argument("--device", default="cpu", help="cpu (native path) or xla")
+    parser.add_argument("--overlap", action="store_true",
+                        help="also run the real model: step time sync vs async beside host-only and device-only")
     parser.set_defaults(run=run)
     return parser
 
@@ -78,8 +81,10 @@ def tiny_checkpoint() -> str:
     return build(path, "llama", dict(TINY, vocab_size=VOCAB))
 
 
-def engine_for(path: str, num_seqs: int, steps: int, device: str):
-    """An engine with the empty model step, sized for ``num_seqs`` sequences of the benchmark."""
+def engine_for(path: str, num_seqs: int, steps: int, device: str, worker_class: type = NullModelWorker,
+               async_scheduling: bool = False):
+    """An engine sized for ``num_seqs`` sequences of the benchmark (by default with the empty
+    model step, synchronous, so the phases add up to the step)."""
     from tpu_executor.engine.llm_engine import LLMEngine
 
     max_model_len = PROMPT_TOKENS + 2 * steps + 32
@@ -87,7 +92,8 @@ def engine_for(path: str, num_seqs: int, steps: int, device: str):
     rows = tuple(sorted({min(2 ** k, num_seqs) for k in range(3, num_seqs.bit_length() + 1)} | {num_seqs}))
     blocks_per_seq = context_bucket // 16
     return LLMEngine.from_options(
-        path, show_progress=False, worker_class=NullModelWorker, device=device, max_num_seqs=num_seqs,
+        path, show_progress=False, worker_class=worker_class, device=device, max_num_seqs=num_seqs,
+        async_scheduling=async_scheduling,
         max_model_len=max_model_len, max_num_batched_tokens=num_seqs + JOINING * PROMPT_TOKENS,
         prefill_buckets=(JOINING * PROMPT_TOKENS, context_bucket), decode_buckets=rows,
         decode_context_buckets=(context_bucket,), num_blocks=num_seqs * (blocks_per_seq + 1) + 1,
@@ -119,17 +125,23 @@ def _timed_steps(engine, timer: PhaseTimer, steps: int, before_step=None) -> Dic
     return ms
 
 
+def _fill(engine, num_seqs: int, rng: random.Random) -> List[str]:
+    """Queue ``num_seqs`` endless requests and step until all decode; their ids."""
+    running = _add_requests(engine, num_seqs, rng, max_tokens=10 ** 6)
+    while engine.scheduler.num_waiting or engine.scheduler.num_running < num_seqs:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    return running
+
+
 def measure(path: str, num_seqs: int, steps: int, device: str) -> Dict[str, Dict[str, float]]:
     """Per-phase milliseconds of a decode step and of a mixed step at ``num_seqs`` sequences."""
     engine = engine_for(path, num_seqs, steps, device)
     timer = PhaseTimer()
     engine.timer = engine.executor.workers[0].runner.timer = timer
     rng = random.Random(0)
-    running = _add_requests(engine, num_seqs, rng, max_tokens=10 ** 6)
-    while engine.scheduler.num_waiting or engine.scheduler.num_running < num_seqs:
-        engine.step()
-    for _ in range(3):
-        engine.step()
+    running = _fill(engine, num_seqs, rng)
     decode = _timed_steps(engine, timer, steps)
 
     def swap_some():  # JOINING sequences leave, as many new prompts join
@@ -143,6 +155,38 @@ def measure(path: str, num_seqs: int, steps: int, device: str) -> Dict[str, Dict
     mixed = _timed_steps(engine, timer, steps, before_step=swap_some)
     engine.shutdown()
     return {"decode": decode, "mixed": mixed}
+
+
+def overlap(path: str, num_seqs: int, steps: int, device: str) -> Dict[str, float]:
+    """Steady decode step time of the real model, synchronous and asynchronous, beside the
+    host-only time (empty model step) and the device-only time (the decode and sampler graphs
+    timed alone), all in milliseconds."""
+    from tpu_executor.core.buckets import BucketPlan
+
+    host = measure(path, num_seqs, steps, device)["decode"]
+    figures = {"host": host["host"]}
+    for async_scheduling in (False, True):
+        engine = engine_for(path, num_seqs, steps, device, Worker, async_scheduling)
+        _fill(engine, num_seqs, random.Random(0))
+        figures["async" if async_scheduling else "sync"] = _timed_steps(engine, PhaseTimer(), steps)["median_step"]
+        if not async_scheduling:
+            plan = BucketPlan.from_config(engine.config)
+            graphs = [plan.decode_graph(num_seqs, plan.decode_context_block_buckets[-1]),
+                      plan.sampler_graph(num_seqs, wants_logprobs=False, all_greedy=True)]
+            figures["device"] = 1e3 * sum(engine.executor.time_graphs(graphs, repeats=max(3, steps // 5)))
+        engine.shutdown()
+    return figures
+
+
+def print_overlap(results: Dict[int, Dict[str, float]], device: str) -> None:
+    print(f"\n| sequences | host only | device only | host + device | sync step | async step | "
+          f"async / max(host, device) |\n|---|---|---|---|---|---|---|")
+    for num_seqs, f in results.items():
+        print(f"| {num_seqs} | {f['host']:.2f} | {f['device']:.2f} | {f['host'] + f['device']:.2f} | "
+              f"{f['sync']:.2f} | {f['async']:.2f} | {f['async'] / max(f['host'], f['device']):.2f} |")
+    print(f"\nMilliseconds per decode step on {device}: the median over the measured steps of the real model "
+          "(the checkpoint's random weights), synchronous and asynchronous; host only is the empty-model "
+          "step's host work, device only the decode and sampler graphs timed alone.")
 
 
 def print_table(results: Dict[int, Dict[str, Dict[str, float]]]) -> None:
@@ -168,3 +212,5 @@ def run(args: argparse.Namespace) -> None:
         print(f"{num_seqs} sequences: decode step host {decode['host']:.2f} ms, device {decode['device']:.2f} ms; "
               f"mixed step host {results[num_seqs]['mixed']['host']:.2f} ms", flush=True)
     print_table(results)
+    if args.overlap:
+        print_overlap({n: overlap(path, n, args.steps, args.device) for n in args.num_seqs}, args.device)
