@@ -215,7 +215,7 @@ class LLMEngine:
         for index, sample in enumerate(group.samples if group else ()):
             if not sample.request.is_finished:
                 self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED)
-                self._advanced.setdefault(request_id, set()).add(index)
+                self._mark_advanced(request_id, index)
 
     def abort_all_requests(self) -> None:
         """Abort every request in the engine (shutdown)."""
@@ -308,7 +308,15 @@ class LLMEngine:
         status = self.detokenizer.apply_stop_conditions(request, detok, new_text)
         if status is not None:
             self.scheduler.finish(request, status)
-        self._advanced.setdefault(group.request_id, set()).add(index)
+        self._mark_advanced(group.request_id, index)
+
+    def _mark_advanced(self, group_id: str, index: int) -> None:
+        """Sample ``index`` of the group has news for the next delta."""
+        indices = self._advanced.get(group_id)
+        if indices is None:
+            self._advanced[group_id] = {index}
+        else:
+            indices.add(index)
 
     def _fail(self, sample_ids: Sequence[str], message: str) -> None:
         """Finish the given samples with an error (their blocks come back)."""
@@ -318,7 +326,7 @@ class LLMEngine:
             if not request.is_finished:
                 request.error = message
                 self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
-                self._advanced.setdefault(group.request_id, set()).add(index)
+                self._mark_advanced(group.request_id, index)
 
     def _shut_down_after(self, failure: WorkerFailure) -> None:
         """Fail every in-flight request, stop the workers, raise EngineDeadError."""

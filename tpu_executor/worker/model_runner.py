@@ -177,8 +177,8 @@ def _fill_pending_tokens(step: SchedulerOutput, last_tokens: Dict[str, int]) -> 
     and the engine, which has failed that request, discards what it computes."""
     if not any(work.token_id == PENDING_TOKEN for work in step.decodes):
         return step
-    decodes = tuple(work._replace(token_id=last_tokens.get(work.request_id, 0)) if work.token_id == PENDING_TOKEN
-                    else work for work in step.decodes)
+    decodes = tuple(DecodeWork(work.request_id, last_tokens.get(work.request_id, 0), work.position, work.block_ids,
+                               work.sampling) if work.token_id == PENDING_TOKEN else work for work in step.decodes)
     return SchedulerOutput(prefills=step.prefills, decodes=decodes)
 
 
