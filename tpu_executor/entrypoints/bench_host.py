@@ -179,8 +179,8 @@ def overlap(path: str, num_seqs: int, steps: int, device: str) -> Dict[str, floa
 
 
 def print_overlap(results: Dict[int, Dict[str, float]], device: str) -> None:
-    print(f"\n| sequences | host only | device only | host + device | sync step | async step | "
-          f"async / max(host, device) |\n|---|---|---|---|---|---|---|")
+    print("\n| sequences | host only | device only | host + device | sync step | async step | "
+          "async / max(host, device) |\n|---|---|---|---|---|---|---|")
     for num_seqs, f in results.items():
         print(f"| {num_seqs} | {f['host']:.2f} | {f['device']:.2f} | {f['host'] + f['device']:.2f} | "
               f"{f['sync']:.2f} | {f['async']:.2f} | {f['async'] / max(f['host'], f['device']):.2f} |")

@@ -22,7 +22,7 @@ import math
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from tpu_executor.engine.options import add_engine_arguments, engine_options_from_args

@@ -8,7 +8,6 @@ import textwrap
 
 import pytest
 
-from tests.common import tiny_engine_options
 from tpu_executor.core.buckets import BucketPlan, DecodeGraph, PrefillGraph, read_bucket_file
 from tpu_executor.engine.llm_engine import LLMEngine
 from tpu_executor.engine.options import build_engine_config
