@@ -122,7 +122,9 @@ def test_a_worker_exception_fails_only_its_step(cluster, checkpoints, references
     healthy = engine.add_request({"prompt_token_ids": prompts[1]}, greedy)
     engine.step()
     doomed = engine.add_request({"prompt_token_ids": [5, POISON_ALL_RANKS, 7]}, greedy)
-    failed = {o.request_id: o for o in engine.step()}
+    failed = {}  # read back a call later with asynchronous scheduling
+    while doomed not in failed:
+        failed.update({o.request_id: o for o in engine.step()})
     assert failed[doomed].error == failed[healthy].error == "RuntimeError: device fell over"
     assert failed[doomed].finished and failed[healthy].outputs[0].finish_reason == "error"
     again = engine.add_request({"prompt_token_ids": prompts[0]}, greedy)
