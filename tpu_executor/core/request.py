@@ -72,8 +72,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        status = self.status
-        return status is not RequestStatus.WAITING and status is not RequestStatus.RUNNING
+        return self.status.is_finished
 
     def finish_reason(self) -> Optional[str]:
         return self.status.value if self.is_finished else None

@@ -230,30 +230,28 @@ class LLMEngine:
         """
         with self.timer.phase("schedule"):
             scheduled = self.scheduler.schedule()
+        started = self._start(scheduled) if not scheduled.is_empty else None
         if self.config.scheduler.async_scheduling:
-            started = self._start(scheduled, self.executor.execute_model_async) if not scheduled.is_empty else None
-            previous, self._in_flight = self._in_flight, started
-            if previous is not None:
-                self._finish(*previous)
-        elif not scheduled.is_empty:
-            started = self._start(scheduled, lambda step: completed_future(lambda: self.executor.execute_model(step)))
-            if started is not None:
-                self._finish(*started)
+            started, self._in_flight = self._in_flight, started  # finish the previous step instead
+        if started is not None:
+            self._finish(*started)
         with self.timer.phase("schedule"):
             self._release_deferred_samples()
         with self.timer.phase("output"):
             return self._take_deltas()
 
-    def _start(self, scheduled: SchedulerOutput, execute) -> Optional[Tuple[SchedulerOutput, "Future[ModelRunnerOutput]"]]:
-        """Hand the step to ``execute`` (returns a future); None if it could not even start
-        (its requests fail)."""
+    def _start(self, scheduled: SchedulerOutput) -> Optional[Tuple[SchedulerOutput, "Future[ModelRunnerOutput]"]]:
+        """Hand the step to the executor (left running when scheduling is asynchronous, run to
+        the end otherwise); None if it could not even start (its requests fail)."""
         now = time.monotonic()
         for work in scheduled.prefills:
             metrics = self._streams[work.request_id][0].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         try:
-            return scheduled, execute(scheduled)
+            if self.config.scheduler.async_scheduling:
+                return scheduled, self.executor.execute_model_async(scheduled)
+            return scheduled, completed_future(lambda: self.executor.execute_model(scheduled))
         except WorkerFailure as err:
             self._shut_down_after(err)
         except Exception as err:  # noqa: BLE001 - a failed step fails its requests, not the engine
@@ -338,13 +336,10 @@ class LLMEngine:
         deltas = []
         for group_id, indices in self._advanced.items():
             group = self._groups[group_id]
-            outputs = [self._sample_delta(group.samples[i], i) for i in (indices if len(indices) == 1 else sorted(indices))]
-            if len(group.samples) == 1:  # the common case, without the generators over samples
-                finished, error = outputs[0].finish_reason is not None, group.samples[0].request.error
-            else:
-                finished, error = group.finished, group.error
+            outputs = [self._sample_delta(group.samples[i], i) for i in sorted(indices)]
+            finished = group.finished
             deltas.append(RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
-                                        finished=finished, error=error, metrics=group.metrics))
+                                        finished=finished, error=group.error, metrics=group.metrics))
             if finished:
                 self._forget(group)
         self._advanced = {}

@@ -86,7 +86,8 @@ class ModelRunner:
             call.count_into(self.padding)
             run = self._run_prefill if isinstance(call, PrefillCall) else self._run_decode
             results.update(run(call))
-        self._last_tokens = {request_id: token.token_id for request_id, token in results.items()}
+        if self.config.scheduler.async_scheduling:  # only then can the next step hold PENDING_TOKEN
+            self._last_tokens = {request_id: token.token_id for request_id, token in results.items()}
         return results
 
     def _prefill_logits(self, pack: Sequence[PrefillWork], graph: PrefillGraph, kv_caches: KVCaches) -> torch.Tensor:
@@ -127,7 +128,7 @@ class ModelRunner:
         with self.timer.phase("transfer"):
             host = _read_back(out)
         with self.timer.phase("output"):
-            return _to_host(work, host)
+            return _sampled_tokens(work, host)
 
     @torch.no_grad()
     def profile_run(self, kv_caches: KVCaches) -> None:
@@ -190,7 +191,7 @@ def _read_back(out: SamplerOutput) -> Tuple[list, list, Optional[list], Optional
     return as_list(out.token_ids), as_list(out.token_logprobs), as_list(out.top_ids), as_list(out.top_logprobs)
 
 
-def _to_host(work, host: Tuple[list, list, Optional[list], Optional[list]]) -> Dict[str, SampledToken]:
+def _sampled_tokens(work, host: Tuple[list, list, Optional[list], Optional[list]]) -> Dict[str, SampledToken]:
     token_ids, logprobs, top_ids, top_lps = host
     results = {}
     for row, item in enumerate(work):
