@@ -54,13 +54,21 @@ class RequestGroup:
     samples: List[SampleStream]
     metrics: RequestMetrics
 
+    # Both are read for every request on every step; a loop instead of a generator keeps the
+    # common one-sample group cheap.
     @property
     def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.samples)
+        for sample in self.samples:
+            if not sample.request.is_finished:
+                return False
+        return True
 
     @property
     def error(self) -> Optional[str]:
-        return next((s.request.error for s in self.samples if s.request.error), None)
+        for sample in self.samples:
+            if sample.request.error:
+                return sample.request.error
+        return None
 
 
 class EngineDeadError(RuntimeError):
