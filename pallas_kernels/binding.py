@@ -45,6 +45,12 @@ def on_xla_if_fits(problem_fn: Callable) -> Callable[..., bool]:
     return supports_args
 
 
+def eager_only(*args, **kwargs) -> bool:
+    """A provider's ``supports_args`` for data-dependent eager code: untraced, non-XLA calls
+    (the native path), where reading a tensor's values on the host is allowed."""
+    return not torch.compiler.is_compiling() and not any(is_xla_tensor(a) for a in args)
+
+
 def first_problem(*checks: Callable[[], None]) -> Optional[str]:
     """The message of the first check that raises ValueError, or None when all pass."""
     for check in checks:

@@ -2,7 +2,10 @@
 
 XLA's CPU backend materialises the transpose of ``x @ W.T`` on every call (measured: the
 SmolLM2 LM head takes 122 ms that way and 8 ms with a pre-transposed weight), so matmul
-weights are stored transposed once at load time.
+weights are stored transposed once at load time. The native CPU path goes one step further
+(``pack_for_cpu``): fp32 weights are reordered once into oneDNN's blocked layout, which ran
+decode-sized matmuls (32 rows) up to 2x faster than MKL's ``x @ W`` on an AVX2 EPYC and no
+slower at prefill sizes.
 
 Each rank keeps its shard: column-parallel layers split the output features (no
 communication; the output stays sharded), row-parallel layers split the input features and
@@ -47,6 +50,22 @@ def narrow_checked(loaded: torch.Tensor, dim: int, start: int, length: int, full
     return loaded.narrow(dim, start, length)
 
 
+def onednn_packed(weight: torch.Tensor) -> torch.Tensor:
+    """An ``[in, out]`` weight reordered into oneDNN's blocked layout (an opaque CPU tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().t().contiguous())
+
+
+def onednn_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``x @ W`` for a weight packed by ``onednn_packed``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def packable_for_cpu(weight: Optional[torch.Tensor]) -> bool:
+    """oneDNN packing was measured for fp32 CPU weights only."""
+    return weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32 \
+        and torch.backends.mkldnn.is_available()
+
+
 # (offset in our shard, start in the checkpoint tensor, length, checkpoint size), along outputs
 OutputShard = Tuple[int, int, int, int]
 
@@ -62,7 +81,8 @@ def quantize_parameter(module: nn.Module, name: str) -> None:
 
 class QuantizableMatmul(nn.Module):
     """``x @ weight`` that can switch, after loading, to INT8 weights with per-output-channel
-    scales (W8A16): the matmul then goes through the ``w8a16_matmul`` op."""
+    scales (W8A16): the matmul then goes through the ``w8a16_matmul`` op; or, on the native
+    CPU path, to a oneDNN-packed fp32 weight."""
 
     quantizable = True
 
@@ -70,9 +90,21 @@ class QuantizableMatmul(nn.Module):
         """Replace ``weight`` by ``weight_q`` (int8) and ``weight_scale`` (fp32, one per output)."""
         quantize_parameter(self, "weight")
 
+    def pack_for_cpu(self) -> bool:
+        """Replace an fp32 CPU ``weight`` by ``weight_packed`` (oneDNN layout, a buffer that is
+        not saved); returns whether it did. Call after loading, on the native CPU path only."""
+        if not packable_for_cpu(self._parameters.get("weight")):
+            return False
+        packed = onednn_packed(self.weight)
+        delattr(self, "weight")
+        self.register_buffer("weight_packed", packed, persistent=False)
+        return True
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if "weight_q" in self._parameters:
             return w8a16_matmul(x, self.weight_q, self.weight_scale)
+        if "weight_packed" in self._buffers:
+            return onednn_matmul(x, self.weight_packed)
         return x @ self.weight
 
 
@@ -200,11 +232,30 @@ class VocabParallelEmbedding(nn.Module):
         rows = self.weight.index_select(1, torch.where(owned, local_ids, 0)).t()
         return self.tp.all_reduce(rows * owned[:, None].to(rows.dtype))
 
+    def pack_for_cpu(self) -> bool:
+        """Add ``logits_packed``, the weight in oneDNN's layout for ``logits`` (the lookup
+        keeps ``weight``); returns whether it did. Native CPU path, after loading."""
+        if not packable_for_cpu(self._parameters.get("weight")):
+            return False
+        self.register_buffer("logits_packed", onednn_packed(self.weight), persistent=False)
+        return True
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits ``[T, vocab]`` (each rank computes its slice, then gathers)."""
-        logits = self.tp.all_gather(hidden @ self.weight)
+        if "logits_packed" in self._buffers:
+            local = onednn_matmul(hidden, self.logits_packed)
+        else:
+            local = hidden @ self.weight
+        logits = self.tp.all_gather(local)
         return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size]
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """An untied LM head: the same sharding as the embedding; use ``logits(hidden)``."""
+
+    def pack_for_cpu(self) -> bool:
+        """As the embedding's, but the head never looks tokens up: its ``weight`` is dropped."""
+        if not super().pack_for_cpu():
+            return False
+        delattr(self, "weight")
+        return True

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pallas_kernels.binding import first_problem, is_xla_tensor, jax_backed_op, tpu_provider
+from pallas_kernels.binding import eager_only, first_problem, jax_backed_op, tpu_provider
 from pallas_kernels.gmm import reference
 from pallas_kernels.registry import REGISTRY, Provider
 from pallas_kernels.spec import OpCase, OpSpec, Tolerance
@@ -106,10 +106,6 @@ def _eager_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False):
     return out
 
 
-def _eager_only(*args, **kwargs) -> bool:
-    return not torch.compiler.is_compiling() and not any(is_xla_tensor(a) for a in args)
-
-
 def pallas_op():
     """``torch.ops.pallas_kernels.gmm_pallas``: our kernel bound through call_jax."""
     return jax_backed_op("gmm_pallas", SCHEMA, _pallas_gmm, fake)
@@ -129,7 +125,7 @@ def register(registry=REGISTRY) -> None:
         "jax_megablox", 10, megablox_op,
         lambda *a, **kw: shape_problem(*a, require_whole_tiles=True, **kw),
         sources=(KERNEL_MODULE, "jax.experimental.pallas.ops.tpu.megablox.gmm")))
-    registry.register(OP_NAME, Provider("eager_grouped", _eager_gmm, priority=5, supports_args=_eager_only))
+    registry.register(OP_NAME, Provider("eager_grouped", _eager_gmm, priority=5, supports_args=eager_only))
     registry.register(OP_NAME, Provider("reference", reference.gmm, priority=0, is_reference=True))
 
 

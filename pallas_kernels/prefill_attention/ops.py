@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pallas_kernels.binding import first_problem, jax_backed_op, tpu_provider
+from pallas_kernels.binding import eager_only, first_problem, jax_backed_op, tpu_provider
 from pallas_kernels.paged_attention.ops import random_block_tables
-from pallas_kernels.prefill_attention import reference
+from pallas_kernels.prefill_attention import eager, reference
 from pallas_kernels.registry import REGISTRY, Provider
 from pallas_kernels.spec import OpCase, OpSpec, Tolerance
 from pallas_kernels.tpu_layout import check_attention_operands, torch_dtype_name
@@ -95,10 +95,13 @@ def pallas_op():
 
 
 def register(registry=REGISTRY) -> None:
-    """Our Pallas kernel, then the reference. JAX ships no kernel with this contract (its
-    flash attention knows neither pages, packed positions, soft-cap nor windows)."""
+    """Our Pallas kernel (TPU), attention segment by segment for untraced non-XLA calls (the
+    native path), then the reference. JAX ships no kernel with this contract (its flash
+    attention knows neither pages, packed positions, soft-cap nor windows)."""
     registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem,
                                             sources=("pallas_kernels.prefill_attention.kernel",)))
+    registry.register(OP_NAME, Provider("eager_segments", eager.prefill_attention, priority=5,
+                                        supports_args=eager_only))
     registry.register(OP_NAME, Provider("reference", reference.prefill_attention, priority=0,
                                         is_reference=True))
 

@@ -53,6 +53,9 @@ def test_source_hash_covers_the_kernel_module():
         Provider("x", plain.fn, priority=1, sources=("no_such_module",)).source_hash()
 
 
+EAGER_PROVIDERS = {"gmm": "eager_grouped", "prefill_attention": "eager_segments"}
+
+
 def test_every_op_registers_pallas_first_and_the_reference_last():
     from pallas_kernels import register_all
 
@@ -63,9 +66,10 @@ def test_every_op_registers_pallas_first_and_the_reference_last():
         assert names[-1] == "reference", names
         # w8a16_matmul has no Pallas kernel yet: the reference (dequantize, matmul) serves it.
         assert names[0] == ("reference" if op == "w8a16_matmul" else "pallas"), names
-        # No TPU here: traced calls land on the reference; gmm serves eager calls by slicing.
+        # No TPU here: traced calls land on the reference; gmm serves eager calls by slicing,
+        # prefill attention segment by segment.
         eager = registry.select(op, torch.zeros(1))
-        assert eager.name == ("eager_grouped" if op == "gmm" else "reference"), eager.name
+        assert eager.name == EAGER_PROVIDERS.get(op, "reference"), eager.name
 
 
 def test_paged_decode_equals_prefill_on_the_last_token():

@@ -112,6 +112,12 @@ def quantize_int8(model: torch.nn.Module) -> int:
     return len(layers)
 
 
+def pack_for_cpu(model: torch.nn.Module) -> int:
+    """Reorder the fp32 matmul weights of a model on the CPU into oneDNN's layout (the native
+    path; see ``models/layers/linear.py``); returns how many layers changed."""
+    return sum(module.pack_for_cpu() for module in model.modules() if hasattr(module, "pack_for_cpu"))
+
+
 def quantizable_bytes(model: torch.nn.Module) -> int:
     """Bytes of the quantizable layers' weights (INT8 weights and their scales once quantized;
     biases excluded): what ``quantization="int8"`` shrinks."""

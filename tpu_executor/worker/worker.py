@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import logging
 import os
 from typing import Dict, List, Optional, Tuple
@@ -17,7 +18,7 @@ from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.step import ModelRunnerOutput, SampledToken, SchedulerOutput, WorkerStats
 from tpu_executor.worker.distributed import GlooGroup, RankPlacement, XlaGroup, tpu_topology_env
-from tpu_executor.worker.model_loader import load_model
+from tpu_executor.worker.model_loader import load_model, pack_for_cpu
 from tpu_executor.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,10 @@ class Worker:
         """Load the checkpoint onto the device; returns the model's vocabulary size."""
         model_config = self.config.model
         self.model = load_model(model_config.model, self.dtype, self.tp, model_config.quantization).to(self.device)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.device.type == "cpu":
+            pack_for_cpu(self.model)
+        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self.runner = self.runner_class(self.config, self.model, self.device)
         return self.model.config.vocab_size
 
