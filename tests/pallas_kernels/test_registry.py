@@ -53,7 +53,7 @@ def test_source_hash_covers_the_kernel_module():
         Provider("x", plain.fn, priority=1, sources=("no_such_module",)).source_hash()
 
 
-EAGER_PROVIDERS = {"gmm": "eager_grouped", "prefill_attention": "eager_segments"}
+EAGER_PROVIDERS = {"gmm": "eager_grouped", "paged_attention": "eager_sdpa", "prefill_attention": "eager_segments"}
 
 
 def test_every_op_registers_pallas_first_and_the_reference_last():
@@ -66,8 +66,7 @@ def test_every_op_registers_pallas_first_and_the_reference_last():
         assert names[-1] == "reference", names
         # w8a16_matmul has no Pallas kernel yet: the reference (dequantize, matmul) serves it.
         assert names[0] == ("reference" if op == "w8a16_matmul" else "pallas"), names
-        # No TPU here: traced calls land on the reference; gmm serves eager calls by slicing,
-        # prefill attention segment by segment.
+        # No TPU here: traced calls land on the reference; eager calls on the eager providers.
         eager = registry.select(op, torch.zeros(1))
         assert eager.name == EAGER_PROVIDERS.get(op, "reference"), eager.name
 

@@ -1,18 +1,22 @@
 """Where the host's time per engine step goes, by phase (pure Python).
 
-The engine and the model runner wrap each piece of their per-step host work in
-``timer.phase(name)``; ``tpu-executor bench host`` reads the sums. The default timer records
-nothing and costs one attribute lookup per phase, so serving pays nothing for it.
+The engine and the model runner wrap each piece of their per-step work in
+``timer.phase(name)``; ``tpu-executor bench host`` and ``bench throughput --profile`` read the
+sums. The default timer records nothing and costs one attribute lookup per phase, so serving
+pays nothing for it.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
-from typing import Dict, Iterator
+from typing import Callable, Dict, Iterator, List, Optional
 
-# The phases, in the order a step runs them. ``device`` is the model step and the sampler: it
-# is the device's time, not the host's (on the native CPU path both are the same cores).
-PHASES = ("schedule", "inputs", "transfer", "device", "output", "detokenize")
+# The phases, in the order a step runs them. The device phases are the model calls and the
+# sampler: the device's time, not the host's (on the native CPU path both are the same cores).
+PHASES = ("schedule", "inputs", "transfer", "prefill", "decode", "sample", "output", "detokenize")
+DEVICE_PHASES = ("prefill", "decode", "sample")
+HOST_PHASES = tuple(p for p in PHASES if p not in DEVICE_PHASES)
 
 
 class NullPhaseTimer:
@@ -25,18 +29,41 @@ class NullPhaseTimer:
 
 
 class PhaseTimer(NullPhaseTimer):
-    """Sums the seconds spent in each phase since the last ``reset``."""
+    """Sums the seconds spent in each phase, and counts its calls, since the last ``reset``.
 
-    def __init__(self):
+    ``synchronize``, when given, runs at the end of every device phase before the clock
+    stops: on a device that runs asynchronously (XLA) a call only dispatches, and without it
+    the device's time would land in whatever phase waits next. ``active`` names the phases
+    the calling thread has open, innermost last (the engine and an asynchronous model
+    runner time their phases on two threads).
+    """
+
+    def __init__(self, synchronize: Optional[Callable[[], None]] = None):
         self.seconds: Dict[str, float] = {}
+        self.calls: Dict[str, int] = {}
+        self._synchronize = synchronize
+        self._local = threading.local()
+
+    @property
+    def active(self) -> List[str]:
+        if not hasattr(self._local, "active"):
+            self._local.active = []
+        return self._local.active
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
+        active = self.active
+        active.append(name)
         try:
             yield
+            if self._synchronize is not None and name in DEVICE_PHASES:
+                self._synchronize()
         finally:
+            active.pop()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            self.calls[name] = self.calls.get(name, 0) + 1
 
     def reset(self) -> None:
         self.seconds = {}
+        self.calls = {}

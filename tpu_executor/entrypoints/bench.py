@@ -10,6 +10,12 @@ waste for each model, then a Markdown table for the README.
     tpu-executor bench throughput --models gemma-100m --tensor-parallel-sizes 1 2 4 --skip-transformers
     tpu-executor bench throughput --models mixtral-small smollm2 --quantizations none int8
     tpu-executor bench throughput --models gemma-100m --scheduling async sync
+    tpu-executor bench throughput --models gemma-100m --devices cpu --profile
+
+``--profile`` runs the workload a second time (other prompts of the same lengths, so the prefix
+cache cannot help) with a phase timer attached, and prints where that run's time went:
+engine-thread phases, model-runner phases with prefill and decode apart, on the native CPU path
+split into linears / attention / the rest of the model (``tools/step_profile.py``).
 
 Tensor parallelism on a machine without TPUs runs one Ray actor per simulated chip (a local
 Ray node advertising that many ``TPU`` resources) and reduces through gloo on host copies:
@@ -58,6 +64,8 @@ def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "int8"])
     parser.add_argument("--scheduling", nargs="+", default=["async"], choices=["async", "sync"],
                         help="asynchronous (default) and/or synchronous scheduling, side by side")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each timed run, a profiled run of the same workload (tensor parallel size 1)")
     add_engine_arguments(parser, exclude=SWEPT)
     parser.set_defaults(run=run)
     return parser
@@ -67,6 +75,11 @@ def workload(vocab_size: int, seed: int = 0) -> List[List[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(MIN_LEN, MAX_LEN))]
             for _ in range(NUM_PROMPTS)]
+
+
+def shifted(prompts: List[List[int]], vocab_size: int) -> List[List[int]]:
+    """Prompts of the same lengths with every token id moved by one (no prefix-cache hits)."""
+    return [[3 + (t - 2) % (vocab_size - 3) for t in prompt] for prompt in prompts]
 
 
 def model_path(name: str) -> str:
@@ -79,8 +92,9 @@ def model_path(name: str) -> str:
     return build(os.path.join(os.path.expanduser("~"), ".cache", "tpu_executor", f"{name}-random"), arch, sizes)
 
 
-def run_engine(path: str, prompts: List[List[int]], options: Dict) -> Dict:
-    """Generate the workload with one engine; its throughput, tokens and stats."""
+def run_engine(path: str, prompts: List[List[int]], options: Dict, profile_prompts=None) -> Dict:
+    """Generate the workload with one engine; its throughput, tokens and stats. With
+    ``profile_prompts``, then a profiled run of those, whose table is printed."""
     from tpu_executor import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -92,11 +106,24 @@ def run_engine(path: str, prompts: List[List[int]], options: Dict) -> Dict:
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     stats = llm.stats()
+    if profile_prompts is not None:
+        profiled_run(llm, profile_prompts, params, options)
     llm.shutdown()
     return {"tokens_per_s": tokens / elapsed, "seconds": elapsed, "warmup_s": warmup, "stats": stats,
             "tokens": [o.outputs[0].token_ids for o in outs], "tp": options["tensor_parallel_size"],
             "quantization": options["quantization"] or "fp32",
             "scheduling": "async" if options["async_scheduling"] else "sync"}
+
+
+def profiled_run(llm, prompts: List[List[int]], params, options: Dict) -> None:
+    from tpu_executor.tools.step_profile import StepProfile, print_profile
+
+    profile = StepProfile(llm.engine)
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    scheduling = "async" if options["async_scheduling"] else "sync"
+    print_profile(f"{os.path.basename(llm.engine.config.model.model)} on {options['device']}, {scheduling} "
+                  "scheduling", profile, time.perf_counter() - start)
 
 
 def run_transformers(path: str, prompts: List[List[int]]) -> Dict:
@@ -120,13 +147,17 @@ def run_transformers(path: str, prompts: List[List[int]]) -> Dict:
 def run(args: argparse.Namespace) -> None:
     from transformers import AutoConfig
 
+    if args.profile and max(args.tensor_parallel_sizes) > 1:
+        raise SystemExit("--profile times an in-process engine: use --tensor-parallel-sizes 1")
     if max(args.tensor_parallel_sizes) > 1:
         start_local_ray(max(args.tensor_parallel_sizes))
     base = engine_options_from_args(args, ENGINE_DEFAULTS)
     rows = []
     for name in args.models:
         path = model_path(name)
-        prompts = workload(AutoConfig.from_pretrained(path).vocab_size)
+        vocab_size = AutoConfig.from_pretrained(path).vocab_size
+        prompts = workload(vocab_size)
+        profile_prompts = shifted(prompts, vocab_size) if args.profile else None
         theirs = None if args.skip_transformers else run_transformers(path, prompts)
         if theirs:
             print(f"{name}: transformers generate {theirs['tokens_per_s']:.1f} tok/s ({theirs['seconds']:.1f} s)")
@@ -136,7 +167,7 @@ def run(args: argparse.Namespace) -> None:
                                                                   args.scheduling):
                 ours = run_engine(path, prompts, dict(base, device=device, tensor_parallel_size=tp,
                                                       quantization=None if quantization == "none" else quantization,
-                                                      async_scheduling=scheduling == "async"))
+                                                      async_scheduling=scheduling == "async"), profile_prompts)
                 first = first or ours
                 print_run(name, device, ours, first)
                 rows.append((name, device, ours, theirs))

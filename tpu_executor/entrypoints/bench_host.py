@@ -26,14 +26,13 @@ from typing import Dict, List
 
 import torch
 
-from tpu_executor.core.phase_timer import PHASES, PhaseTimer
+from tpu_executor.core.phase_timer import DEVICE_PHASES, HOST_PHASES, PHASES, PhaseTimer
 from tpu_executor.worker.model_runner import ModelRunner
 from tpu_executor.worker.worker import Worker
 
 PROMPT_TOKENS = 32
 JOINING = 8  # sequences that leave and join per mixed step
 VOCAB = 8192  # asked of the tokenizer trainer; it may learn fewer tokens
-HOST_PHASES = tuple(p for p in PHASES if p != "device")
 
 
 def next_token_logits(input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -119,6 +118,7 @@ def _timed_steps(engine, timer: PhaseTimer, steps: int, before_step=None) -> Dic
         engine.step()
         walls.append(time.perf_counter() - start)
     ms = {phase: 1e3 * timer.seconds.get(phase, 0.0) / steps for phase in PHASES}
+    ms["device"] = sum(ms.pop(p) for p in DEVICE_PHASES)
     ms["other"] = 1e3 * sum(walls) / steps - sum(ms.values())
     ms["host"] = sum(ms[p] for p in HOST_PHASES) + ms["other"]
     ms["median_step"] = 1e3 * statistics.median(walls)

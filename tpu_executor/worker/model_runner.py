@@ -93,18 +93,18 @@ class ModelRunner:
     def _prefill_logits(self, pack: Sequence[PrefillWork], graph: PrefillGraph, kv_caches: KVCaches) -> torch.Tensor:
         with self.timer.phase("inputs"):
             inputs = prefill_inputs(pack, graph.num_tokens, self.plan.max_prefill_seqs, self.block_size)
-        return self._run_fn(self._prefill_fn, inputs, kv_caches=kv_caches)
+        return self._run_fn(self._prefill_fn, inputs, "prefill", kv_caches=kv_caches)
 
     def _decode_logits(self, work: Sequence[DecodeWork], graph: DecodeGraph) -> torch.Tensor:
         with self.timer.phase("inputs"):
             inputs = decode_inputs(work, graph.num_rows, graph.context_blocks, self.block_size)
-        return self._run_fn(self._decode_fn, inputs, kv_caches=self.kv_caches)
+        return self._run_fn(self._decode_fn, inputs, "decode", kv_caches=self.kv_caches)
 
-    def _run_fn(self, fn, host_inputs: Dict[str, torch.Tensor], **static):
-        """Copy ``host_inputs`` to the device and call ``fn`` on them."""
+    def _run_fn(self, fn, host_inputs: Dict[str, torch.Tensor], phase: str, **static):
+        """Copy ``host_inputs`` to the device and call ``fn`` on them (timed as ``phase``)."""
         with self.timer.phase("transfer"):
             inputs = to_device(host_inputs, self.device)
-        with self.timer.phase("device"):
+        with self.timer.phase(phase):
             return fn(**inputs, **static)
 
     def _run_prefill(self, call: PrefillCall) -> Dict[str, SampledToken]:
@@ -123,7 +123,7 @@ class ModelRunner:
                                         all_greedy=all(m.temperature == 0 for m in metas))
         with self.timer.phase("inputs"):
             tensors = sampling_tensors(metas, rows)
-        out = self._run_fn(self._sample_fn, tensors, logits=logits, num_logprobs=graph.num_logprobs,
+        out = self._run_fn(self._sample_fn, tensors, "sample", logits=logits, num_logprobs=graph.num_logprobs,
                            all_greedy=graph.all_greedy)
         with self.timer.phase("transfer"):
             host = _read_back(out)
@@ -168,7 +168,7 @@ class ModelRunner:
             self._decode_logits([DecodeWork("warmup", 0, 0, (NULL_BLOCK,), SamplingMeta.greedy())], graph).cpu()
         else:
             logits = torch.zeros(graph.num_rows, self.model.config.vocab_size).to(self.device)  # device data, as in serving
-            self._run_fn(self._sample_fn, sampling_tensors([], graph.num_rows), logits=logits,
+            self._run_fn(self._sample_fn, sampling_tensors([], graph.num_rows), "sample", logits=logits,
                          num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy).token_ids.cpu()
 
 
