@@ -2,10 +2,17 @@
 
 XLA's CPU backend materialises the transpose of ``x @ W.T`` on every call (measured: the
 SmolLM2 LM head takes 122 ms that way and 8 ms with a pre-transposed weight), so matmul
-weights are stored transposed once at load time. The native CPU path goes one step further
-(``pack_for_cpu``): fp32 weights are reordered once into oneDNN's blocked layout, which ran
-decode-sized matmuls (32 rows) up to 2x faster than MKL's ``x @ W`` on an AVX2 EPYC and no
-slower at prefill sizes.
+weights are stored transposed once at load time. Two CPU-only forms are chosen after loading,
+by measurement on a 2-core AVX2 EPYC (``tpu-executor bench throughput`` and the numbers in
+the README):
+- native path (``pack_for_cpu``): fp32 weights reordered once into oneDNN's blocked layout;
+  decode-sized matmuls (32 rows) ran up to 2x faster than MKL's ``x @ W``, prefill sizes alike.
+- XLA on CPU (``use_xla_cpu_form``): XLA's CPU dot (Eigen) runs ``x @ W`` at about a third
+  of its speed on prefill-sized inputs (128-512 rows) when neither the input nor the output
+  features reach 3,072 (e.g. 33 vs 110 GFLOP/s for 768 -> 1,152 at 512 rows), while the
+  ``[out, in]`` form ``F.linear`` does not fall into that hole; with either side at 3,072 or
+  more ``x @ W`` is the faster form at every row count (4x at 32 rows for 3,072 -> 768). So
+  such small layers keep the checkpoint's ``[out, in]`` layout there.
 
 Each rank keeps its shard: column-parallel layers split the output features (no
 communication; the output stays sharded), row-parallel layers split the input features and
@@ -19,6 +26,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from models.layers.parallel import TensorParallelGroup, divide, kv_heads_of_rank
@@ -58,6 +66,10 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor:
 def onednn_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """``x @ W`` for a weight packed by ``onednn_packed``."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+# Below this many input and output features XLA's CPU dot prefers the [out, in] form (see above).
+XLA_CPU_OUT_IN_BELOW = 3072
 
 
 def packable_for_cpu(weight: Optional[torch.Tensor]) -> bool:
@@ -100,11 +112,25 @@ class QuantizableMatmul(nn.Module):
         self.register_buffer("weight_packed", packed, persistent=False)
         return True
 
+    def use_xla_cpu_form(self) -> bool:
+        """On XLA's CPU backend, replace a small layer's ``weight`` by ``weight_out_in`` (its
+        transpose, a buffer that is not saved) where that dot form is faster; returns whether
+        it did. Call after loading; TPUs keep ``[in, out]``."""
+        weight = self._parameters.get("weight")
+        if weight is None or max(weight.shape) >= XLA_CPU_OUT_IN_BELOW:
+            return False
+        out_in = weight.detach().t().contiguous()
+        delattr(self, "weight")
+        self.register_buffer("weight_out_in", out_in, persistent=False)
+        return True
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if "weight_q" in self._parameters:
             return w8a16_matmul(x, self.weight_q, self.weight_scale)
         if "weight_packed" in self._buffers:
             return onednn_matmul(x, self.weight_packed)
+        if "weight_out_in" in self._buffers:
+            return F.linear(x, self.weight_out_in)
         return x @ self.weight
 
 

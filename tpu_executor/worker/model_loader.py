@@ -118,6 +118,12 @@ def pack_for_cpu(model: torch.nn.Module) -> int:
     return sum(module.pack_for_cpu() for module in model.modules() if hasattr(module, "pack_for_cpu"))
 
 
+def use_xla_cpu_forms(model: torch.nn.Module) -> int:
+    """Give the small linears of a model bound for XLA's CPU backend the dot form it runs
+    fastest (see ``models/layers/linear.py``); returns how many layers changed."""
+    return sum(module.use_xla_cpu_form() for module in model.modules() if hasattr(module, "use_xla_cpu_form"))
+
+
 def quantizable_bytes(model: torch.nn.Module) -> int:
     """Bytes of the quantizable layers' weights (INT8 weights and their scales once quantized;
     biases excluded): what ``quantization="int8"`` shrinks."""

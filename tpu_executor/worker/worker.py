@@ -18,7 +18,7 @@ from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.step import ModelRunnerOutput, SampledToken, SchedulerOutput, WorkerStats
 from tpu_executor.worker.distributed import GlooGroup, RankPlacement, XlaGroup, tpu_topology_env
-from tpu_executor.worker.model_loader import load_model, pack_for_cpu
+from tpu_executor.worker.model_loader import load_model, pack_for_cpu, use_xla_cpu_forms
 from tpu_executor.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -142,9 +142,13 @@ class Worker:
     def load_model(self) -> int:
         """Load the checkpoint onto the device; returns the model's vocabulary size."""
         model_config = self.config.model
-        self.model = load_model(model_config.model, self.dtype, self.tp, model_config.quantization).to(self.device)
+        model = load_model(model_config.model, self.dtype, self.tp, model_config.quantization)
+        # CPU-only matmul forms, chosen on the host before the weights move (models/layers/linear.py).
         if self.device.type == "cpu":
-            pack_for_cpu(self.model)
+            pack_for_cpu(model)
+        elif self.device.type == "xla" and not self.on_tpu:
+            use_xla_cpu_forms(model)
+        self.model = model.to(self.device)
         tensors = itertools.chain(self.model.parameters(), self.model.buffers())
         self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self.runner = self.runner_class(self.config, self.model, self.device)
