@@ -192,6 +192,20 @@ def start_local_ray(chips: int) -> None:
     ray.init(resources={"TPU": chips}, include_dashboard=False, log_to_driver=False)
 
 
+def cpu_description() -> str:
+    """The CPU's model name and the widest vector instructions torch uses on it: matmul
+    speed, and which matmul form wins, differ between AVX2 and AVX-512 machines."""
+    import torch
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model}, {torch.backends.cpu.get_cpu_capability()}"
+
+
 def print_table(rows) -> None:
     print("\n| model | path | tp | weights | scheduling | engine tok/s | transformers tok/s | ratio | warm-up s | "
           "XLA compilations | prefill padding | decode row padding |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -205,7 +219,7 @@ def print_table(rows) -> None:
               f"{ours['tokens_per_s']:.1f} | {ref} | "
               f"{ratio} | {ours['warmup_s']:.0f} | {stats.graphs_compiled_at_warmup} | "
               f"{waste['prefill_tokens']:.0%} | {waste['decode_rows']:.0%} |")
-    hardware = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    hardware = f"{cpu_description()}, {os.cpu_count()} cores"
     print(f"\nHardware: {hardware}. Workload: {NUM_PROMPTS} prompts, lengths uniform {MIN_LEN}-{MAX_LEN} "
           f"(seed 0), {NEW_TOKENS} new tokens, greedy, fp32; transformers: one batched generate, left-padded.")
 

@@ -1,0 +1,63 @@
+"""CPU matmul forms chosen after loading (oneDNN-packed on the native path, ``[out, in]`` for
+small layers on XLA's CPU backend): same products as ``x @ W``, the plain weight dropped."""
+from __future__ import annotations
+
+import torch
+
+from models.layers.linear import XLA_CPU_OUT_IN_BELOW
+from tpu_executor.worker.model_loader import load_model, pack_for_cpu, quantize_int8, use_xla_cpu_forms
+
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # fp32, another summation order
+
+
+def _hidden(model, rows=7):
+    return torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+
+
+def _products(model, x):
+    layer = model.model.layers[0]
+    return [layer.self_attn.qkv_proj(x), layer.mlp(x), model.compute_logits(x)]
+
+
+def test_onednn_packed_weights_give_the_same_products(checkpoints):
+    for arch in ("llama", "gemma"):  # untied head, tied embedding
+        model = load_model(checkpoints[arch], torch.float32)
+        x = _hidden(model)
+        expected = _products(model, x)
+        assert pack_for_cpu(model) > 0
+        for got, want in zip(_products(model, x), expected):
+            torch.testing.assert_close(got, want, **TOLERANCE)
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        assert "weight" not in qkv._parameters and qkv.weight_packed.is_mkldnn
+        assert "weight" in model.model.embed_tokens._parameters  # the lookup still needs it
+        ids = torch.tensor([3, 1, 4])
+        torch.testing.assert_close(model.model.embed_tokens(ids), load_model(checkpoints[arch], torch.float32)
+                                   .model.embed_tokens(ids))
+
+
+def test_quantized_and_bf16_weights_are_not_packed(checkpoints):
+    quantized = load_model(checkpoints["llama"], torch.float32)
+    quantize_int8(quantized)
+    assert all(not hasattr(m, "weight_packed") for m in quantized.modules() if hasattr(m, "weight_q"))
+    assert pack_for_cpu(load_model(checkpoints["llama"], torch.bfloat16)) == 0
+
+
+def test_small_layers_take_the_out_in_form_for_xla_cpu(checkpoints):
+    model = load_model(checkpoints["llama"], torch.float32)
+    x = _hidden(model)
+    expected = _products(model, x)
+    changed = use_xla_cpu_forms(model)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert changed > 0 and qkv.weight_out_in.shape == (qkv.out_local, model.config.hidden_size)
+    for got, want in zip(_products(model, x), expected):
+        torch.testing.assert_close(got, want, **TOLERANCE)
+
+
+def test_layers_with_a_side_at_the_threshold_keep_x_at_w():
+    from models.layers.linear import ColumnParallelLinear
+    from models.layers.parallel import SingleRank
+
+    wide = ColumnParallelLinear(64, XLA_CPU_OUT_IN_BELOW, SingleRank())
+    narrow = ColumnParallelLinear(64, XLA_CPU_OUT_IN_BELOW - 1, SingleRank())
+    assert not wide.use_xla_cpu_form() and "weight" in wide._parameters
+    assert narrow.use_xla_cpu_form() and "weight" not in narrow._parameters
