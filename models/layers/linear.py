@@ -10,9 +10,10 @@ the README):
 - XLA on CPU (``use_xla_cpu_form``): XLA's CPU dot (Eigen) runs ``x @ W`` at about a third
   of its speed on prefill-sized inputs (128-512 rows) when neither the input nor the output
   features reach 3,072 (e.g. 33 vs 110 GFLOP/s for 768 -> 1,152 at 512 rows), while the
-  ``[out, in]`` form ``F.linear`` does not fall into that hole; with either side at 3,072 or
-  more ``x @ W`` is the faster form at every row count (4x at 32 rows for 3,072 -> 768). So
-  such small layers keep the checkpoint's ``[out, in]`` layout there.
+  ``[out, in]`` form ``F.linear`` does not fall into that hole; at decode sizes (32 rows), and
+  with either side at 3,072 or more, ``x @ W`` is the faster form (up to 4x). So such small
+  layers also keep the checkpoint's ``[out, in]`` copy there and use it for inputs of 128
+  rows or more. The row count is static in every compiled graph: no graph is added.
 
 Each rank keeps its shard: column-parallel layers split the output features (no
 communication; the output stays sharded), row-parallel layers split the input features and
@@ -68,8 +69,10 @@ def onednn_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-# Below this many input and output features XLA's CPU dot prefers the [out, in] form (see above).
+# Below this many input and output features, and from this many rows on, XLA's CPU dot
+# prefers the [out, in] form (see above).
 XLA_CPU_OUT_IN_BELOW = 3072
+XLA_CPU_OUT_IN_MIN_ROWS = 128
 
 
 def packable_for_cpu(weight: Optional[torch.Tensor]) -> bool:
@@ -113,15 +116,13 @@ class QuantizableMatmul(nn.Module):
         return True
 
     def use_xla_cpu_form(self) -> bool:
-        """On XLA's CPU backend, replace a small layer's ``weight`` by ``weight_out_in`` (its
-        transpose, a buffer that is not saved) where that dot form is faster; returns whether
-        it did. Call after loading; TPUs keep ``[in, out]``."""
+        """On XLA's CPU backend, give a small layer ``weight_out_in`` (the transpose of its
+        ``weight``, a buffer that is not saved) for prefill-sized inputs, where that dot form
+        is faster; returns whether it did. Call after loading; TPUs keep ``[in, out]`` only."""
         weight = self._parameters.get("weight")
         if weight is None or max(weight.shape) >= XLA_CPU_OUT_IN_BELOW:
             return False
-        out_in = weight.detach().t().contiguous()
-        delattr(self, "weight")
-        self.register_buffer("weight_out_in", out_in, persistent=False)
+        self.register_buffer("weight_out_in", weight.detach().t().contiguous(), persistent=False)
         return True
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,7 +130,7 @@ class QuantizableMatmul(nn.Module):
             return w8a16_matmul(x, self.weight_q, self.weight_scale)
         if "weight_packed" in self._buffers:
             return onednn_matmul(x, self.weight_packed)
-        if "weight_out_in" in self._buffers:
+        if "weight_out_in" in self._buffers and x.shape[0] >= XLA_CPU_OUT_IN_MIN_ROWS:
             return F.linear(x, self.weight_out_in)
         return x @ self.weight
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from models.layers.linear import XLA_CPU_OUT_IN_BELOW
+from models.layers.linear import XLA_CPU_OUT_IN_BELOW, XLA_CPU_OUT_IN_MIN_ROWS
 from tpu_executor.worker.model_loader import load_model, pack_for_cpu, quantize_int8, use_xla_cpu_forms
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # fp32, another summation order
@@ -42,15 +42,18 @@ def test_quantized_and_bf16_weights_are_not_packed(checkpoints):
     assert pack_for_cpu(load_model(checkpoints["llama"], torch.bfloat16)) == 0
 
 
-def test_small_layers_take_the_out_in_form_for_xla_cpu(checkpoints):
+def test_small_layers_take_the_out_in_form_for_xla_cpu_prefills(checkpoints):
     model = load_model(checkpoints["llama"], torch.float32)
-    x = _hidden(model)
-    expected = _products(model, x)
+    decode_sized, prefill_sized = _hidden(model, rows=7), _hidden(model, rows=XLA_CPU_OUT_IN_MIN_ROWS)
+    expected = [_products(model, x) for x in (decode_sized, prefill_sized)]
     changed = use_xla_cpu_forms(model)
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert changed > 0 and qkv.weight_out_in.shape == (qkv.out_local, model.config.hidden_size)
-    for got, want in zip(_products(model, x), expected):
-        torch.testing.assert_close(got, want, **TOLERANCE)
+    for x, wanted in zip((decode_sized, prefill_sized), expected):
+        for got, want in zip(_products(model, x), wanted):
+            torch.testing.assert_close(got, want, **TOLERANCE)
+    qkv.weight.data.zero_()  # only the [out, in] copy can give prefill-sized products now
+    assert qkv(prefill_sized).abs().sum() > 0 and qkv(decode_sized).abs().sum() == 0
 
 
 def test_layers_with_a_side_at_the_threshold_keep_x_at_w():
@@ -59,5 +62,5 @@ def test_layers_with_a_side_at_the_threshold_keep_x_at_w():
 
     wide = ColumnParallelLinear(64, XLA_CPU_OUT_IN_BELOW, SingleRank())
     narrow = ColumnParallelLinear(64, XLA_CPU_OUT_IN_BELOW - 1, SingleRank())
-    assert not wide.use_xla_cpu_form() and "weight" in wide._parameters
-    assert narrow.use_xla_cpu_form() and "weight" not in narrow._parameters
+    assert not wide.use_xla_cpu_form() and "weight_out_in" not in wide._buffers
+    assert narrow.use_xla_cpu_form() and "weight_out_in" in narrow._buffers
