@@ -121,6 +121,7 @@ def profiled_run(llm, prompts: List[List[int]], params, options: Dict) -> None:
     profile = StepProfile(llm.engine)
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    profile.detach()
     scheduling = "async" if options["async_scheduling"] else "sync"
     print_profile(f"{os.path.basename(llm.engine.config.model.model)} on {options['device']}, {scheduling} "
                   "scheduling", profile, time.perf_counter() - start)

@@ -57,6 +57,13 @@ class ModelPartClock:
                 self._handles.append(module.register_forward_hook(self._leaving))
         model.compute_logits = self.timed("linears", model.compute_logits)
 
+    def detach(self, model: torch.nn.Module) -> None:
+        """Remove the hooks and the LM head's wrapper: the model runs unobserved again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        del model.compute_logits  # the instance attribute; the class's method shows again
+
     def timed(self, part: str, fn: Callable) -> Callable:
         def call(*args, **kwargs):
             self._enter(part)
@@ -83,8 +90,6 @@ class ModelPartClock:
         if self._open:
             self._open[-1][2] += elapsed
 
-    def reset(self) -> None:
-        self.seconds = {}
 
 
 def device_synchronize(device: torch.device) -> Optional[Callable[[], None]]:
@@ -106,15 +111,16 @@ class StepProfile:
         self.overlapped = engine.config.scheduler.async_scheduling
         self.timer = PhaseTimer(device_synchronize(runner.device))
         engine.timer = runner.timer = self.timer
+        self._model = runner.model
         self.parts: Optional[ModelPartClock] = None
         if runner.device.type == "cpu":
             self.parts = ModelPartClock(self.timer)
             self.parts.attach(runner.model)
 
-    def reset(self) -> None:
-        self.timer.reset()
+    def detach(self) -> None:
+        """Stop observing the model (the engine keeps this profile's timer until replaced)."""
         if self.parts is not None:
-            self.parts.reset()
+            self.parts.detach(self._model)
 
     def rows(self) -> List[Tuple[str, str, float, int]]:
         """(engine or runner, what, seconds, calls) in the order a step runs them; a model phase on the
