@@ -6,7 +6,8 @@ weights are stored transposed once at load time. Two CPU-only forms are chosen a
 by measurement on a 2-core AVX2 EPYC (``tpu-executor bench throughput`` and the numbers in
 the README):
 - native path (``pack_for_cpu``): fp32 weights reordered once into oneDNN's blocked layout;
-  decode-sized matmuls (32 rows) ran up to 2x faster than MKL's ``x @ W``, prefill sizes alike.
+  decode-sized matmuls (32 rows) ran up to 2x faster than MKL's ``x @ W``; prefill-sized ones
+  within about 15% either way (faster for Gemma's shapes, slower for SmolLM2's).
 - XLA on CPU (``use_xla_cpu_form``): XLA's CPU dot (Eigen) runs ``x @ W`` at about a third
   of its speed on prefill-sized inputs (128-512 rows) when neither the input nor the output
   features reach 3,072 (e.g. 33 vs 110 GFLOP/s for 768 -> 1,152 at 512 rows), while the
@@ -96,8 +97,8 @@ def quantize_parameter(module: nn.Module, name: str) -> None:
 
 class QuantizableMatmul(nn.Module):
     """``x @ weight`` that can switch, after loading, to INT8 weights with per-output-channel
-    scales (W8A16): the matmul then goes through the ``w8a16_matmul`` op; or, on the native
-    CPU path, to a oneDNN-packed fp32 weight."""
+    scales (W8A16): the matmul then goes through the ``w8a16_matmul`` op; or, on a CPU, to the
+    matmul forms measured faster there (see the module's docstring)."""
 
     quantizable = True
 
@@ -120,8 +121,8 @@ class QuantizableMatmul(nn.Module):
         ``weight``, a buffer that is not saved) for prefill-sized inputs, where that dot form
         is faster; returns whether it did. Call after loading; TPUs keep ``[in, out]`` only."""
         weight = self._parameters.get("weight")
-        if weight is None or max(weight.shape) >= XLA_CPU_OUT_IN_BELOW:
-            return False
+        if weight is None or weight.dtype != torch.float32 or max(weight.shape) >= XLA_CPU_OUT_IN_BELOW:
+            return False  # measured for fp32 only
         self.register_buffer("weight_out_in", weight.detach().t().contiguous(), persistent=False)
         return True
 
