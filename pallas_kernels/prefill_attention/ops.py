@@ -22,13 +22,16 @@ def fake(q, *args, **kwargs):
     return torch.empty_like(q)
 
 
-def packed_layout(rng: np.random.Generator, block_size: int):
+def packed_layout(rng: np.random.Generator, block_size: int, long_context: bool = False):
     """Up to three prompts, some with prefix-cached blocks, packed like the model runner
-    packs them (padding queries and keys share segment -1). Returns int64 tensors and the
-    number of pages they use."""
+    packs them (padding queries and keys share segment -1). ``long_context``: the first is a
+    later chunk of a long prompt (1,000-2,600 tokens of context before its 64-200 new ones).
+    Returns int64 tensors and the number of pages they use."""
     seqs = int(rng.integers(1, 4))
     cached = [block_size * int(rng.integers(0, 3)) if rng.random() < 0.5 else 0 for _ in range(seqs)]
     new = [int(rng.integers(1, 81)) for _ in range(seqs)]
+    if long_context:
+        cached[0], new[0] = int(rng.integers(1000, 2600)), int(rng.integers(64, 201))
     tables, num_blocks = random_block_tables(rng, [c + n for c, n in zip(cached, new)], block_size,
                                              width=-(-(max(cached) + max(new)) // block_size))
     q_pos, q_seg, k_pos, k_seg, slots = [], [], [], [], []
@@ -46,12 +49,13 @@ def packed_layout(rng: np.random.Generator, block_size: int):
     return layout, num_blocks, f"cached={cached} new={new} pad={pad}"
 
 
-def generate_case(rng: np.random.Generator) -> OpCase:
-    """Packed prompts, prefix-cached context, GQA, soft-cap and window on and off."""
+def generate_case(rng: np.random.Generator, long_context: bool = False) -> OpCase:
+    """Packed prompts, prefix-cached context, GQA, soft-cap and window on and off;
+    ``long_context``: a chunk of a long prompt among them (see ``packed_layout``)."""
     dtype = torch.bfloat16 if rng.random() < 0.5 else torch.float32
     kv_heads, group = int(rng.choice([1, 2])), int(rng.choice([1, 2, 4]))
     head_dim, block_size = 128, int(rng.choice([16, 32]))
-    layout, num_blocks, shape_label = packed_layout(rng, block_size)
+    layout, num_blocks, shape_label = packed_layout(rng, block_size, long_context)
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     pages = [torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
              for _ in range(2)]

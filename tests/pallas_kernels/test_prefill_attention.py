@@ -2,6 +2,7 @@
 skipping, and constraint errors."""
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_kernels.binding import on_xla_if_fits
@@ -26,6 +27,32 @@ def test_kernel_matches_reference_on_generated_cases():
     labels = " ".join(case.label for case in CASES)
     assert len(CASES) == NUM_CASES and len(kinds) == 8
     assert "cached=[16" in labels or "cached=[32" in labels  # prefix-cached context ran
+
+
+def check_long_context_chunks():
+    """Later chunks of long prompts: up to 2,800 keys for up to ~360 queries."""
+    rng = np.random.default_rng(5)
+    cases = [ops.generate_case(rng, long_context=True) for _ in range(6)]
+    check_kernel_against_reference(ops.SPEC, kernel.prefill_attention, cases)
+    return [(case.args[0].shape[0], case.args[3].shape[0]) for case in cases]
+
+
+def test_kernel_matches_reference_on_chunks_with_long_contexts():
+    shapes = in_fresh_process(check_long_context_chunks)
+    assert all(keys > 1000 and keys > 3 * queries for queries, keys in shapes)
+
+
+@pytest.mark.parametrize("tokens,keys", [(512, 32768), (2048, 8192)])
+def test_kernel_lowers_for_the_tpu_at_long_contexts(tokens, keys):
+    """VMEM holds a (query block, key block) tile whatever the context: the kernel streams
+    key blocks; the lowering checks Mosaic's shape rules at these widths."""
+    from tpu_executor.core.buckets import PrefillGraph
+    from tpu_executor.tools.tuning.lowering import lower_graphs
+    from tpu_executor.tools.tuning.roofline import ModelShape
+
+    shape = ModelShape(layers=2, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=1000)
+    kernel.validate((tokens, 32, 128), (8, 64, 16, 128), "bfloat16", *kernel.choose_blocks(tokens, keys, "bfloat16"))
+    assert [r.error for r in in_fresh_process(lower_graphs, [PrefillGraph(tokens, keys)], shape, 1, 16)] == [None]
 
 
 def needed_blocks_of_two_prompts():

@@ -3,13 +3,18 @@ and every graph it compiles.
 
 XLA compiles one graph per input shape, so each dynamic size is padded up to a bucket:
 
-* prefill calls by **tokens** (cached + new tokens of up to ``max_prefill_seqs`` packed prompts),
+* prefill calls by **tokens** (new tokens of up to ``max_prefill_seqs`` packed prompts or
+  prompt chunks) and by **keys** (their cached + new tokens): a call whose keys fit its token
+  bucket pads keys to the same size (the short form); a longer context (a later chunk of a
+  long prompt, a prefix-cache hit) takes a key width from the context buckets,
 * decode calls by **rows** (sequences) times **context blocks** (block-table width),
 * the sampler by **rows** (decode batch buckets and the prefill pack size), by whether any
   row wants log-probs, and by whether every row is greedy.
 
-Each requested list is cut at the engine's limit, which becomes its last bucket. The runner
-compiles exactly ``plan.graphs()`` at warm-up; nothing else may compile while serving.
+Each requested list is cut at the engine's limit, which becomes its last bucket: prefill tokens
+at the token budget (chunked prefill) or at ``max_model_len`` (whole prompts), context widths at
+``max_model_len``, with widths inserted 4x apart where the requested ones stop far below it.
+The runner compiles exactly ``plan.graphs()`` at warm-up; nothing else may compile while serving.
 """
 from __future__ import annotations
 
@@ -38,11 +43,26 @@ def pick_bucket(buckets: Sequence[int], size: int) -> int:
     return buckets[index]
 
 
+def geometric_fill(buckets: Tuple[int, ...], factor: int = 4) -> Tuple[int, ...]:
+    """``buckets`` with widths ``factor`` x apart inserted below the last where the gap to
+    it is wider than ``factor``: a long context then reads at most ``factor`` x its length."""
+    filled = list(buckets[:-1]) or [buckets[-1]]
+    while filled[-1] * factor < buckets[-1]:
+        filled.append(filled[-1] * factor)
+    return tuple(sorted(set(filled) | {buckets[-1]}))
+
+
 @dataclass(frozen=True)
 class PrefillGraph:
-    """The model step over one packed prefill row of ``num_tokens`` tokens."""
+    """The model step over one packed prefill row of ``num_tokens`` query tokens attending
+    over ``num_keys`` context keys (0: the short form, as many keys as tokens)."""
 
     num_tokens: int
+    num_keys: int = 0
+
+    @property
+    def keys(self) -> int:
+        return self.num_keys or self.num_tokens
 
 
 @dataclass(frozen=True)
@@ -74,8 +94,13 @@ class PrefillCall:
     graph: PrefillGraph
 
     @property
+    def new_tokens(self) -> int:
+        """Tokens the pack computes: what the token bucket is picked by."""
+        return sum(len(w.token_ids) for w in self.pack)
+
+    @property
     def context_tokens(self) -> int:
-        """Cached + new tokens of the pack: the size the bucket is picked by."""
+        """Cached + new tokens of the pack: what the key width is picked by."""
         return sum(w.num_context_tokens for w in self.pack)
 
     def count_into(self, padding: PaddingStats) -> None:
@@ -101,18 +126,19 @@ class DecodeCall:
 ModelCall = Union[PrefillCall, DecodeCall]
 
 
-def pack_prefills(work: Sequence[PrefillWork], max_tokens: int, max_seqs: int) -> List[List[PrefillWork]]:
-    """Group prefills, in order, into packs of at most ``max_seqs`` sequences whose contexts
-    (cached + new tokens) add up to at most ``max_tokens``."""
+def pack_prefills(work: Sequence[PrefillWork], max_tokens: int, max_keys: int, max_seqs: int) -> List[List[PrefillWork]]:
+    """Group prefills, in order, into packs of at most ``max_seqs`` sequences whose new tokens
+    add up to at most ``max_tokens`` and whose contexts (cached + new) to at most ``max_keys``."""
     packs: List[List[PrefillWork]] = []
-    used = max_tokens + 1
+    tokens = keys = max_tokens + max_keys + 1
     for item in work:
-        size = item.num_context_tokens
-        if used + size > max_tokens or len(packs[-1]) == max_seqs:
+        if (tokens + len(item.token_ids) > max_tokens or keys + item.num_context_tokens > max_keys
+                or len(packs[-1]) == max_seqs):
             packs.append([])
-            used = 0
+            tokens = keys = 0
         packs[-1].append(item)
-        used += size
+        tokens += len(item.token_ids)
+        keys += item.num_context_tokens
     return packs
 
 
@@ -121,6 +147,7 @@ class BucketPlan:
     """Every bucket of every dimension, and the graphs they make."""
 
     prefill_token_buckets: Tuple[int, ...]
+    context_token_buckets: Tuple[int, ...]
     decode_row_buckets: Tuple[int, ...]
     decode_context_block_buckets: Tuple[int, ...]
     sampler_row_buckets: Tuple[int, ...]
@@ -131,12 +158,11 @@ class BucketPlan:
     @classmethod
     def from_config(cls, config: "EngineConfig") -> "BucketPlan":
         compile_cfg, block_size = config.compile, config.cache.block_size
-        prefill = compile_cfg.prefill_buckets
-        if prefill[-1] < config.max_model_len:  # one full-length prompt must fit a call
-            prefill = effective_buckets(prefill, config.max_model_len, block_size)
         rows = effective_buckets(compile_cfg.decode_buckets, config.scheduler.max_num_seqs)
-        context_tokens = effective_buckets(compile_cfg.decode_context_buckets, config.max_model_len, block_size)
-        return cls(prefill_token_buckets=prefill, decode_row_buckets=rows,
+        context_tokens = geometric_fill(effective_buckets(compile_cfg.decode_context_buckets,
+                                                          config.max_model_len, block_size))
+        return cls(prefill_token_buckets=prefill_token_buckets(config), context_token_buckets=context_tokens,
+                   decode_row_buckets=rows,
                    decode_context_block_buckets=tuple(t // block_size for t in context_tokens),
                    sampler_row_buckets=tuple(sorted(set(rows) | {compile_cfg.max_prefill_seqs})),
                    logprob_widths=tuple(sorted({0, compile_cfg.max_logprobs})),
@@ -144,10 +170,28 @@ class BucketPlan:
 
     @property
     def max_prefill_tokens(self) -> int:
+        """The most new tokens one prefill call computes (the longest chunk)."""
         return self.prefill_token_buckets[-1]
 
-    def prefill_graph(self, num_tokens: int) -> PrefillGraph:
-        return PrefillGraph(pick_bucket(self.prefill_token_buckets, num_tokens))
+    @property
+    def max_prefill_keys(self) -> int:
+        """The most context keys one prefill call attends over."""
+        return max(self.prefill_token_buckets[-1], self.context_token_buckets[-1])
+
+    def key_widths(self, num_tokens: int) -> Tuple[int, ...]:
+        """The key widths of token bucket ``num_tokens``: the short form (0), then every
+        context bucket above it (and the widest pack a call may hold)."""
+        widths = set(self.context_token_buckets) | {self.max_prefill_keys}
+        return (0,) + tuple(sorted(k for k in widths if k > num_tokens))
+
+    def prefill_graph(self, num_tokens: int, num_context: int) -> PrefillGraph:
+        """The graph for a pack of ``num_tokens`` new tokens over ``num_context`` keys."""
+        tokens = pick_bucket(self.prefill_token_buckets, num_tokens)
+        # Padding queries need a padding key to attend to (a query that sees no key is NaN).
+        keys = num_context + (num_tokens < tokens)
+        if keys <= tokens:
+            return PrefillGraph(tokens)
+        return PrefillGraph(tokens, pick_bucket(self.key_widths(tokens)[1:], keys))
 
     def decode_graph(self, num_rows: int, context_blocks: int) -> DecodeGraph:
         return DecodeGraph(pick_bucket(self.decode_row_buckets, num_rows),
@@ -156,9 +200,11 @@ class BucketPlan:
     def model_calls(self, step: SchedulerOutput) -> List[ModelCall]:
         """The model calls that run ``step``: its prefills packed, then one decode call."""
         calls: List[ModelCall] = []
-        for pack in pack_prefills(step.prefills, self.max_prefill_tokens, self.max_prefill_seqs):
-            tokens = sum(w.num_context_tokens for w in pack)
-            calls.append(PrefillCall(tuple(pack), self.prefill_graph(tokens)))
+        # One key short of the widest: room for the padding key.
+        for pack in pack_prefills(step.prefills, self.max_prefill_tokens, self.max_prefill_keys - 1,
+                                  self.max_prefill_seqs):
+            graph = self.prefill_graph(sum(len(w.token_ids) for w in pack), sum(w.num_context_tokens for w in pack))
+            calls.append(PrefillCall(tuple(pack), graph))
         if step.decodes:
             needed = tuple(w.position // self.block_size + 1 for w in step.decodes)
             calls.append(DecodeCall(step.decodes, needed, self.decode_graph(len(needed), max(needed))))
@@ -170,11 +216,22 @@ class BucketPlan:
 
     def graphs(self) -> List[Graph]:
         """Every graph the runner compiles at warm-up, model steps first."""
-        prefill = [PrefillGraph(t) for t in self.prefill_token_buckets]
+        prefill = [PrefillGraph(t, k) for t in self.prefill_token_buckets for k in self.key_widths(t)]
         decode = [DecodeGraph(r, c) for r in self.decode_row_buckets for c in self.decode_context_block_buckets]
         sampler = [SamplerGraph(r, n, g) for r in self.sampler_row_buckets
                    for n in self.logprob_widths for g in (True, False)]
         return [*prefill, *decode, *sampler]
+
+
+def prefill_token_buckets(config: "EngineConfig") -> Tuple[int, ...]:
+    """The prefill token buckets: with chunked prefill cut at the token budget (a chunk never
+    exceeds it); without, grown to hold one full-length prompt."""
+    requested, block_size = config.compile.prefill_buckets, config.cache.block_size
+    if config.scheduler.enable_chunked_prefill:
+        return effective_buckets(requested, min(requested[-1], config.scheduler.max_num_batched_tokens), block_size)
+    if requested[-1] < config.max_model_len:
+        return effective_buckets(requested, config.max_model_len, block_size)
+    return requested
 
 
 # ---- bucket files (written by `tpu-executor tune`, read by every engine) -------------------

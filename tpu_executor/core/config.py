@@ -96,7 +96,9 @@ class SchedulerConfig:
     """Continuous batching limits for one engine step."""
 
     max_num_seqs: int = option(32, "sequences running at once (the largest decode batch)")
-    max_num_batched_tokens: int = option(2048, "tokens computed in one step")
+    max_num_batched_tokens: int = option(2048, "tokens computed in one step (the token budget)")
+    enable_chunked_prefill: bool = option(True, "split prompts longer than the token budget into chunks "
+                                                "(decodes go first each step; prefill buckets stop at the budget)")
     async_scheduling: bool = option(True, "schedule and prepare step N+1 while step N runs (identical "
                                           "outputs; a finished request may compute one discarded token)")
 
@@ -104,6 +106,11 @@ class SchedulerConfig:
         _require(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")
         _require(self.max_num_batched_tokens > 0,
                  f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        # Decodes take the budget first: with every other sequence decoding, a prompt still
+        # needs a token of it to move on.
+        _require(not self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_num_seqs,
+                 f"max_num_batched_tokens {self.max_num_batched_tokens} is below max_num_seqs "
+                 f"{self.max_num_seqs}: with chunked prefill the decodes alone could fill every step")
 
 
 @dataclass(frozen=True)
@@ -206,9 +213,10 @@ class EngineConfig:
         _require(not bad, f"prefill_buckets {bad} are not multiples of block_size {block}")
         bad = [b for b in self.compile.decode_context_buckets if b % block]
         _require(not bad, f"decode_context_buckets {bad} are not multiples of block_size {block}")
-        _require(self.scheduler.max_num_batched_tokens >= self.max_model_len,
+        _require(self.scheduler.enable_chunked_prefill or self.scheduler.max_num_batched_tokens >= self.max_model_len,
                  f"max_num_batched_tokens {self.scheduler.max_num_batched_tokens} is below "
-                 f"max_model_len {self.max_model_len}: a full-length prompt could never run")
+                 f"max_model_len {self.max_model_len}: a full-length prompt could never run "
+                 "(enable chunked prefill, or raise max_num_batched_tokens)")
 
     @property
     def max_blocks_per_seq(self) -> int:

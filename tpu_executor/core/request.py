@@ -39,7 +39,8 @@ class Request:
     output_token_ids: List[int] = field(default_factory=list)
     output_logprobs: List[Dict[int, float]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose K/V is computed or scheduled
+    num_prefill_tokens: int = 0  # tokens the current prefill covers (set on admission)
     num_preemptions: int = 0
     num_in_flight: int = 0  # tokens scheduled whose ids have not come back yet
     cumulative_logprob: float = 0.0
@@ -73,6 +74,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Admitted, with chunks of its prefill still to schedule."""
+        return self.num_computed_tokens < self.num_prefill_tokens
 
     def finish_reason(self) -> Optional[str]:
         return self.status.value if self.is_finished else None

@@ -1,10 +1,19 @@
 """Continuous-batching scheduler (pure Python).
 
-Each step first gives every running request a slot for one more token (preempting the most
-recently admitted requests by recompute when blocks run out), then admits waiting requests as
-prefills while ``max_num_seqs``, ``max_num_batched_tokens`` and the free blocks allow. A
+Each step first gives every decoding request a slot for one more token (preempting the most
+recently admitted requests by recompute when blocks run out), then spends what is left of the
+token budget (``max_num_batched_tokens``) on prefills: the next chunks of prompts already
+running, then waiting requests while ``max_num_seqs`` and the free blocks allow. With chunked
+prefill a prompt longer than what is left of the budget is cut into chunks, one per step, each
+reading the earlier ones' K/V from the pages like a prefix-cache hit; only the last chunk is
+sampled. Without it a prompt runs whole, in a step of its own if it exceeds the budget. A
 preempted request loses its blocks and returns to the front of the queue; its prompt and the
 tokens it already produced are prefilled again, so nothing it generated is lost.
+
+A request's prefill covers ``num_prefill_tokens`` (its prompt, plus its outputs when it is
+re-prefilled after preemption); while ``num_computed_tokens`` (computed or scheduled) is below
+that, it is still prefilling. A chunk's blocks are allocated without preempting any request
+that already has work in the step (their blocks are in its inputs).
 
 Asynchronous scheduling: the next step may be scheduled while the previous one still runs, so a
 request can have a token in flight (``num_in_flight``). Its decode then takes ``PENDING_TOKEN``
@@ -17,7 +26,7 @@ until the token is back (the prefill must include it).
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, Dict, List
+from typing import Collection, Deque, Dict, List, Set
 
 from tpu_executor.core.config import SchedulerConfig
 from tpu_executor.core.kv_cache_manager import KVCacheManager
@@ -36,10 +45,12 @@ def sampling_meta(request: Request) -> SamplingMeta:
 class Scheduler:
     """Decides the prefill and decode work of each step and owns the request queues."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
+                 max_chunk_tokens: int):
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
+        self.max_chunk_tokens = max_chunk_tokens  # the largest prefill call (its token bucket)
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
         self.num_preemptions = 0
@@ -68,10 +79,14 @@ class Scheduler:
         return len(self.waiting)
 
     def schedule(self) -> SchedulerOutput:
-        """The next step's work: decodes of running requests first, then new prefills."""
+        """The next step's work: decodes of running requests first, then prefills (chunks of
+        running prompts, then new requests) in what is left of the token budget."""
         decodes = self._schedule_decodes()
-        prefills = self._schedule_prefills(self.config.max_num_batched_tokens - len(decodes), bool(decodes))
-        return SchedulerOutput(prefills=tuple(prefills), decodes=tuple(decodes))
+        budget = self.config.max_num_batched_tokens - len(decodes)
+        chunks = self._schedule_chunks(budget, {work.request_id for work in decodes})
+        budget -= sum(len(work.token_ids) for work in chunks)
+        prefills = self._schedule_prefills(budget, bool(decodes or chunks))
+        return SchedulerOutput(prefills=tuple(chunks + prefills), decodes=tuple(decodes))
 
     def _schedule_decodes(self) -> List[DecodeWork]:
         decodes: List[DecodeWork] = []
@@ -79,21 +94,58 @@ class Scheduler:
         while index < len(self.running):
             request = self.running[index]
             num_tokens = request.num_tokens + request.num_in_flight
-            if request.num_in_flight and self._reaches_limit(request, num_tokens):
-                index += 1  # its in-flight token is its last
+            if request.is_prefilling or (
+                    request.num_in_flight and self._reaches_limit(request, num_tokens)):
+                index += 1  # still prefilling, or its in-flight token is its last
                 continue
-            while not self.kv_cache.allocate(request.request_id, num_tokens):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is request:
-                    break
-            else:
+            if self._allocate_or_preempt(request, num_tokens):
                 token_id = PENDING_TOKEN if request.num_in_flight else request.last_token_id
                 decodes.append(DecodeWork(request.request_id, token_id, num_tokens - 1,
                                           tuple(self.kv_cache.block_ids(request.request_id)), sampling_meta(request)))
                 request.num_in_flight += 1
                 index += 1
         return decodes
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, scheduled: Collection[str] = ()) -> bool:
+        """Blocks for ``num_tokens`` of a running request, preempting the most recently admitted
+        requests (none in ``scheduled``) until they fit; False when the request itself had to go."""
+        while not self.kv_cache.allocate(request.request_id, num_tokens):
+            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_chunks(self, budget: int, scheduled: Set[str]) -> List[PrefillWork]:
+        """The next chunk of each running request that is still prefilling, in admission order
+        (``scheduled``: the requests with work in this step so far)."""
+        chunks: List[PrefillWork] = []
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING or not request.is_prefilling:
+                continue  # preempted by an earlier chunk's allocation, or decoding
+            start = request.num_computed_tokens
+            num_new = min(request.num_prefill_tokens - start, budget, self.max_chunk_tokens)
+            # Blocks full before this chunk hold K/V that earlier steps computed: cacheable.
+            self.kv_cache.cache_computed_blocks(request.request_id, request.all_token_ids, start)
+            if self._allocate_or_preempt(request, start + num_new, scheduled):
+                chunks.append(self._chunk(request, num_new))
+                scheduled.add(request.request_id)
+                budget -= num_new
+        return chunks
+
+    def _chunk(self, request: Request, num_new: int) -> PrefillWork:
+        """Prefill work for the next ``num_new`` tokens of ``request`` (its blocks allocated)."""
+        start = request.num_computed_tokens
+        tokens = request.all_token_ids
+        request.num_computed_tokens = start + num_new
+        is_last = request.num_computed_tokens == request.num_prefill_tokens
+        work = PrefillWork(request.request_id, tuple(tokens[start:start + num_new]), start,
+                           tuple(self.kv_cache.block_ids(request.request_id)), sampling_meta(request), is_last)
+        if is_last:
+            request.num_in_flight += 1  # the prompt's sampled token
+        return work
 
     def _reaches_limit(self, request: Request, num_tokens: int) -> bool:
         """Whether a request with ``num_tokens`` (in-flight included) has no token left to make."""
@@ -109,8 +161,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _schedule_prefills(self, budget: int, has_decodes: bool) -> List[PrefillWork]:
+    def _schedule_prefills(self, budget: int, has_work: bool) -> List[PrefillWork]:
         prefills: List[PrefillWork] = []
+        chunked = self.config.enable_chunked_prefill
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_in_flight:
@@ -118,19 +171,21 @@ class Scheduler:
             tokens = request.all_token_ids
             cached, num_cached = self.kv_cache.find_cached_prefix(tokens)
             num_new = len(tokens) - num_cached
-            if num_new > budget and (prefills or has_decodes):
+            if chunked:
+                num_new = min(num_new, budget, self.max_chunk_tokens)
+                if num_new <= 0:
+                    break
+            elif num_new > budget and (prefills or has_work):
                 break
-            if not self.kv_cache.allocate(request.request_id, len(tokens), cached):
+            if not self.kv_cache.allocate(request.request_id, num_cached + num_new, cached):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
+            request.num_prefill_tokens = len(tokens)
             self.running.append(request)
             budget -= num_new
-            prefills.append(PrefillWork(
-                request.request_id, tuple(tokens[num_cached:]), num_cached,
-                tuple(self.kv_cache.block_ids(request.request_id)), sampling_meta(request)))
-            request.num_in_flight += 1
+            prefills.append(self._chunk(request, num_new))
         return prefills
 
     def update(self, sampled: Dict[str, SampledToken], requests: Dict[str, Request]) -> List[Request]:

@@ -29,13 +29,16 @@ class SamplingMeta(NamedTuple):
 
 
 class PrefillWork(NamedTuple):
-    """Compute ``token_ids`` at positions ``start_pos...`` (earlier ones are prefix-cached)."""
+    """Compute ``token_ids`` at positions ``start_pos...`` (earlier ones are prefix-cached or
+    computed by earlier chunks). Only a chunk that ends the prompt (``is_last_chunk``) is
+    sampled; an earlier chunk returns no token."""
 
     request_id: str
     token_ids: Tuple[int, ...]
     start_pos: int
     block_ids: Tuple[int, ...]
     sampling: SamplingMeta
+    is_last_chunk: bool = True
 
     @property
     def num_context_tokens(self) -> int:

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
 
+from tpu_executor.core.buckets import BucketPlan
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.detokenizer import Detokenizer, DetokenizerState, take_text_delta
 from tpu_executor.core.kv_cache_manager import KVCacheManager
@@ -100,7 +101,8 @@ class LLMEngine:
             self.executor.shutdown()
             raise
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.max_model_len,
+                                   BucketPlan.from_config(config).max_prefill_tokens)
         self.detokenizer = Detokenizer(tokenizer, config.max_model_len)
         self._groups: Dict[str, RequestGroup] = {}
         self._streams: Dict[str, Tuple[RequestGroup, int]] = {}  # sample id -> (group, index)

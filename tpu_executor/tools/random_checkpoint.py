@@ -19,7 +19,7 @@ SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 _SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "shi", "po", "ve", "zu", "an", "el", "or", "is"]
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
 FINAL_NORM_SCALE = 3.0
 MIXTRAL_EXPERTS = 8
 MIXTRAL_SMALL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,

@@ -1,7 +1,7 @@
 """Host-side input tensors of one model call, padded to a bucket of the plan.
 
-A prefill call packs up to ``max_prefill_seqs`` prompts into one row of ``bucket`` tokens; a
-decode call is ``rows`` sequences with ``context_blocks``-wide block tables. Padding tokens
+A prefill call packs up to ``max_prefill_seqs`` prompts (or prompt chunks) into one row of
+``num_tokens`` queries over ``num_keys`` context keys; a decode call is ``rows`` sequences with ``context_blocks``-wide block tables. Padding tokens
 write their K/V to the null block and padding keys share segment -1, so they never mix with
 real ones. Every tensor has the bucket's fixed shape, whatever the real sizes.
 
@@ -31,13 +31,16 @@ def _as_tensors(arrays: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
     return {name: torch.from_numpy(array) for name, array in arrays.items()}
 
 
-def prefill_inputs(pack: Sequence[PrefillWork], bucket: int, max_seqs: int, block_size: int) -> Dict[str, torch.Tensor]:
-    """Several sequences' new tokens packed into one ``bucket``-long row, with their contexts
-    (prefix-cached and new) as the keys. Padding queries and keys share segment -1."""
-    t = {name: np.zeros(bucket, dtype=np.int64) for name in
-         ("input_ids", "positions", "slot_mapping", "context_slots", "key_positions")}
-    t["query_segments"] = np.full(bucket, -1, dtype=np.int64)
-    t["key_segments"] = np.full(bucket, -1, dtype=np.int64)
+def prefill_inputs(pack: Sequence[PrefillWork], num_tokens: int, num_keys: int, max_seqs: int,
+                   block_size: int) -> Dict[str, torch.Tensor]:
+    """Several sequences' new tokens (whole prompts or chunks) packed into one ``num_tokens``
+    row, with their contexts (cached, earlier chunks, new) as ``num_keys`` keys. Padding
+    queries and keys share segment -1."""
+    t = {name: np.zeros(size, dtype=np.int64) for name, size in
+         (("input_ids", num_tokens), ("positions", num_tokens), ("slot_mapping", num_tokens),
+          ("context_slots", num_keys), ("key_positions", num_keys))}
+    t["query_segments"] = np.full(num_tokens, -1, dtype=np.int64)
+    t["key_segments"] = np.full(num_keys, -1, dtype=np.int64)
     t["logits_indices"] = np.zeros(max_seqs, dtype=np.int64)
     query_at = key_at = 0
     for segment, item in enumerate(pack):

@@ -92,7 +92,7 @@ class ModelRunner:
 
     def _prefill_logits(self, pack: Sequence[PrefillWork], graph: PrefillGraph, kv_caches: KVCaches) -> torch.Tensor:
         with self.timer.phase("inputs"):
-            inputs = prefill_inputs(pack, graph.num_tokens, self.plan.max_prefill_seqs, self.block_size)
+            inputs = prefill_inputs(pack, graph.num_tokens, graph.keys, self.plan.max_prefill_seqs, self.block_size)
         return self._run_fn(self._prefill_fn, inputs, "prefill", kv_caches=kv_caches)
 
     def _decode_logits(self, work: Sequence[DecodeWork], graph: DecodeGraph) -> torch.Tensor:
@@ -108,9 +108,11 @@ class ModelRunner:
             return fn(**inputs, **static)
 
     def _run_prefill(self, call: PrefillCall) -> Dict[str, SampledToken]:
-        with self.guard.watch(f"prefill bucket {call.graph.num_tokens}"):
+        with self.guard.watch(f"prefill bucket tokens={call.graph.num_tokens} keys={call.graph.keys}"):
             logits = self._prefill_logits(call.pack, call.graph, self.kv_caches)
-            return self._sample(call.pack, logits, self.plan.max_prefill_seqs)
+            sampled = self._sample(call.pack, logits, self.plan.max_prefill_seqs)
+        # A chunk that does not end its prompt gives no token (its row was sampled with the rest).
+        return {w.request_id: sampled[w.request_id] for w in call.pack if w.is_last_chunk}
 
     def _run_decode(self, call: DecodeCall) -> Dict[str, SampledToken]:
         graph = call.graph
@@ -132,12 +134,13 @@ class ModelRunner:
 
     @torch.no_grad()
     def profile_run(self, kv_caches: KVCaches) -> None:
-        """Run the largest prefill once over ``kv_caches`` (a minimal cache) so that the peak
-        activation memory shows in the device's memory figures."""
-        blocks = self.config.max_blocks_per_seq
-        work = PrefillWork("profile", tuple([0] * self.config.max_model_len), 0, tuple(range(1, blocks + 1)),
-                           SamplingMeta.greedy())
-        self._prefill_logits([work], PrefillGraph(self.plan.max_prefill_tokens), kv_caches).cpu()
+        """Run the largest prefill once over ``kv_caches`` (a minimal cache: one full-length
+        sequence) so that the peak activation memory shows in the device's memory figures."""
+        keys = min(self.plan.max_prefill_keys, self.config.max_model_len)
+        tokens = min(self.plan.max_prefill_tokens, keys)
+        work = PrefillWork("profile", tuple([0] * tokens), keys - tokens,
+                           tuple(range(1, self.config.max_blocks_per_seq + 1)), SamplingMeta.greedy())
+        self._prefill_logits([work], self.plan.prefill_graph(tokens, keys), kv_caches).cpu()
 
     @torch.no_grad()
     def warmup(self, show_progress: bool = True) -> None:

@@ -7,17 +7,22 @@ from tpu_executor.core.config import (CacheConfig, CompileConfig, DeviceConfig, 
                                       SchedulerConfig)
 
 
-def config(tmp_path, max_model_len=320, **compile_options):
+def config(tmp_path, max_model_len=320, chunked=True, budget=2048, **compile_options):
     return EngineConfig(model=ModelConfig(model=str(tmp_path)), cache=CacheConfig(block_size=16),
-                        scheduler=SchedulerConfig(max_num_seqs=24, max_num_batched_tokens=2048),
+                        scheduler=SchedulerConfig(max_num_seqs=24, max_num_batched_tokens=budget,
+                                                  enable_chunked_prefill=chunked),
                         compile=CompileConfig(**compile_options), device=DeviceConfig("cpu"),
                         max_model_len=max_model_len)
 
 
-def test_buckets_are_cut_at_the_limits(tmp_path):
-    plan = BucketPlan.from_config(config(tmp_path, prefill_buckets=(64, 128), decode_buckets=(4, 8, 32, 64),
-                                         decode_context_buckets=(128, 512), max_prefill_seqs=4))
-    assert plan.prefill_token_buckets == (64, 128, 320)   # max_model_len joins: a full prompt must fit
+@pytest.mark.parametrize("chunked", [True, False])
+def test_buckets_are_cut_at_the_limits(tmp_path, chunked):
+    plan = BucketPlan.from_config(config(tmp_path, chunked=chunked, prefill_buckets=(64, 128),
+                                         decode_buckets=(4, 8, 32, 64), decode_context_buckets=(128, 512),
+                                         max_prefill_seqs=4))
+    # whole prompts: max_model_len joins (a full prompt must fit); chunks: none above 128
+    assert plan.prefill_token_buckets == ((64, 128) if chunked else (64, 128, 320))
+    assert plan.context_token_buckets == (128, 320)
     assert plan.decode_row_buckets == (4, 8, 24)          # cut at max_num_seqs
     assert plan.decode_context_block_buckets == (8, 20)   # 128 and 320 tokens, in 16-token blocks
     assert plan.sampler_row_buckets == (4, 8, 24)         # decode rows plus the prefill pack size
@@ -29,15 +34,34 @@ def test_prefill_buckets_above_the_context_are_kept_for_packing(tmp_path):
     assert plan.prefill_token_buckets == (128, 512, 1024)
 
 
+def test_chunked_prefill_buckets_stop_at_the_token_budget(tmp_path):
+    plan = BucketPlan.from_config(config(tmp_path, max_model_len=8192, budget=100, prefill_buckets=(64, 128, 512),
+                                         decode_context_buckets=(512, 2048)))
+    assert plan.prefill_token_buckets == (64, 112)  # the budget, rounded up to whole blocks
+    assert plan.context_token_buckets == (512, 2048, 8192)
+    assert plan.max_prefill_keys == 8192
+
+
+def test_context_widths_grow_4x_up_to_the_model_length(tmp_path):
+    plan = BucketPlan.from_config(config(tmp_path, max_model_len=32768, budget=512, decode_context_buckets=(512,)))
+    assert plan.context_token_buckets == (512, 2048, 8192, 32768)
+    assert plan.decode_context_block_buckets == (32, 128, 512, 2048)
+
+
 def test_picking_a_bucket(tmp_path):
-    plan = BucketPlan.from_config(config(tmp_path, prefill_buckets=(64, 128), decode_buckets=(4, 8),
+    plan = BucketPlan.from_config(config(tmp_path, chunked=False, prefill_buckets=(64, 128), decode_buckets=(4, 8),
                                          decode_context_buckets=(128,)))
-    assert plan.prefill_graph(65) == PrefillGraph(128)
+    assert plan.prefill_graph(65, 65) == PrefillGraph(128)
+    assert plan.prefill_graph(20, 63) == PrefillGraph(64)          # keys fit the tokens: short form
+    assert plan.prefill_graph(64, 64) == PrefillGraph(64)
+    assert plan.prefill_graph(20, 64) == PrefillGraph(64, 128)     # no room left for the padding key
+    assert plan.prefill_graph(20, 100) == PrefillGraph(64, 128)    # a longer context: a key width
+    assert plan.prefill_graph(100, 300) == PrefillGraph(128, 320)
     assert plan.decode_graph(5, 9) == DecodeGraph(8, 20)
     assert plan.sampler_graph(8, wants_logprobs=True, all_greedy=False) == SamplerGraph(8, 20, False)
     assert plan.sampler_graph(8, wants_logprobs=False, all_greedy=True) == SamplerGraph(8, 0, True)
     with pytest.raises(ValueError, match="exceeds the largest bucket 320"):
-        plan.prefill_graph(321)
+        plan.prefill_graph(321, 321)
     assert pick_bucket((2, 8), 2) == 2
 
 
@@ -46,7 +70,9 @@ def test_graph_list_covers_every_combination_once(tmp_path):
                                          decode_context_buckets=(128,), max_prefill_seqs=8, max_logprobs=5))
     graphs = plan.graphs()
     assert len(graphs) == len(set(graphs))
-    assert [g for g in graphs if isinstance(g, PrefillGraph)] == [PrefillGraph(32), PrefillGraph(128), PrefillGraph(320)]
+    # each token bucket in the short form and with every wider context width
+    assert [g for g in graphs if isinstance(g, PrefillGraph)] == [
+        PrefillGraph(32), PrefillGraph(32, 128), PrefillGraph(32, 320), PrefillGraph(128), PrefillGraph(128, 320)]
     # rows (2, 8, and max_num_seqs 24) x context widths (128 and max_model_len 320 tokens)
     assert len([g for g in graphs if isinstance(g, DecodeGraph)]) == 3 * 2
     # rows (2, 8, 24; the prefill pack size 8 is among them) x logprobs (0, 5) x greedy or not

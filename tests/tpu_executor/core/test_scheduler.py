@@ -1,6 +1,8 @@
 """Scheduler behaviour with a fake model: batching limits, preemption by recompute, abort."""
 import random
 
+import pytest
+
 from tpu_executor.core.config import SchedulerConfig
 from tpu_executor.core.kv_cache_manager import KVCacheManager
 from tpu_executor.core.request import Request, RequestStatus
@@ -11,13 +13,14 @@ from tpu_executor.core.step import SampledToken
 BLOCK = 4
 
 
-def make_scheduler(num_blocks, max_num_seqs=8, max_tokens_per_step=64):
-    kv = KVCacheManager(num_blocks, BLOCK)
-    return Scheduler(SchedulerConfig(max_num_seqs, max_tokens_per_step), kv, max_model_len=10_000), kv
+def make_scheduler(num_blocks, max_num_seqs=8, max_tokens_per_step=64, chunked=True, prefix_caching=True):
+    kv = KVCacheManager(num_blocks, BLOCK, prefix_caching)
+    config = SchedulerConfig(max_num_seqs, max_tokens_per_step, enable_chunked_prefill=chunked)
+    return Scheduler(config, kv, max_model_len=10_000, max_chunk_tokens=max_tokens_per_step), kv
 
 
-def make_request(rid, prompt_len, max_tokens):
-    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), seed=0)
+def make_request(rid, prompt_len, max_tokens, first=1):
+    return Request(rid, list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens), seed=0)
 
 
 def next_token(request):
@@ -25,8 +28,8 @@ def next_token(request):
     return (sum(request.all_token_ids) * 31 + request.num_tokens) % 97
 
 
-def run_to_completion(scheduler, kv, requests, max_steps=2000):
-    table = {r.request_id: r for r in requests}
+def run_to_completion(scheduler, kv, requests, max_steps=2000, running=()):
+    table = {r.request_id: r for r in (*requests, *running)}
     for r in requests:
         scheduler.add(r)
     for _ in range(max_steps):
@@ -34,9 +37,12 @@ def run_to_completion(scheduler, kv, requests, max_steps=2000):
             return
         out = scheduler.schedule()
         assert len(out.prefills) + len(out.decodes) <= scheduler.config.max_num_seqs
-        assert sum(len(p.token_ids) for p in out.prefills[1:]) + len(out.decodes) <= scheduler.config.max_num_batched_tokens
+        # Without chunking a prompt over the budget runs whole, alone with the decodes.
+        over = 0 if scheduler.config.enable_chunked_prefill else 1
+        assert sum(len(p.token_ids) for p in out.prefills[over:]) + len(out.decodes) <= scheduler.config.max_num_batched_tokens
+        assert len({w.request_id for w in out.prefills + out.decodes}) == len(out.prefills) + len(out.decodes)
         sampled = {w.request_id: SampledToken(next_token(table[w.request_id]), 0.0)
-                   for w in out.prefills + out.decodes}
+                   for w in out.prefills + out.decodes if getattr(w, "is_last_chunk", True)}
         for request in scheduler.update(sampled, table):
             if len(request.output_token_ids) >= request.sampling_params.max_tokens:
                 scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
@@ -44,17 +50,19 @@ def run_to_completion(scheduler, kv, requests, max_steps=2000):
     raise AssertionError("scheduler did not finish")
 
 
-def expected_outputs(prompt_len, max_tokens):
-    request = make_request("x", prompt_len, max_tokens)
+def expected_outputs(prompt_len, max_tokens, first=1):
+    request = make_request("x", prompt_len, max_tokens, first)
     while len(request.output_token_ids) < max_tokens:
         request.output_token_ids.append(next_token(request))
     return request.output_token_ids
 
 
-def test_preemption_by_recompute_loses_nothing():
+@pytest.mark.parametrize("budget,chunked", [(64, False), (64, True), (9, True)])
+def test_preemption_by_recompute_loses_nothing(budget, chunked):
     rng = random.Random(0)
     specs = [(rng.randint(3, 20), rng.randint(1, 30)) for _ in range(12)]
-    scheduler, kv = make_scheduler(num_blocks=14, max_num_seqs=6)  # far fewer blocks than needed
+    # far fewer blocks than needed; a budget of 9 cuts most prompts into chunks
+    scheduler, kv = make_scheduler(num_blocks=14, max_num_seqs=6, max_tokens_per_step=budget, chunked=chunked)
     requests = [make_request(str(i), p, m) for i, (p, m) in enumerate(specs)]
     run_to_completion(scheduler, kv, requests)
     assert sum(r.num_preemptions for r in requests) > 0, "the test must exercise preemption"
@@ -72,11 +80,23 @@ def test_max_num_seqs_bounds_the_running_batch():
 
 
 def test_token_budget_limits_prefills_per_step():
-    scheduler, _ = make_scheduler(num_blocks=64, max_num_seqs=8, max_tokens_per_step=20)
+    scheduler, _ = make_scheduler(num_blocks=64, max_num_seqs=8, max_tokens_per_step=20, chunked=False)
     for i in range(4):
         scheduler.add(make_request(str(i), 8, 4))
     out = scheduler.schedule()
     assert len(out.prefills) == 2  # 8 + 8 tokens fit in 20, a third would not
+
+
+def test_chunked_prefill_fills_the_budget_with_a_chunk():
+    # (equal prompts: without prefix caching, or the fourth would start from the third's blocks)
+    scheduler, _ = make_scheduler(num_blocks=64, max_num_seqs=8, max_tokens_per_step=20, prefix_caching=False)
+    for i in range(4):
+        scheduler.add(make_request(str(i), 8, 4))
+    out = scheduler.schedule()
+    assert [len(w.token_ids) for w in out.prefills] == [8, 8, 4]
+    assert [w.is_last_chunk for w in out.prefills] == [True, True, False]
+    out = scheduler.schedule()  # the third prompt's rest comes first, then the fourth
+    assert [(w.request_id, w.start_pos, len(w.token_ids)) for w in out.prefills] == [("2", 4, 4), ("3", 0, 8)]
 
 
 def test_abort_at_any_point_returns_blocks():
@@ -100,3 +120,58 @@ def test_prefix_cache_hit_skips_computed_tokens():
     scheduler.add(second)
     out = scheduler.schedule()
     assert out.prefills[0].start_pos == 8 and len(out.prefills[0].token_ids) == 2
+
+
+def step_sync(scheduler, table):
+    """One synchronous step with the fake model; returns the scheduled work."""
+    out = scheduler.schedule()
+    sampled = {w.request_id: SampledToken(next_token(table[w.request_id]), 0.0)
+               for w in out.prefills + out.decodes if getattr(w, "is_last_chunk", True)}
+    scheduler.update(sampled, table)
+    return out
+
+
+def test_a_long_prompt_is_chunked_while_running_requests_decode_every_step():
+    scheduler, kv = make_scheduler(num_blocks=64, max_tokens_per_step=16)
+    short, long = make_request("short", 5, 50, first=100), make_request("long", 61, 3)
+    table = {"short": short, "long": long}
+    scheduler.add(short)
+    step_sync(scheduler, table)
+    scheduler.add(long)
+    chunks = []
+    while not long.output_token_ids:
+        out = step_sync(scheduler, table)
+        assert [w.request_id for w in out.decodes] == ["short"]  # never stalls
+        chunks += [(w.start_pos, len(w.token_ids), w.is_last_chunk) for w in out.prefills]
+    # 15 tokens a step (the decode takes one of 16), the last chunk alone is sampled
+    assert chunks == [(0, 15, False), (15, 15, False), (30, 15, False), (45, 15, False), (60, 1, True)]
+    assert long.output_token_ids == expected_outputs(61, 1)
+    kv.check_invariants()
+
+
+def test_abort_between_chunks_returns_blocks():
+    scheduler, kv = make_scheduler(num_blocks=64, max_tokens_per_step=8)
+    request = make_request("long", 40, 4)
+    scheduler.add(request)
+    out = step_sync(scheduler, {"long": request})
+    assert not out.prefills[0].is_last_chunk and request.is_prefilling
+    scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.has_unfinished()
+    assert kv.num_free_blocks == kv.num_usable_blocks
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_chunked_prompts_share_their_finished_blocks(prefix_caching):
+    scheduler, kv = make_scheduler(num_blocks=64, max_tokens_per_step=8, prefix_caching=prefix_caching)
+    first, second = make_request("a", 30, 2), make_request("b", 30, 2)
+    table = {"a": first, "b": second}
+    scheduler.add(first)
+    scheduler.add(second)
+    for _ in range(3):  # 8 tokens a step: "b" waits for the budget
+        assert [w.request_id for w in step_sync(scheduler, table).prefills] == ["a"]
+    out = step_sync(scheduler, table)
+    # the last chunk of "a" caches its 6 full blocks before "b" is admitted in the same step
+    assert {w.request_id: w.start_pos for w in out.prefills} == {"a": 24, "b": 24 if prefix_caching else 0}
+    run_to_completion(scheduler, kv, [], running=[first, second])
+    assert first.output_token_ids == second.output_token_ids == expected_outputs(30, 2)

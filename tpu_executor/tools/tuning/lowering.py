@@ -68,10 +68,11 @@ def _lower_prefill(graph: PrefillGraph, heads: int, pages, head_dim: int, dt) ->
 
     from pallas_kernels.prefill_attention.kernel import prefill_attention
 
-    t = graph.num_tokens
-    ints = [jax.ShapeDtypeStruct((t,), jnp.int32)] * 5
+    t, keys = graph.num_tokens, graph.keys
+    key_ints = [jax.ShapeDtypeStruct((keys,), jnp.int32)] * 3  # slots, positions, segments
+    query_ints = [jax.ShapeDtypeStruct((t,), jnp.int32)] * 2
     return _lower("prefill_attention", graph, prefill_attention, jax.ShapeDtypeStruct((t, heads, head_dim), dt),
-                  pages, pages, *ints, scale=head_dim ** -0.5)
+                  pages, pages, *key_ints, *query_ints, scale=head_dim ** -0.5)
 
 
 def _lower_decode(graph: DecodeGraph, heads: int, pages, head_dim: int, dt) -> LoweringResult:

@@ -148,10 +148,11 @@ class CostModel:
         return max(flops / self.chip.peak_flops, bytes_moved / self.chip.hbm_bytes_per_s) + self._all_reduce_s(tokens)
 
     def prefill_seconds(self, graph: PrefillGraph) -> float:
-        """A packed prefill of ``num_tokens`` tokens, attention as one causal prompt (an upper
-        bound: packed prompts attend only within themselves)."""
+        """A packed prefill of ``num_tokens`` tokens over ``keys`` keys, attention as one causal
+        prompt ending at the last key (an upper bound: packed prompts attend only within
+        themselves)."""
         t = graph.num_tokens
-        flops = self._linear_flops(t, self.max_logit_rows) + self._attention_flops(t, t / 2)
+        flops = self._linear_flops(t, self.max_logit_rows) + self._attention_flops(t, graph.keys - t / 2)
         head = self.model.vocab * self.model.hidden * self.weight_bytes / self.tp
         moved = self._layer_weight_bytes(t) + head + t * self.model.kv_bytes_per_token(self.act_bytes, self.tp)
         return self._roofline(flops, moved, t)

@@ -71,7 +71,7 @@ def replay_config(config: EngineConfig) -> EngineConfig:
 def dimensions(result: ReplayResult, config: EngineConfig, row_multiple: int) -> Dict[str, Dimension]:
     """The three bucketed sizes the runner saw in the replay (see ``schemes``)."""
     bs = config.cache.block_size
-    prefill = [call.context_tokens for call in result.calls if isinstance(call, PrefillCall)]
+    prefill = [call.new_tokens for call in result.calls if isinstance(call, PrefillCall)]
     decodes = [call for call in result.calls if isinstance(call, DecodeCall)]
     rows = np.array([len(call.work) for call in decodes])
     widths = np.array([max(call.needed_blocks) * bs for call in decodes])
