@@ -178,20 +178,37 @@ class BucketPlan:
         """The most context keys one prefill call attends over."""
         return max(self.prefill_token_buckets[-1], self.context_token_buckets[-1])
 
+    def long_form_buckets(self) -> Tuple[int, ...]:
+        """The token buckets that also run over context widths wider than themselves: the
+        largest, then the largest at most a quarter of the one before. A few tokens over a long
+        context pad their tokens at most ~4x, and the graph count stays small."""
+        chosen = [self.prefill_token_buckets[-1]]
+        for bucket in reversed(self.prefill_token_buckets):
+            if bucket * 4 <= chosen[-1]:
+                chosen.append(bucket)
+        return tuple(reversed(chosen))
+
     def key_widths(self, num_tokens: int) -> Tuple[int, ...]:
-        """The key widths of token bucket ``num_tokens``: the short form (0), then every
-        context bucket above it (and the widest pack a call may hold)."""
-        widths = set(self.context_token_buckets) | {self.max_prefill_keys}
-        return (0,) + tuple(sorted(k for k in widths if k > num_tokens))
+        """The key widths of token bucket ``num_tokens``: the short form (0), then, for the
+        long-form buckets, every context bucket above it."""
+        if num_tokens not in self.long_form_buckets():
+            return (0,)
+        return (0,) + tuple(k for k in self.context_token_buckets if k > num_tokens)
 
     def prefill_graph(self, num_tokens: int, num_context: int) -> PrefillGraph:
         """The graph for a pack of ``num_tokens`` new tokens over ``num_context`` keys."""
-        tokens = pick_bucket(self.prefill_token_buckets, num_tokens)
-        # Padding queries need a padding key to attend to (a query that sees no key is NaN).
-        keys = num_context + (num_tokens < tokens)
-        if keys <= tokens:
+        buckets = self.prefill_token_buckets
+        tokens = pick_bucket(buckets, num_tokens)
+        if num_context + (num_tokens < tokens) <= tokens:
             return PrefillGraph(tokens)
-        return PrefillGraph(tokens, pick_bucket(self.key_widths(tokens)[1:], keys))
+        for long_tokens in self.long_form_buckets():
+            # Padding queries need a padding key to attend to (a query that sees no key is NaN).
+            keys = num_context + (num_tokens < long_tokens)
+            widths = self.key_widths(long_tokens)[1:]
+            if long_tokens >= num_tokens and widths and keys <= widths[-1]:
+                return PrefillGraph(long_tokens, pick_bucket(widths, keys))
+        # Wider than every context width (a pack of several contexts): a larger bucket's short form.
+        return PrefillGraph(pick_bucket(buckets, num_context + 1))
 
     def decode_graph(self, num_rows: int, context_blocks: int) -> DecodeGraph:
         return DecodeGraph(pick_bucket(self.decode_row_buckets, num_rows),

@@ -74,7 +74,13 @@ class SchedulerOutput:
 
     @property
     def request_ids(self) -> List[str]:
+        """Every request with work in the step."""
         return [w.request_id for w in self.prefills] + [w.request_id for w in self.decodes]
+
+    @property
+    def sampled_request_ids(self) -> List[str]:
+        """The requests the step samples a token for (all but prompts' earlier chunks)."""
+        return [w.request_id for w in self.prefills if w.is_last_chunk] + [w.request_id for w in self.decodes]
 
 
 class SampledToken(NamedTuple):

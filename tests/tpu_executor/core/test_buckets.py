@@ -56,7 +56,9 @@ def test_picking_a_bucket(tmp_path):
     assert plan.prefill_graph(64, 64) == PrefillGraph(64)
     assert plan.prefill_graph(20, 64) == PrefillGraph(64, 128)     # no room left for the padding key
     assert plan.prefill_graph(20, 100) == PrefillGraph(64, 128)    # a longer context: a key width
-    assert plan.prefill_graph(100, 300) == PrefillGraph(128, 320)
+    # 128 has no long forms (only buckets 4x apart from the top do): the short form that holds the keys
+    assert plan.long_form_buckets() == (64, 320)
+    assert plan.prefill_graph(100, 300) == PrefillGraph(320)
     assert plan.decode_graph(5, 9) == DecodeGraph(8, 20)
     assert plan.sampler_graph(8, wants_logprobs=True, all_greedy=False) == SamplerGraph(8, 20, False)
     assert plan.sampler_graph(8, wants_logprobs=False, all_greedy=True) == SamplerGraph(8, 0, True)

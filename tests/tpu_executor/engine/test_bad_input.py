@@ -91,7 +91,8 @@ def test_wrong_tensor_names_are_listed(checkpoints, tmp_path):
 @pytest.mark.parametrize("options, message", [
     (dict(block_size=12), "block_size"),
     (dict(prefill_buckets=(24, 320)), "multiples of block_size"),
-    (dict(max_num_batched_tokens=100), "max_num_batched_tokens"),
+    (dict(max_num_batched_tokens=100, enable_chunked_prefill=False), "enable chunked prefill"),
+    (dict(max_num_batched_tokens=4), "below max_num_seqs 8"),
     (dict(num_blocks=3), "raise memory_budget_bytes"),
     (dict(max_model_len=5000), "context length"),
     (dict(bogus_option=1), "unknown engine options"),

@@ -67,7 +67,7 @@ class NullWorker:
         for call in calls:
             call.count_into(self.padding)
         self.steps.append(calls)
-        return ModelRunnerOutput({rid: SampledToken(NULL_TOKEN_ID, 0.0) for rid in step.request_ids})
+        return ModelRunnerOutput({rid: SampledToken(NULL_TOKEN_ID, 0.0) for rid in step.sampled_request_ids})
 
     def stats(self) -> WorkerStats:
         return WorkerStats(padding=self.padding)
