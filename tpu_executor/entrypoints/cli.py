@@ -4,6 +4,7 @@
     tpu-executor serve [MODEL] [--host ...] [--port ...] [engine options]
     tpu-executor bench throughput [--models ...] [engine options]
     tpu-executor bench serve [--base-url URL | --launch MODEL] [--request-rate ...]
+    tpu-executor bench host | chunked-prefill [...]
     tpu-executor tune --trace TRACE [--model MODEL] [--max-graphs N] [--target v5e-8] [--out FILE]
 
 Every subcommand that starts an engine takes the same engine options (``engine/options.py``).

@@ -1,5 +1,6 @@
 """Asynchronous scheduling changes nothing a user sees: the same tokens, text, log-probs and
-finish reasons as the synchronous engine, through preemption, stops, n > 1 and abort."""
+finish reasons as the synchronous engine, through chunked prefill, preemption, stops, n > 1 and
+abort."""
 import random
 
 import pytest
@@ -37,8 +38,9 @@ def logprob_values(outputs):
 
 @pytest.fixture(scope="module")
 def engines(checkpoints):
-    """(synchronous, asynchronous) native engines with a small KV cache, so requests get preempted."""
-    options = tiny_engine_options(device="cpu", num_blocks=60, block_size=16)
+    """(synchronous, asynchronous) native engines with a small KV cache, so requests get
+    preempted, and a token budget of 64, so most prompts run as chunks."""
+    options = tiny_engine_options(device="cpu", num_blocks=60, block_size=16, max_num_batched_tokens=64)
     pair = [LLM(model=checkpoints["llama"], async_scheduling=flag, **options) for flag in (False, True)]
     yield pair
     for llm in pair:

@@ -1,5 +1,6 @@
 """Engine behaviour on the XLA path with a tiny Llama: zero recompilation over 200 random
-requests, preemption that changes nothing, n samples, seeds, stop strings, abort, prefix cache."""
+requests, preemption that changes nothing, n samples, seeds, stop strings, abort, prefix cache;
+with a token budget of 96, so that longer prompts run as chunks."""
 import json
 import random
 import subprocess
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.slow  # XLA compilation
 
 @pytest.fixture(scope="module")
 def llm(checkpoints):
-    return LLM(model=checkpoints["llama"], device="xla", **tiny_engine_options(strict=True))
+    return LLM(model=checkpoints["llama"], device="xla", **tiny_engine_options(strict=True, max_num_batched_tokens=96))
 
 
 def greedy(max_tokens):
@@ -66,8 +67,8 @@ def test_warmup_compiles_exactly_the_graphs_of_the_bucket_plan(checkpoints, tmp_
 def test_preemption_gives_the_same_tokens(checkpoints, llm):
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (40, 90, 130, 60, 100)]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(48), use_tqdm=False)]
-    # 40 usable blocks of 16 tokens cannot hold five sequences of up to 178 tokens at once.
-    small = LLM(model=checkpoints["llama"], device="xla", **tiny_engine_options(num_blocks=41))
+    # 30 usable blocks of 16 tokens cannot hold five sequences of up to 178 tokens at once.
+    small = LLM(model=checkpoints["llama"], device="xla", **tiny_engine_options(num_blocks=31, max_num_batched_tokens=96))
     outs = small.generate(prompts, greedy(48), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert small.stats().num_preemptions > 0, "the test must exercise preemption"
