@@ -32,9 +32,17 @@ def segment_runs(segments: torch.Tensor) -> Runs:
 
 
 def one_run_each(runs: Runs) -> Dict[int, Tuple[int, int]]:
-    """Segment id -> (start, end), or an empty dict when some segment is split in two runs."""
-    spans = {segment: (start, end) for segment, start, end in runs}
-    return spans if len(spans) == len(runs) else {}
+    """Segment id -> (start, end), or an empty dict when some segment is split in two runs.
+    Padding (negative ids: the keys that fill pages between contexts) may come in several
+    runs; its first one stands for it (padding queries only need some key to see)."""
+    spans: Dict[int, Tuple[int, int]] = {}
+    for segment, start, end in runs:
+        if segment in spans:
+            if segment >= 0:
+                return {}
+            continue
+        spans[segment] = (start, end)
+    return spans
 
 
 def prefill_attention(q, k_pages, v_pages, context_slots, key_positions, key_segments,
@@ -50,8 +58,9 @@ def prefill_attention(q, k_pages, v_pages, context_slots, key_positions, key_seg
                                            query_positions, query_segments, **args)
     out = torch.empty_like(q)
     for segment, q_start, q_end in query_runs:
-        k_start, k_end = key_spans[segment]
-        keys, queries = slice(k_start, k_end), slice(q_start, q_end)
+        # Padding queries see every padding key, wherever the page fill put it.
+        keys = slice(*key_spans[segment]) if segment >= 0 else (key_segments == segment).nonzero()[:, 0]
+        queries = slice(q_start, q_end)
         out[queries] = one_segment(q[queries], k_pages, v_pages, context_slots[keys], key_positions[keys],
                                    query_positions[queries], **args)
     return out

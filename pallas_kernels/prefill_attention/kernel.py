@@ -1,25 +1,31 @@
 """Packed prefill attention as a Pallas TPU kernel (flash attention with segment ids).
 
-Contract: ``reference.prefill_attention``. The context's K/V rows are first gathered from the
-pages at ``context_slots`` (one XLA gather: prefill is bound by the matmuls, not by this copy),
-which is how prefix-cached context needs no special case. The kernel then runs flash
-attention: grid (kv head, query block, key block); the query heads of one KV head are folded
-into the rows of each matmul (GQA shares every K/V tile across its group); an online softmax
-keeps (max, sum, fp32 accumulator) in VMEM scratch across key blocks.
+Contract: ``reference.prefill_attention``, with the model runner's key layout: keys come in
+whole pages (each run of ``block_size`` keys starting at a multiple of ``block_size`` lies in
+one page at matching offsets; a context that ends mid-page is padded to the page's end with
+masked keys). The kernel reads the context's K/V straight from the pages: grid (kv head, query
+block, key block); each key block is ``block_k / block_size`` pages whose ids come from SMEM
+(scalar prefetch), DMA'd from HBM into VMEM, the next key block's pages started while the
+current one is computed (two slots). VMEM use does not grow with the context, and no copy of
+the context is made; prefix-cached context and earlier chunks of a prompt need no special case.
+The query heads of one KV head are folded into the rows of each matmul (GQA shares every K/V
+tile across its group); an online softmax keeps (max, sum, fp32 accumulator) in VMEM scratch.
 
-Masking is by segment and position, per element. Whole key blocks are skipped when no query
-of the block can see them: a per-(query block, key block) flag computed on device from the
-blocks' segment and position bounds and prefetched into SMEM. That covers keys of other
-packed prompts, keys in a prompt's future (causal), and keys behind a sliding window.
+Masking is by segment and position, per element. Whole key blocks are skipped (no DMA, no
+compute) when no query of the block can see them: a per-(query block, key block) flag computed
+on device from the blocks' segment and position bounds and prefetched into SMEM. That covers
+keys of other packed prompts, keys in a prompt's future (causal), and keys behind a window.
 
 TPU constraints (checked in ``validate``):
 - head_dim is the lane dim of q/k/v blocks: a multiple of 128.
 - block_q rows (second-minor dim of q blocks) are a multiple of 8 (16 for bf16); block_k is
-  the lane dim of the score tile and of the key position/segment blocks: a multiple of 128.
+  the lane dim of the score tile and of the key position/segment blocks: a multiple of 128,
+  and a whole number of pages.
+- A page DMA'd into a VMEM slot starts on a tile boundary: block_size a multiple of 8 (16 bf16).
 - Query positions/segments are passed lane-broadcast [tokens, 128] and key ones
   sublane-broadcast [8, keys] so each block is a legal (8, 128)-tiled 2-D block.
-- VMEM: double-buffered q, k, v, out blocks plus fp32 accumulator and the (max, sum) rows
-  must fit the VMEM budget (``tpu_layout``).
+- VMEM: double-buffered q and out blocks, two slots of K and V pages, the fp32 accumulator
+  and the (max, sum) rows must fit the VMEM budget (``tpu_layout``).
 """
 from __future__ import annotations
 
@@ -51,10 +57,14 @@ def validate(q_shape, pages_shape, dtype_name: str, block_q: int, block_k: int) 
     """Raise ValueError naming the first TPU constraint these shapes break."""
     check_attention_shapes("prefill_attention", q_shape, pages_shape, dtype_name)
     _, heads, head_dim = q_shape
+    block_size = pages_shape[2]
     rows = sublanes(dtype_name)
     if block_q % rows or block_k % LANES:
         raise ValueError(f"block_q={block_q} must be a multiple of {rows} and block_k={block_k} "
                          f"a multiple of {LANES}")
+    if block_size % rows or block_k % block_size:
+        raise ValueError(f"block_size={block_size} must be a multiple of {rows} for {dtype_name} pages "
+                         f"and divide block_k={block_k}")
     group_rows = heads // pages_shape[0] * block_q
     need = (2 * (2 * group_rows + 2 * block_k) * head_dim * itemsize(dtype_name)
             + group_rows * (head_dim + 2 * LANES) * 4)
@@ -79,9 +89,22 @@ def blocks_needed(q_pos, q_seg, k_pos, k_seg, block_q, block_k, sliding_window):
     return (overlap & ~hidden).astype(jnp.int32).reshape(-1)
 
 
-def _kernel(needed_ref, q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, out_ref,
-            m_ref, l_ref, acc_ref, *, scale, soft_cap, sliding_window):
-    i, j = pl.program_id(1), pl.program_id(2)
+def _kernel(needed_ref, pages_ref, q_ref, k_hbm, v_hbm, qpos_ref, qseg_ref, kpos_ref, kseg_ref, out_ref,
+            k_buf, v_buf, sems, m_ref, l_ref, acc_ref, *, scale, soft_cap, sliding_window):
+    h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_k = pl.num_programs(2)
+    pages_per_block = k_buf.shape[1]
+
+    def needed(block):
+        return needed_ref[i * num_k + block] == 1
+
+    def page_copies(block, slot):
+        copies = []
+        for p in range(pages_per_block):
+            page = pages_ref[block * pages_per_block + p]
+            for kind, (hbm, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
+                copies.append(pltpu.make_async_copy(hbm.at[h, page], buf.at[slot, p], sems.at[kind, slot]))
+        return copies
 
     @pl.when(j == 0)
     def _init():
@@ -89,32 +112,53 @@ def _kernel(needed_ref, q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_
         l_ref[...] = jnp.zeros_like(l_ref)
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(needed_ref[i * pl.num_programs(2) + j] == 1)
-    def _attend():
-        group, block_q, head_dim = q_ref.shape
-        q = q_ref[...].reshape(group * block_q, head_dim).astype(jnp.float32) * scale
-        s = jax.lax.dot_general(q, k_ref[...].astype(jnp.float32), (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)
-        if soft_cap is not None:
-            s = jnp.tanh(s / soft_cap) * soft_cap
-        q_pos, k_pos = qpos_ref[:, :1], kpos_ref[:1, :]
-        allowed = (qseg_ref[:, :1] == kseg_ref[:1, :]) & (k_pos <= q_pos)
-        if sliding_window is not None:
-            allowed = allowed & (k_pos > q_pos - sliding_window)
-        s = jnp.where(allowed[None], s.reshape(group, block_q, -1), MASK_VALUE).reshape(s.shape)
-        m_prev = m_ref[:, :1]
-        m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-        p = jnp.exp(s - m_next)
-        alpha = jnp.exp(m_prev - m_next)
-        l_ref[...] = jnp.broadcast_to(alpha * l_ref[:, :1] + p.sum(axis=1, keepdims=True), l_ref.shape)
-        m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
-        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v_ref[...].astype(jnp.float32),
-                                                      preferred_element_type=jnp.float32)
+    # Key block j's pages were started by step j - 1 (which always runs); block 0 starts its own.
+    @pl.when(jnp.logical_and(j == 0, needed(0)))
+    def _start_first():
+        for copy in page_copies(0, 0):
+            copy.start()
 
-    @pl.when(j == pl.num_programs(2) - 1)
+    @pl.when(jnp.logical_and(j + 1 < num_k, needed(jnp.minimum(j + 1, num_k - 1))))
+    def _prefetch_next():
+        for copy in page_copies(j + 1, (j + 1) % 2):
+            copy.start()
+
+    @pl.when(needed(j))
+    def _attend():
+        for copy in page_copies(j, j % 2):
+            copy.wait()
+        _online_softmax_step(q_ref, k_buf.at[j % 2], v_buf.at[j % 2], qpos_ref, qseg_ref, kpos_ref, kseg_ref,
+                             m_ref, l_ref, acc_ref, scale, soft_cap, sliding_window)
+
+    @pl.when(j == num_k - 1)
     def _finish():
         out = acc_ref[...] / l_ref[:, :1]
         out_ref[...] = out.reshape(out_ref.shape).astype(out_ref.dtype)
+
+
+def _online_softmax_step(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, m_ref, l_ref, acc_ref,
+                         scale, soft_cap, sliding_window):
+    """Fold one key block (its pages in VMEM) into the running (max, sum, accumulator)."""
+    group, block_q, head_dim = q_ref.shape
+    keys = k_ref.shape[0] * k_ref.shape[1]
+    q = q_ref[...].reshape(group * block_q, head_dim).astype(jnp.float32) * scale
+    k = k_ref[...].reshape(keys, head_dim).astype(jnp.float32)
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if soft_cap is not None:
+        s = jnp.tanh(s / soft_cap) * soft_cap
+    q_pos, k_pos = qpos_ref[:, :1], kpos_ref[:1, :]
+    allowed = (qseg_ref[:, :1] == kseg_ref[:1, :]) & (k_pos <= q_pos)
+    if sliding_window is not None:
+        allowed = allowed & (k_pos > q_pos - sliding_window)
+    s = jnp.where(allowed[None], s.reshape(group, block_q, -1), MASK_VALUE).reshape(s.shape)
+    m_prev = m_ref[:, :1]
+    m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+    p = jnp.exp(s - m_next)
+    alpha = jnp.exp(m_prev - m_next)
+    l_ref[...] = jnp.broadcast_to(alpha * l_ref[:, :1] + p.sum(axis=1, keepdims=True), l_ref.shape)
+    m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
+    v = v_ref[...].reshape(keys, head_dim).astype(jnp.float32)
+    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v, preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "block_q",
@@ -124,10 +168,11 @@ def prefill_attention(q, k_pages, v_pages, context_slots, key_positions, key_seg
                       soft_cap: Optional[float] = None, sliding_window: Optional[int] = None,
                       block_q: Optional[int] = None, block_k: Optional[int] = None,
                       interpret: bool = False):
-    """Segment-causal packed prefill attention; see ``reference.prefill_attention``."""
+    """Segment-causal packed prefill attention; see ``reference.prefill_attention`` and the key
+    layout above."""
     check_attention_operands("prefill_attention", q, k_pages, v_pages)
     num_tokens, heads, head_dim = q.shape
-    kv_heads = k_pages.shape[0]
+    kv_heads, num_pages, block_size, _ = k_pages.shape
     dtype_name = jnp.dtype(q.dtype).name
     default_q, default_k = choose_blocks(num_tokens, context_slots.shape[0], dtype_name)
     block_q, block_k = block_q or default_q, block_k or default_k
@@ -141,29 +186,33 @@ def prefill_attention(q, k_pages, v_pages, context_slots, key_positions, key_seg
     # Our padding gets segments no caller uses (-2 queries, -3 keys): never attended.
     q_pos, q_seg = pad(query_positions, tokens_p, 0), pad(query_segments, tokens_p, -2)
     k_pos, k_seg = pad(key_positions, keys_p, 0), pad(key_segments, keys_p, -3)
-    slots = pad(context_slots, keys_p, 0)
-    k, v = (pages.reshape(kv_heads, -1, head_dim)[:, slots] for pages in (k_pages, v_pages))
+    # The page of each run of block_size keys (the layout puts a run in one page).
+    pages = jnp.clip(pad(context_slots, keys_p, 0)[::block_size] // block_size, 0, num_pages - 1)
     group = heads // kv_heads
     qg = jnp.pad(q, ((0, tokens_p - num_tokens), (0, 0), (0, 0)))
     qg = qg.reshape(tokens_p, kv_heads, group, head_dim).transpose(1, 2, 0, 3)
     needed = blocks_needed(q_pos, q_seg, k_pos, k_seg, block_q, block_k, sliding_window)
-    out = _call(needed, qg, k, v, q_pos, q_seg, k_pos, k_seg, block_q, block_k,
+    out = _call(needed, pages, qg, k_pages, v_pages, q_pos, q_seg, k_pos, k_seg, block_q, block_k,
                 dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window), interpret)
     return out.transpose(2, 0, 1, 3).reshape(tokens_p, heads, head_dim)[:num_tokens]
 
 
-def _call(needed, qg, k, v, q_pos, q_seg, k_pos, k_seg, block_q, block_k, options, interpret):
+def _call(needed, pages, qg, k_pages, v_pages, q_pos, q_seg, k_pos, k_seg, block_q, block_k, options, interpret):
     kv_heads, group, tokens_p, head_dim = qg.shape
-    keys_p = k.shape[1]
-    q_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda h, i, j, needed: (h, 0, i, 0))
-    kv_spec = pl.BlockSpec((None, block_k, head_dim), lambda h, i, j, needed: (h, j, 0))
-    q_meta = pl.BlockSpec((block_q, LANES), lambda h, i, j, needed: (i, 0))
-    k_meta = pl.BlockSpec((SUBLANES, block_k), lambda h, i, j, needed: (0, j))
+    block_size = k_pages.shape[2]
+    keys_p = k_pos.shape[0]
+    q_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda h, i, j, needed, pages: (h, 0, i, 0))
+    any_spec = pl.BlockSpec(memory_space=pltpu.ANY)
+    q_meta = pl.BlockSpec((block_q, LANES), lambda h, i, j, needed, pages: (i, 0))
+    k_meta = pl.BlockSpec((SUBLANES, block_k), lambda h, i, j, needed, pages: (0, j))
     rows = group * block_q
+    slots = (2, block_k // block_size, block_size, head_dim)
     spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1, grid=(kv_heads, tokens_p // block_q, keys_p // block_k),
-        in_specs=[q_spec, kv_spec, kv_spec, q_meta, q_meta, k_meta, k_meta], out_specs=q_spec,
-        scratch_shapes=[pltpu.VMEM((rows, LANES), jnp.float32),
+        num_scalar_prefetch=2, grid=(kv_heads, tokens_p // block_q, keys_p // block_k),
+        in_specs=[q_spec, any_spec, any_spec, q_meta, q_meta, k_meta, k_meta], out_specs=q_spec,
+        scratch_shapes=[pltpu.VMEM(slots, k_pages.dtype), pltpu.VMEM(slots, v_pages.dtype),
+                        pltpu.SemaphoreType.DMA((2, 2)),
+                        pltpu.VMEM((rows, LANES), jnp.float32),
                         pltpu.VMEM((rows, LANES), jnp.float32),
                         pltpu.VMEM((rows, head_dim), jnp.float32)])
     lanes = lambda x: jnp.broadcast_to(x[:, None], (x.shape[0], LANES))  # noqa: E731
@@ -174,4 +223,4 @@ def _call(needed, qg, k, v, q_pos, q_seg, k_pos, k_seg, block_q, block_k, option
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
-    )(needed, qg, k, v, lanes(q_pos), lanes(q_seg), sublanes(k_pos), sublanes(k_seg))
+    )(needed, pages, qg, k_pages, v_pages, lanes(q_pos), lanes(q_seg), sublanes(k_pos), sublanes(k_seg))

@@ -24,9 +24,9 @@ def fake(q, *args, **kwargs):
 
 def packed_layout(rng: np.random.Generator, block_size: int, long_context: bool = False):
     """Up to three prompts, some with prefix-cached blocks, packed like the model runner
-    packs them (padding queries and keys share segment -1). ``long_context``: the first is a
-    later chunk of a long prompt (1,000-2,600 tokens of context before its 64-200 new ones).
-    Returns int64 tensors and the number of pages they use."""
+    packs them: each context's keys padded to whole pages, padding queries and keys in segment
+    -1. ``long_context``: the first is a later chunk of a long prompt (1,000-2,600 tokens of
+    context before its 64-200 new ones). Returns int64 tensors and the number of pages used."""
     seqs = int(rng.integers(1, 4))
     cached = [block_size * int(rng.integers(0, 3)) if rng.random() < 0.5 else 0 for _ in range(seqs)]
     new = [int(rng.integers(1, 81)) for _ in range(seqs)]
@@ -36,9 +36,10 @@ def packed_layout(rng: np.random.Generator, block_size: int, long_context: bool 
                                              width=-(-(max(cached) + max(new)) // block_size))
     q_pos, q_seg, k_pos, k_seg, slots = [], [], [], [], []
     for s, (c, n) in enumerate(zip(cached, new)):
-        positions = np.arange(c + n)
-        q_pos += list(positions[c:]); q_seg += [s] * n
-        k_pos += list(positions); k_seg += [s] * (c + n)
+        positions = np.arange(-(-(c + n) // block_size) * block_size)  # to the end of the last page
+        q_pos += list(positions[c:c + n]); q_seg += [s] * n
+        k_pos += list(np.where(positions < c + n, positions, 0))
+        k_seg += [s if p < c + n else -1 for p in positions]
         slots += list(tables[s, positions // block_size].numpy() * block_size + positions % block_size)
     pad = int(rng.integers(0, 24))  # bucket padding: queries and one key in segment -1
     q_pos += [0] * pad; q_seg += [-1] * pad

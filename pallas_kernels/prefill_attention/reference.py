@@ -12,6 +12,10 @@ Shapes:
   key_segments     [num_keys] int   which packed sequence a key belongs to
   query_positions  [num_tokens] int
   query_segments   [num_tokens] int
+The model runner lays keys out in whole pages (each run of block_size keys from a multiple of
+block_size lies in one page at matching offsets; a context ending mid-page is padded to the
+page's end with segment -1 keys): the Pallas kernel reads pages, not slots, and needs it; this
+reference and the eager provider take any layout.
 Returns [num_tokens, num_heads, head_dim] in q's dtype. Query i sees key j when their segments
 match and key_positions[j] <= query_positions[i] (and > query_positions[i] - sliding_window).
 Every query must see at least one key (padding: give padding queries and keys one shared

@@ -47,3 +47,27 @@ def test_chunked_prompts_match_transformers(checkpoints, arch, device, prefix_ca
     stats = llm.stats()
     assert stats.graphs_compiled_after_warmup == 0
     assert (stats.prefix_cache_hits > 0.4 * stats.prefix_cache_queries) == prefix_caching
+
+
+def test_running_requests_get_a_token_every_step_while_a_long_prompt_prefills(checkpoints):
+    from tests.common import engine_with_worker
+    from tpu_executor import SamplingParams
+    from tpu_executor.worker.worker import Worker
+
+    options = dict(OPTIONS, device="cpu", max_num_batched_tokens=128, async_scheduling=False)
+    engine = engine_with_worker(checkpoints["llama"], Worker, **options)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, prompt in enumerate(mixed_prompts(2, 10, 20, vocab=500)):
+        engine.add_request({"prompt_token_ids": prompt}, params, request_id=f"run{i}")
+    engine.step()  # both prefill and get their first token
+    engine.add_request({"prompt_token_ids": mixed_prompts(2, 1000, 1000, vocab=500)[0]},
+                       SamplingParams(temperature=0, max_tokens=1), request_id="long")
+    steps = 0
+    while True:
+        advanced = {delta.request_id for delta in engine.step()}
+        steps += 1
+        assert {"run0", "run1"} <= advanced  # the running requests never wait
+        if "long" in advanced:
+            break
+    assert steps == -(-1000 // (128 - 2))  # 126 prompt tokens a step next to the two decodes
+    engine.shutdown()

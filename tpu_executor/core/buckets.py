@@ -98,10 +98,6 @@ class PrefillCall:
         """Tokens the pack computes: what the token bucket is picked by."""
         return sum(len(w.token_ids) for w in self.pack)
 
-    @property
-    def context_tokens(self) -> int:
-        """Cached + new tokens of the pack: what the key width is picked by."""
-        return sum(w.num_context_tokens for w in self.pack)
 
     def count_into(self, padding: PaddingStats) -> None:
         padding.prefill_tokens_real += sum(len(w.token_ids) for w in self.pack)
@@ -126,19 +122,26 @@ class DecodeCall:
 ModelCall = Union[PrefillCall, DecodeCall]
 
 
-def pack_prefills(work: Sequence[PrefillWork], max_tokens: int, max_keys: int, max_seqs: int) -> List[List[PrefillWork]]:
+def context_keys(work: PrefillWork, block_size: int) -> int:
+    """The keys ``work`` takes in a prefill call: its context (cached + new tokens) filled to
+    whole pages (the Pallas kernel reads keys page by page)."""
+    return -(-work.num_context_tokens // block_size) * block_size
+
+
+def pack_prefills(work: Sequence[PrefillWork], max_tokens: int, max_keys: int, max_seqs: int,
+                  block_size: int) -> List[List[PrefillWork]]:
     """Group prefills, in order, into packs of at most ``max_seqs`` sequences whose new tokens
-    add up to at most ``max_tokens`` and whose contexts (cached + new) to at most ``max_keys``."""
+    add up to at most ``max_tokens`` and whose context keys to at most ``max_keys``."""
     packs: List[List[PrefillWork]] = []
     tokens = keys = max_tokens + max_keys + 1
     for item in work:
-        if (tokens + len(item.token_ids) > max_tokens or keys + item.num_context_tokens > max_keys
-                or len(packs[-1]) == max_seqs):
+        item_keys = context_keys(item, block_size)
+        if tokens + len(item.token_ids) > max_tokens or keys + item_keys > max_keys or len(packs[-1]) == max_seqs:
             packs.append([])
             tokens = keys = 0
         packs[-1].append(item)
         tokens += len(item.token_ids)
-        keys += item.num_context_tokens
+        keys += item_keys
     return packs
 
 
@@ -196,7 +199,8 @@ class BucketPlan:
         return (0,) + tuple(k for k in self.context_token_buckets if k > num_tokens)
 
     def prefill_graph(self, num_tokens: int, num_context: int) -> PrefillGraph:
-        """The graph for a pack of ``num_tokens`` new tokens over ``num_context`` keys."""
+        """The graph for a pack of ``num_tokens`` new tokens over ``num_context`` keys (its
+        contexts filled to whole pages)."""
         buckets = self.prefill_token_buckets
         tokens = pick_bucket(buckets, num_tokens)
         if num_context + (num_tokens < tokens) <= tokens:
@@ -210,6 +214,11 @@ class BucketPlan:
         # Wider than every context width (a pack of several contexts): a larger bucket's short form.
         return PrefillGraph(pick_bucket(buckets, num_context + 1))
 
+    def pack_graph(self, pack: Sequence[PrefillWork]) -> PrefillGraph:
+        """The graph of one packed prefill call."""
+        return self.prefill_graph(sum(len(w.token_ids) for w in pack),
+                                  sum(context_keys(w, self.block_size) for w in pack))
+
     def decode_graph(self, num_rows: int, context_blocks: int) -> DecodeGraph:
         return DecodeGraph(pick_bucket(self.decode_row_buckets, num_rows),
                            pick_bucket(self.decode_context_block_buckets, context_blocks))
@@ -219,9 +228,8 @@ class BucketPlan:
         calls: List[ModelCall] = []
         # One key short of the widest: room for the padding key.
         for pack in pack_prefills(step.prefills, self.max_prefill_tokens, self.max_prefill_keys - 1,
-                                  self.max_prefill_seqs):
-            graph = self.prefill_graph(sum(len(w.token_ids) for w in pack), sum(w.num_context_tokens for w in pack))
-            calls.append(PrefillCall(tuple(pack), graph))
+                                  self.max_prefill_seqs, self.block_size):
+            calls.append(PrefillCall(tuple(pack), self.pack_graph(pack)))
         if step.decodes:
             needed = tuple(w.position // self.block_size + 1 for w in step.decodes)
             calls.append(DecodeCall(step.decodes, needed, self.decode_graph(len(needed), max(needed))))

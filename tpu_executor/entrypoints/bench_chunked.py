@@ -17,6 +17,7 @@ token, warm-up seconds and compiled graphs of each engine, then a Markdown table
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -32,7 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("chunked-prefill", help="inter-token latency with a long prompt arriving, "
                                    "chunked vs whole", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", choices=MODELS)
+    parser.add_argument("--model", default="smollm2", help=f"one of {', '.join(MODELS)}, or a checkpoint directory")
     parser.add_argument("--device", default="cpu", help="cpu (native path) or xla")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--long-prompt-len", type=int, default=1800)
@@ -102,13 +103,16 @@ def _run(engine, args: argparse.Namespace, rng: random.Random, vocab_size: int) 
             "max": gaps[-1], "ttft": first_long_token_at - arrived_at, "samples": len(gaps)}
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> List:
+    """Measure both engines and print their figures; returns (config name, result) rows."""
     from transformers import AutoConfig
 
+    if not os.path.isdir(args.model) and args.model not in MODELS:
+        raise SystemExit(f"--model {args.model!r} is neither one of {', '.join(MODELS)} nor a checkpoint directory")
     if args.long_prompt_len + 1 > args.max_model_len:
         raise SystemExit(f"--long-prompt-len {args.long_prompt_len} leaves no room for output in "
                          f"--max-model-len {args.max_model_len}")
-    path = model_path(args.model)
+    path = args.model if os.path.isdir(args.model) else model_path(args.model)
     vocab_size = AutoConfig.from_pretrained(path).vocab_size
     rows = []
     for name, chunked in zip(CONFIGS, (True, False)):
@@ -118,6 +122,7 @@ def run(args: argparse.Namespace) -> None:
               f"warm-up {result['warmup_s']:.1f} s, {result['graphs']} graphs ({result['graphs_after']} after warm-up)")
         rows.append((name, result))
     print_table(args, rows)
+    return rows
 
 
 def print_table(args: argparse.Namespace, rows) -> None:

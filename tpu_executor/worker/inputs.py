@@ -18,6 +18,7 @@ from typing import Dict, Sequence
 import numpy as np
 import torch
 
+from tpu_executor.core.buckets import context_keys
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.step import DecodeWork, PrefillWork, SamplingMeta
 
@@ -34,8 +35,8 @@ def _as_tensors(arrays: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
 def prefill_inputs(pack: Sequence[PrefillWork], num_tokens: int, num_keys: int, max_seqs: int,
                    block_size: int) -> Dict[str, torch.Tensor]:
     """Several sequences' new tokens (whole prompts or chunks) packed into one ``num_tokens``
-    row, with their contexts (cached, earlier chunks, new) as ``num_keys`` keys. Padding
-    queries and keys share segment -1."""
+    row, with their contexts (cached, earlier chunks, new) as ``num_keys`` keys, each context
+    in whole pages. Padding queries and keys share segment -1."""
     t = {name: np.zeros(size, dtype=np.int64) for name, size in
          (("input_ids", num_tokens), ("positions", num_tokens), ("slot_mapping", num_tokens),
           ("context_slots", num_keys), ("key_positions", num_keys))}
@@ -44,17 +45,20 @@ def prefill_inputs(pack: Sequence[PrefillWork], num_tokens: int, num_keys: int, 
     t["logits_indices"] = np.zeros(max_seqs, dtype=np.int64)
     query_at = key_at = 0
     for segment, item in enumerate(pack):
-        num_new, num_ctx = len(item.token_ids), item.num_context_tokens
-        q, k = slice(query_at, query_at + num_new), slice(key_at, key_at + num_ctx)
+        num_new, num_ctx, num_keys = len(item.token_ids), item.num_context_tokens, context_keys(item, block_size)
+        q, k = slice(query_at, query_at + num_new), slice(key_at, key_at + num_keys)
         t["input_ids"][q] = item.token_ids
         t["positions"][q] = np.arange(item.start_pos, num_ctx)
         t["slot_mapping"][q] = _slots(item.block_ids, t["positions"][q], block_size)
         t["query_segments"][q] = segment
-        t["key_positions"][k] = np.arange(num_ctx)
-        t["context_slots"][k] = _slots(item.block_ids, t["key_positions"][k], block_size)
-        t["key_segments"][k] = segment
+        # Keys fill the context's last page to its end (the kernel reads whole pages); the
+        # fill keys are padding (segment -1) but keep their page's slots.
+        page_positions = np.arange(num_keys)
+        t["context_slots"][k] = _slots(item.block_ids, page_positions, block_size)
+        t["key_positions"][k] = np.where(page_positions < num_ctx, page_positions, 0)
+        t["key_segments"][k] = np.where(page_positions < num_ctx, segment, -1)
         t["logits_indices"][segment] = query_at + num_new - 1
-        query_at, key_at = query_at + num_new, key_at + num_ctx
+        query_at, key_at = query_at + num_new, key_at + num_keys
     return _as_tensors(t)
 
 

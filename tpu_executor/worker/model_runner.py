@@ -140,7 +140,7 @@ class ModelRunner:
         tokens = min(self.plan.max_prefill_tokens, keys)
         work = PrefillWork("profile", tuple([0] * tokens), keys - tokens,
                            tuple(range(1, self.config.max_blocks_per_seq + 1)), SamplingMeta.greedy())
-        self._prefill_logits([work], self.plan.prefill_graph(tokens, keys), kv_caches).cpu()
+        self._prefill_logits([work], self.plan.pack_graph([work]), kv_caches).cpu()
 
     @torch.no_grad()
     def warmup(self, show_progress: bool = True) -> None:

@@ -106,7 +106,7 @@ class ReplayResult:
 
     def graphs_under(self, plan: BucketPlan) -> List[Tuple[ModelCall, Graph]]:
         """Each replayed model call with the graph ``plan`` would run it on."""
-        return [(call, plan.prefill_graph(call.new_tokens, call.context_tokens) if isinstance(call, PrefillCall)
+        return [(call, plan.pack_graph(call.pack) if isinstance(call, PrefillCall)
                  else plan.decode_graph(len(call.work), max(call.needed_blocks))) for call in self.calls]
 
 
