@@ -26,7 +26,7 @@ until the token is back (the prefill must include it).
 from __future__ import annotations
 
 from collections import deque
-from typing import Collection, Deque, Dict, List, Set
+from typing import Collection, Deque, Dict, List
 
 from tpu_executor.core.config import SchedulerConfig
 from tpu_executor.core.kv_cache_manager import KVCacheManager
@@ -83,7 +83,7 @@ class Scheduler:
         running prompts, then new requests) in what is left of the token budget."""
         decodes = self._schedule_decodes()
         budget = self.config.max_num_batched_tokens - len(decodes)
-        chunks = self._schedule_chunks(budget, {work.request_id for work in decodes})
+        chunks = self._schedule_chunks(budget, decodes)
         budget -= sum(len(work.token_ids) for work in chunks)
         prefills = self._schedule_prefills(budget, bool(decodes or chunks))
         return SchedulerOutput(prefills=tuple(chunks + prefills), decodes=tuple(decodes))
@@ -116,22 +116,23 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_chunks(self, budget: int, scheduled: Set[str]) -> List[PrefillWork]:
-        """The next chunk of each running request that is still prefilling, in admission order
-        (``scheduled``: the requests with work in this step so far)."""
+    def _schedule_chunks(self, budget: int, decodes: List[DecodeWork]) -> List[PrefillWork]:
+        """The next chunk of each running request that is still prefilling, in admission order.
+        Blocks come without preempting a request that has work in the step already."""
         chunks: List[PrefillWork] = []
-        for request in list(self.running):
+        prefilling = [request for request in self.running if request.is_prefilling]
+        scheduled = _LazyIds(decodes, chunks)
+        for request in prefilling:
             if budget <= 0:
                 break
-            if request.status is not RequestStatus.RUNNING or not request.is_prefilling:
-                continue  # preempted by an earlier chunk's allocation, or decoding
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted by an earlier chunk's allocation
             start = request.num_computed_tokens
             num_new = min(request.num_prefill_tokens - start, budget, self.max_chunk_tokens)
             # Blocks full before this chunk hold K/V that earlier steps computed: cacheable.
             self.kv_cache.cache_computed_blocks(request.request_id, request.all_token_ids, start)
             if self._allocate_or_preempt(request, start + num_new, scheduled):
                 chunks.append(self._chunk(request, num_new))
-                scheduled.add(request.request_id)
                 budget -= num_new
         return chunks
 
@@ -207,3 +208,20 @@ class Scheduler:
                 request.output_logprobs.append({token.token_id: token.logprob, **token.top_logprobs})
             updated.append(request)
         return updated
+
+
+class _LazyIds:
+    """The ids of the work scheduled so far, built only when asked (a preemption while
+    allocating a chunk's blocks): most steps never ask."""
+
+    def __init__(self, *works: List):
+        self._works = works
+        self._ids: set = set()
+        self._size = 0
+
+    def __contains__(self, request_id: str) -> bool:
+        size = sum(len(items) for items in self._works)
+        if size != self._size:  # work was added since the last question
+            self._ids = {work.request_id for items in self._works for work in items}
+            self._size = size
+        return request_id in self._ids

@@ -175,3 +175,23 @@ def test_chunked_prompts_share_their_finished_blocks(prefix_caching):
     assert {w.request_id: w.start_pos for w in out.prefills} == {"a": 24, "b": 24 if prefix_caching else 0}
     run_to_completion(scheduler, kv, [], running=[first, second])
     assert first.output_token_ids == second.output_token_ids == expected_outputs(30, 2)
+
+
+def test_a_chunk_never_preempts_a_request_already_scheduled_in_the_step():
+    kv = KVCacheManager(6, BLOCK)  # 5 usable blocks
+    config = SchedulerConfig(8, 64)
+    scheduler = Scheduler(config, kv, max_model_len=10_000, max_chunk_tokens=8)
+    a, b, c = make_request("a", 3, 50, first=100), make_request("b", 20, 2), make_request("c", 3, 50, first=200)
+    table = {"a": a, "b": b, "c": c}
+    scheduler.add(a)
+    step_sync(scheduler, table)
+    scheduler.add(b)
+    scheduler.add(c)
+    out = step_sync(scheduler, table)  # a decodes, b's first chunk of 8, c admitted after b
+    assert [(w.request_id, w.is_last_chunk) for w in out.prefills] == [("b", False), ("c", True)]
+    out = scheduler.schedule()  # a and c decode; b's next chunk finds no free block
+    assert [w.request_id for w in out.decodes] == ["a", "c"] and not out.prefills
+    # b gave way, not c (the last admitted, whose decode is already in the step)
+    assert b.status is RequestStatus.WAITING and c.status is RequestStatus.RUNNING
+    assert set(kv.block_ids("c")) >= set(out.decodes[1].block_ids)
+    kv.check_invariants()
