@@ -41,6 +41,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is computed or scheduled
     num_prefill_tokens: int = 0  # tokens the current prefill covers (set on admission)
+    last_chunk_start: int = 0  # where the latest prefill chunk began (tokens before it are computed)
     num_preemptions: int = 0
     num_in_flight: int = 0  # tokens scheduled whose ids have not come back yet
     cumulative_logprob: float = 0.0

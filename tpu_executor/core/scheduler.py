@@ -8,7 +8,8 @@ prefill a prompt longer than what is left of the budget is cut into chunks, one 
 reading the earlier ones' K/V from the pages like a prefix-cache hit; only the last chunk is
 sampled. Without it a prompt runs whole, in a step of its own if it exceeds the budget. A
 preempted request loses its blocks and returns to the front of the queue; its prompt and the
-tokens it already produced are prefilled again, so nothing it generated is lost.
+tokens it already produced are prefilled again, so nothing it generated is lost. A step that
+had to preempt admits no waiting request (it would only take the blocks back).
 
 A request's prefill covers ``num_prefill_tokens`` (its prompt, plus its outputs when it is
 re-prefilled after preemption); while ``num_computed_tokens`` (computed or scheduled) is below
@@ -81,11 +82,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step's work: decodes of running requests first, then prefills (chunks of
         running prompts, then new requests) in what is left of the token budget."""
+        preemptions = self.num_preemptions
         decodes = self._schedule_decodes()
         budget = self.config.max_num_batched_tokens - len(decodes)
         chunks = self._schedule_chunks(budget, decodes)
         budget -= sum(len(work.token_ids) for work in chunks)
-        prefills = self._schedule_prefills(budget, bool(decodes or chunks))
+        prefills: List[PrefillWork] = []
+        if self.num_preemptions == preemptions:  # blocks are short: admit nobody (as vLLM)
+            prefills = self._schedule_prefills(budget, bool(decodes or chunks))
         return SchedulerOutput(prefills=tuple(chunks + prefills), decodes=tuple(decodes))
 
     def _schedule_decodes(self) -> List[DecodeWork]:
@@ -129,8 +133,9 @@ class Scheduler:
                 continue  # preempted by an earlier chunk's allocation
             start = request.num_computed_tokens
             num_new = min(request.num_prefill_tokens - start, budget, self.max_chunk_tokens)
-            # Blocks full before this chunk hold K/V that earlier steps computed: cacheable.
-            self.kv_cache.cache_computed_blocks(request.request_id, request.all_token_ids, start)
+            # Blocks full before the previous chunk hold K/V of steps that have finished (the
+            # previous chunk's step may still run, or fail): those are safe to share.
+            self.kv_cache.cache_computed_blocks(request.request_id, request.all_token_ids, request.last_chunk_start)
             if self._allocate_or_preempt(request, start + num_new, scheduled):
                 chunks.append(self._chunk(request, num_new))
                 budget -= num_new
@@ -140,6 +145,7 @@ class Scheduler:
         """Prefill work for the next ``num_new`` tokens of ``request`` (its blocks allocated)."""
         start = request.num_computed_tokens
         tokens = request.all_token_ids
+        request.last_chunk_start = start
         request.num_computed_tokens = start + num_new
         is_last = request.num_computed_tokens == request.num_prefill_tokens
         work = PrefillWork(request.request_id, tuple(tokens[start:start + num_new]), start,
