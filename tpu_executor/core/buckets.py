@@ -4,9 +4,10 @@ and every graph it compiles.
 XLA compiles one graph per input shape, so each dynamic size is padded up to a bucket:
 
 * prefill calls by **tokens** (new tokens of up to ``max_prefill_seqs`` packed prompts or
-  prompt chunks) and by **keys** (their cached + new tokens): a call whose keys fit its token
-  bucket pads keys to the same size (the short form); a longer context (a later chunk of a
-  long prompt, a prefix-cache hit) takes a key width from the context buckets,
+  prompt chunks) and by **keys** (their cached + new tokens, each context filled to whole
+  pages): a call whose keys fit its token bucket plus a page per packed prompt takes that many
+  keys (the short form); a longer context (a later chunk of a long prompt, a prefix-cache hit)
+  takes a key width from the context buckets,
 * decode calls by **rows** (sequences) times **context blocks** (block-table width),
 * the sampler by **rows** (decode batch buckets and the prefill pack size), by whether any
   row wants log-probs, and by whether every row is greedy.
@@ -55,7 +56,7 @@ def geometric_fill(buckets: Tuple[int, ...], factor: int = 4) -> Tuple[int, ...]
 @dataclass(frozen=True)
 class PrefillGraph:
     """The model step over one packed prefill row of ``num_tokens`` query tokens attending
-    over ``num_keys`` context keys (0: the short form, as many keys as tokens)."""
+    over ``num_keys`` context keys (the plan always sets it; 0 means as many as tokens)."""
 
     num_tokens: int
     num_keys: int = 0
@@ -179,7 +180,12 @@ class BucketPlan:
     @property
     def max_prefill_keys(self) -> int:
         """The most context keys one prefill call attends over."""
-        return max(self.prefill_token_buckets[-1], self.context_token_buckets[-1])
+        return max(self.short_keys(self.prefill_token_buckets[-1]), self.context_token_buckets[-1])
+
+    def short_keys(self, num_tokens: int) -> int:
+        """The keys of token bucket ``num_tokens``'s short form: its tokens plus a page per
+        packed prompt, room to fill each context to whole pages (the kernel's layout)."""
+        return num_tokens + self.max_prefill_seqs * self.block_size
 
     def long_form_buckets(self) -> Tuple[int, ...]:
         """The token buckets that also run over context widths wider than themselves: the
@@ -192,27 +198,29 @@ class BucketPlan:
         return tuple(reversed(chosen))
 
     def key_widths(self, num_tokens: int) -> Tuple[int, ...]:
-        """The key widths of token bucket ``num_tokens``: the short form (0), then, for the
+        """The key widths of token bucket ``num_tokens``: the short form's, then, for the
         long-form buckets, every context bucket above it."""
+        short = self.short_keys(num_tokens)
         if num_tokens not in self.long_form_buckets():
-            return (0,)
-        return (0,) + tuple(k for k in self.context_token_buckets if k > num_tokens)
+            return (short,)
+        return (short,) + tuple(k for k in self.context_token_buckets if k > short)
 
     def prefill_graph(self, num_tokens: int, num_context: int) -> PrefillGraph:
         """The graph for a pack of ``num_tokens`` new tokens over ``num_context`` keys (its
         contexts filled to whole pages)."""
         buckets = self.prefill_token_buckets
+        # Padding queries need a padding key to attend to (a query that sees no key is NaN).
+        needed = lambda tokens: num_context + (num_tokens < tokens)  # noqa: E731
         tokens = pick_bucket(buckets, num_tokens)
-        if num_context + (num_tokens < tokens) <= tokens:
-            return PrefillGraph(tokens)
+        if needed(tokens) <= self.short_keys(tokens):
+            return PrefillGraph(tokens, self.short_keys(tokens))
         for long_tokens in self.long_form_buckets():
-            # Padding queries need a padding key to attend to (a query that sees no key is NaN).
-            keys = num_context + (num_tokens < long_tokens)
             widths = self.key_widths(long_tokens)[1:]
-            if long_tokens >= num_tokens and widths and keys <= widths[-1]:
-                return PrefillGraph(long_tokens, pick_bucket(widths, keys))
+            if long_tokens >= num_tokens and widths and needed(long_tokens) <= widths[-1]:
+                return PrefillGraph(long_tokens, pick_bucket(widths, needed(long_tokens)))
         # Wider than every context width (a pack of several contexts): a larger bucket's short form.
-        return PrefillGraph(pick_bucket(buckets, num_context + 1))
+        tokens = next(t for t in buckets if t >= num_tokens and needed(t) <= self.short_keys(t))
+        return PrefillGraph(tokens, self.short_keys(tokens))
 
     def pack_graph(self, pack: Sequence[PrefillWork]) -> PrefillGraph:
         """The graph of one packed prefill call."""

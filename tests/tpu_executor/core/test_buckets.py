@@ -51,14 +51,14 @@ def test_context_widths_grow_4x_up_to_the_model_length(tmp_path):
 def test_picking_a_bucket(tmp_path):
     plan = BucketPlan.from_config(config(tmp_path, chunked=False, prefill_buckets=(64, 128), decode_buckets=(4, 8),
                                          decode_context_buckets=(128,)))
-    assert plan.prefill_graph(65, 65) == PrefillGraph(128)
-    assert plan.prefill_graph(20, 63) == PrefillGraph(64)          # keys fit the tokens: short form
-    assert plan.prefill_graph(64, 64) == PrefillGraph(64)
-    assert plan.prefill_graph(20, 64) == PrefillGraph(64, 128)     # no room left for the padding key
-    assert plan.prefill_graph(20, 100) == PrefillGraph(64, 128)    # a longer context: a key width
+    # short forms: the tokens plus a page per packed prompt (8 x 16 keys)
+    assert plan.prefill_graph(65, 80) == PrefillGraph(128, 256)
+    assert plan.prefill_graph(20, 191) == PrefillGraph(64, 192)
+    assert plan.prefill_graph(64, 192) == PrefillGraph(64, 192)    # no padding query: no padding key
+    assert plan.prefill_graph(20, 192) == PrefillGraph(64, 320)    # no room left for the padding key
     # 128 has no long forms (only buckets 4x apart from the top do): the short form that holds the keys
     assert plan.long_form_buckets() == (64, 320)
-    assert plan.prefill_graph(100, 300) == PrefillGraph(320)
+    assert plan.prefill_graph(100, 300) == PrefillGraph(320, 448)
     assert plan.decode_graph(5, 9) == DecodeGraph(8, 20)
     assert plan.sampler_graph(8, wants_logprobs=True, all_greedy=False) == SamplerGraph(8, 20, False)
     assert plan.sampler_graph(8, wants_logprobs=False, all_greedy=True) == SamplerGraph(8, 0, True)
@@ -72,9 +72,9 @@ def test_graph_list_covers_every_combination_once(tmp_path):
                                          decode_context_buckets=(128,), max_prefill_seqs=8, max_logprobs=5))
     graphs = plan.graphs()
     assert len(graphs) == len(set(graphs))
-    # each token bucket in the short form and with every wider context width
+    # each token bucket in the short form (its tokens plus 8 pages of 16) and with every wider context width
     assert [g for g in graphs if isinstance(g, PrefillGraph)] == [
-        PrefillGraph(32), PrefillGraph(32, 128), PrefillGraph(32, 320), PrefillGraph(128), PrefillGraph(128, 320)]
+        PrefillGraph(32, 160), PrefillGraph(32, 320), PrefillGraph(128, 256), PrefillGraph(128, 320)]
     # rows (2, 8, and max_num_seqs 24) x context widths (128 and max_model_len 320 tokens)
     assert len([g for g in graphs if isinstance(g, DecodeGraph)]) == 3 * 2
     # rows (2, 8, 24; the prefill pack size 8 is among them) x logprobs (0, 5) x greedy or not
