@@ -174,7 +174,7 @@ def test_a_bucket_whose_kernel_does_not_lower_is_dropped_with_its_reason(monkeyp
 
     def lower(graphs, *args, **kwargs):  # the smallest prefill bucket fails to lower
         graphs = list(graphs)
-        failing.append(PrefillGraph(min(g.num_tokens for g in graphs if isinstance(g, PrefillGraph))))
+        failing.append(min((g for g in graphs if isinstance(g, PrefillGraph)), key=lambda g: g.num_tokens))
         return [LoweringResult(g, "prefill_attention", "MosaicError: block shape" if g == failing[0] else None)
                 for g in graphs]
     monkeypatch.setattr(tuner, "lower_graphs", lower)
