@@ -16,7 +16,7 @@ the next delta or, truncated, with the last one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from tpu_executor.core.request import Request, RequestStatus
 from tpu_executor.core.sampling_params import SamplingParams
@@ -25,7 +25,7 @@ from tpu_executor.core.sampling_params import SamplingParams
 _CONTEXT_TOKENS = 6
 
 
-@dataclass
+@dataclass(slots=True)
 class DetokenizerState:
     """Per-sample decoding state: the text so far, the decode window offsets, and how much of
     the text has been handed out in deltas."""
@@ -58,12 +58,13 @@ class Detokenizer:
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def append_token(self, state: DetokenizerState, all_token_ids: List[int]) -> str:
-        """Add the text of the last token of ``all_token_ids``; returns the new characters."""
+    def append_token(self, state: DetokenizerState, request: Request) -> str:
+        """Add the text of the request's newest output token; returns the new characters."""
         if state.stream is not None:
-            new_text = state.stream.step(self._backend, all_token_ids[-1]) or ""
+            new_text = state.stream.step(self._backend, request.output_token_ids[-1]) or ""
             state.text += new_text
             return new_text
+        all_token_ids = request.all_token_ids
         prefix = self._decode(all_token_ids[state.prefix_offset:state.read_offset])
         full = self._decode(all_token_ids[state.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
@@ -121,10 +122,10 @@ def _stream_backend(tokenizer) -> Optional[Any]:
 
 def take_text_delta(state: DetokenizerState, params: SamplingParams, finished: bool) -> str:
     """The text not handed out yet, less the hold-back a later stop string could still cut."""
-    hold = 0
+    end = len(state.text)
     if params.stop and not params.include_stop_str_in_output and not finished:
-        hold = max(len(stop) for stop in params.stop) - 1
-    end = max(state.sent_text_len, len(state.text) - hold)
+        end -= max(len(stop) for stop in params.stop) - 1
+    end = max(state.sent_text_len, end)
     delta = state.text[state.sent_text_len:end]
     state.sent_text_len = end
     return delta

@@ -47,6 +47,8 @@ class KVCacheManager:
         self._cached: Dict[bytes, int] = {}
         self._req_blocks: Dict[str, List[int]] = {}
         self._req_hashes: Dict[str, List[bytes]] = {}
+        # Each request's blocks as a tuple (a step's inputs), rebuilt only when they change.
+        self._req_tables: Dict[str, Tuple[int, ...]] = {}
         # Prefix-cache figures, in tokens, counted when a request is admitted.
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -65,6 +67,14 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> List[int]:
         return self._req_blocks.get(request_id, [])
+
+    def block_table(self, request_id: str) -> Tuple[int, ...]:
+        """The request's blocks in order, as the tuple a step's work carries (the same object
+        while they do not change: most decode steps allocate nothing)."""
+        table = self._req_tables.get(request_id)
+        if table is None:
+            table = self._req_tables[request_id] = tuple(self._req_blocks.get(request_id, ()))
+        return table
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -103,6 +113,7 @@ class KVCacheManager:
         if new_needed + reused_free > self.num_free_blocks:
             return False
         table = self._req_blocks.setdefault(request_id, [])
+        self._req_tables.pop(request_id, None)
         for block_id in cached:
             self._take(block_id)
             table.append(block_id)
@@ -130,6 +141,14 @@ class KVCacheManager:
         block.ref_count = 1
         return block_id
 
+    def has_blocks_to_cache(self, request_id: str, num_computed: int) -> bool:
+        """Whether ``num_computed`` tokens fill a block of the request not yet registered
+        (a cheap test before ``cache_computed_blocks``; most decode steps fill none)."""
+        if not self.enable_prefix_caching:
+            return False
+        hashes = self._req_hashes.get(request_id)
+        return num_computed >= (len(hashes) + 1 if hashes else 1) * self.block_size
+
     def cache_computed_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Register hashes of the request's blocks fully covered by ``num_computed`` tokens."""
         if not self.enable_prefix_caching:
@@ -150,6 +169,7 @@ class KVCacheManager:
         """Drop the request's references; its blocks become free (still cached) at zero."""
         table = self._req_blocks.pop(request_id, [])
         self._req_hashes.pop(request_id, None)
+        self._req_tables.pop(request_id, None)
         # Tail blocks first, so they are evicted before the shared prefix blocks.
         for block_id in reversed(table):
             block = self.blocks[block_id]
@@ -160,8 +180,9 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Raise AssertionError if the accounting is inconsistent (used by tests)."""
         expected = [0] * len(self.blocks)
-        for table in self._req_blocks.values():
+        for request_id, table in self._req_blocks.items():
             assert len(set(table)) == len(table), "a request holds the same block twice"
+            assert self._req_tables.get(request_id, tuple(table)) == tuple(table), "stale block table"
             for block_id in table:
                 expected[block_id] += 1
         assert expected[NULL_BLOCK] == 0 and NULL_BLOCK not in self._free, "null block handed out"

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional
 
 from tpu_executor.core.sampling_params import SamplingParams
+from tpu_executor.core.step import SamplingMeta
 
 
 class RequestStatus(enum.Enum):
@@ -23,7 +24,9 @@ class RequestStatus(enum.Enum):
         return self is not RequestStatus.WAITING and self is not RequestStatus.RUNNING
 
 
-@dataclass
+# slots: its fields are read for every running sequence on every step; eq=False: a request is
+# itself (the scheduler finds it in its queues by identity, not by comparing every field).
+@dataclass(slots=True, eq=False)
 class Request:
     """One sequence being generated: prompt, outputs so far and scheduling state.
 
@@ -48,6 +51,12 @@ class Request:
     stop_reason: Optional[object] = None
     error: Optional[str] = None
     _token_ids: List[int] = field(default_factory=list, init=False, repr=False)
+    sampling: SamplingMeta = field(init=False, repr=False)  # the sampler's view, built once
+
+    def __post_init__(self) -> None:
+        params = self.sampling_params
+        self.sampling = SamplingMeta(params.temperature, params.top_k, params.top_p, params.min_p, self.seed,
+                                     len(self.prompt_token_ids), -1 if params.logprobs is None else params.logprobs)
 
     @property
     def all_token_ids(self) -> List[int]:
@@ -85,7 +94,7 @@ class Request:
         return self.status.value if self.is_finished else None
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One sample of a request: text, token ids, cumulative and per-token log-probs.
 
@@ -114,7 +123,7 @@ class CompletionOutput:
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """When a request arrived and when its first sample was first scheduled
     (``time.monotonic()`` seconds); the difference is its time in the queue."""
@@ -129,7 +138,7 @@ class RequestMetrics:
         return self.first_scheduled_time - self.arrival_time
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """A request's output (vLLM's shape). ``LLMEngine.step`` returns deltas: ``outputs`` holds
     the samples that advanced in that step, each with only its new text, ids and log-probs;

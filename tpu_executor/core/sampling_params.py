@@ -1,8 +1,19 @@
 """Sampling parameters of one request (pure Python), shaped like vLLM's ``SamplingParams``."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
+
+
+class RequestOutputKind(enum.Enum):
+    """What ``LLMEngine.step`` hands out for a request (vLLM's names). ``DELTA``: a delta on
+    every step the request advances (streaming). ``FINAL_ONLY``: one output when it finishes,
+    holding everything (``LLM.generate`` asks for it: no per-step output objects or text
+    slicing for requests nobody reads until the end)."""
+
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _check(condition: bool, message: str) -> None:
@@ -32,6 +43,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
     def __post_init__(self):
         stop = self.stop
@@ -59,6 +71,8 @@ class SamplingParams:
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
                f"logprobs must be None or a non-negative integer, got {self.logprobs!r}")
+        _check(isinstance(self.output_kind, RequestOutputKind),
+               f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def is_greedy(self) -> bool:

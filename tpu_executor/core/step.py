@@ -11,21 +11,23 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 
 class SamplingMeta(NamedTuple):
-    """What the device sampler needs for one row; ``step`` is the output position (seeding),
-    ``num_logprobs`` is -1 when the request wants no log-probs."""
+    """What the device sampler needs for one row, fixed for the request's life (built once, so
+    a step makes no new one per sequence). A row's seeding step is the index of the token it
+    samples among the outputs: ``sampled_position - prompt_len``. ``num_logprobs`` is -1 when
+    the request wants no log-probs."""
 
     temperature: float
     top_k: int
     top_p: float
     min_p: float
     seed: int
-    step: int
+    prompt_len: int
     num_logprobs: int
 
     @classmethod
     def greedy(cls) -> "SamplingMeta":
         """A greedy row that wants no log-probs (padding rows, warm-up, profiling)."""
-        return cls(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, step=0, num_logprobs=-1)
+        return cls(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, prompt_len=0, num_logprobs=-1)
 
 
 class PrefillWork(NamedTuple):
@@ -45,6 +47,11 @@ class PrefillWork(NamedTuple):
         """Cached plus new tokens: the keys this prompt attends over."""
         return self.start_pos + len(self.token_ids)
 
+    @property
+    def sampled_position(self) -> int:
+        """The position of the token this work samples."""
+        return self.start_pos + len(self.token_ids)
+
 
 # A decode's input token that the previous step is still sampling (asynchronous scheduling):
 # the worker takes it from that step's output for the same request.
@@ -59,6 +66,11 @@ class DecodeWork(NamedTuple):
     position: int
     block_ids: Tuple[int, ...]
     sampling: SamplingMeta
+
+    @property
+    def sampled_position(self) -> int:
+        """The position of the token this work samples."""
+        return self.position + 1
 
 
 @dataclass(frozen=True)
@@ -83,20 +95,49 @@ class SchedulerOutput:
         return [w.request_id for w in self.prefills if w.is_last_chunk] + [w.request_id for w in self.decodes]
 
 
-class SampledToken(NamedTuple):
-    """One sampled token with its log-prob and, if asked for, the top-N alternatives."""
+@dataclass(frozen=True)
+class SampledTokens:
+    """The tokens a step sampled, as columns (one list per field, not one record per row:
+    hundreds of rows per step). Row ``i`` is request ``request_ids[i]``'s token and its
+    log-prob; ``top_logprobs[i]`` its top-N alternatives, None for a request that asked for no
+    log-probs (the whole column is None when no request asked)."""
 
-    token_id: int
-    logprob: float
-    top_logprobs: Optional[Dict[int, float]] = None
+    request_ids: List[str] = field(default_factory=list)
+    token_ids: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    top_logprobs: Optional[List[Optional[Dict[int, float]]]] = None
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def token_ids_by_request(self) -> Dict[str, int]:
+        return dict(zip(self.request_ids, self.token_ids))
+
+    def rows(self, indices: Sequence[int]) -> "SampledTokens":
+        """Only the given rows, in that order."""
+        top = self.top_logprobs
+        return SampledTokens([self.request_ids[i] for i in indices], [self.token_ids[i] for i in indices],
+                             [self.logprobs[i] for i in indices], None if top is None else [top[i] for i in indices])
+
+    @staticmethod
+    def concat(parts: Sequence["SampledTokens"]) -> "SampledTokens":
+        """The rows of every part, in order."""
+        if len(parts) == 1:
+            return parts[0]
+        top = None
+        if any(part.top_logprobs is not None for part in parts):
+            top = [t for part in parts for t in (part.top_logprobs or [None] * len(part))]
+        return SampledTokens([r for part in parts for r in part.request_ids],
+                             [t for part in parts for t in part.token_ids],
+                             [lp for part in parts for lp in part.logprobs], top)
 
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """A worker's answer to one step: a token per scheduled request, or the error that failed
+    """A worker's answer to one step: a token per sampled request, or the error that failed
     the step (the worker caught it; its requests fail, the engine goes on)."""
 
-    sampled: Dict[str, SampledToken] = field(default_factory=dict)
+    sampled: SampledTokens = field(default_factory=SampledTokens)
     error: Optional[str] = None
 
 

@@ -15,7 +15,7 @@ import random
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from tpu_executor.core.buckets import BucketPlan
 from tpu_executor.core.config import EngineConfig
@@ -23,7 +23,7 @@ from tpu_executor.core.detokenizer import Detokenizer, DetokenizerState, take_te
 from tpu_executor.core.kv_cache_manager import KVCacheManager
 from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
-from tpu_executor.core.sampling_params import SamplingParams
+from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams
 from tpu_executor.core.scheduler import Scheduler
 from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerStats
 from tpu_executor.engine.options import build_engine_config
@@ -36,13 +36,17 @@ logger = logging.getLogger(__name__)
 PromptType = Union[str, Dict[str, List[int]]]
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleStream:
     """What one sample has produced and how much of it has gone out in deltas."""
 
     request: Request
     detok: DetokenizerState
+    group_id: str
+    index: int  # among the group's samples
+    final_only: bool  # the request wants one output when it finishes (RequestOutputKind.FINAL_ONLY)
     sent_tokens: int = 0
+    advanced: bool = False  # has news for the next delta
 
 
 @dataclass
@@ -105,10 +109,10 @@ class LLMEngine:
                                    BucketPlan.from_config(config).max_prefill_tokens)
         self.detokenizer = Detokenizer(tokenizer, config.max_model_len)
         self._groups: Dict[str, RequestGroup] = {}
-        self._streams: Dict[str, Tuple[RequestGroup, int]] = {}  # sample id -> (group, index)
+        self._streams: Dict[str, SampleStream] = {}  # sample id -> its stream
         self._requests: Dict[str, Request] = {}  # sample id -> its request
         self._deferred: List[RequestGroup] = []
-        self._advanced: Dict[str, Set[int]] = {}  # group id -> samples with news since the last delta
+        self._advanced: Dict[str, RequestGroup] = {}  # groups with samples that have news, by id
         self._worker_stats = WorkerStats()
         self._seed_rng = random.Random(config.model.seed)
         self._counter = itertools.count()
@@ -192,12 +196,13 @@ class LLMEngine:
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.prepare_prompt(prompt, params)
         group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, list(token_ids),
                              [SampleStream(self._new_sample(request_id, token_ids, params, index),
-                                           self.detokenizer.new_state(token_ids))
+                                           self.detokenizer.new_state(token_ids), request_id, index,
+                                           params.output_kind is RequestOutputKind.FINAL_ONLY)
                               for index in range(params.n)],
                              RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()))
         self._groups[request_id] = group
-        for index, sample in enumerate(group.samples):
-            self._streams[sample.request.request_id] = (group, index)
+        for sample in group.samples:
+            self._streams[sample.request.request_id] = sample
             self._requests[sample.request.request_id] = sample.request
         # The other samples wait until the first has prefilled the prompt, so their prefill
         # takes its full blocks from the prefix cache instead of computing them again.
@@ -215,10 +220,10 @@ class LLMEngine:
         """Stop a request wherever it is; its blocks return to the pool at once, and the next
         ``step()`` hands out its last delta (finish reason ``abort``)."""
         group = self._groups.get(request_id)
-        for index, sample in enumerate(group.samples if group else ()):
+        for sample in group.samples if group else ():
             if not sample.request.is_finished:
                 self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED)
-                self._mark_advanced(request_id, index)
+                self._mark_advanced(sample)
 
     def abort_all_requests(self) -> None:
         """Abort every request in the engine (shutdown)."""
@@ -255,7 +260,7 @@ class LLMEngine:
         the end otherwise); None if it could not even start (its requests fail)."""
         now = time.monotonic()
         for work in scheduled.prefills:
-            metrics = self._streams[work.request_id][0].metrics
+            metrics = self._groups[self._streams[work.request_id].group_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         try:
@@ -286,8 +291,9 @@ class LLMEngine:
         with self.timer.phase("output"):
             updated = self.scheduler.update(output.sampled, self._requests)
         with self.timer.phase("detokenize"):
+            streams = self._streams
             for request in updated:
-                self._process_token(request)
+                self._process_token(streams[request.request_id])
 
     def _release_deferred_samples(self) -> None:
         """Queue the remaining samples of groups whose first sample has been prefilled."""
@@ -302,32 +308,30 @@ class LLMEngine:
                 still_waiting.append(group)
         self._deferred = still_waiting
 
-    def _process_token(self, request: Request) -> None:
-        group, index = self._streams[request.request_id]
-        detok = group.samples[index].detok
-        new_text = self.detokenizer.append_token(detok, request.all_token_ids)
+    def _process_token(self, sample: SampleStream) -> None:
+        request, detok = sample.request, sample.detok
+        new_text = self.detokenizer.append_token(detok, request)
         status = self.detokenizer.apply_stop_conditions(request, detok, new_text)
         if status is not None:
             self.scheduler.finish(request, status)
-        self._mark_advanced(group.request_id, index)
+        elif sample.final_only:
+            return  # nothing goes out before the end
+        self._mark_advanced(sample)
 
-    def _mark_advanced(self, group_id: str, index: int) -> None:
-        """Sample ``index`` of the group has news for the next delta."""
-        indices = self._advanced.get(group_id)
-        if indices is None:
-            self._advanced[group_id] = {index}
-        else:
-            indices.add(index)
+    def _mark_advanced(self, sample: SampleStream) -> None:
+        """The sample has news for the next delta."""
+        sample.advanced = True
+        self._advanced[sample.group_id] = self._groups[sample.group_id]
 
     def _fail(self, sample_ids: Sequence[str], message: str) -> None:
         """Finish the given samples with an error (their blocks come back)."""
         for sample_id in sample_ids:
-            group, index = self._streams[sample_id]
-            request = group.samples[index].request
+            sample = self._streams[sample_id]
+            request = sample.request
             if not request.is_finished:
                 request.error = message
                 self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
-                self._mark_advanced(group.request_id, index)
+                self._mark_advanced(sample)
 
     def _shut_down_after(self, failure: WorkerFailure) -> None:
         """Fail every in-flight request, stop the workers, raise EngineDeadError."""
@@ -344,27 +348,28 @@ class LLMEngine:
     def _take_deltas(self) -> List[RequestOutput]:
         """A delta per group with news; finished groups are forgotten afterwards."""
         deltas = []
-        for group_id, indices in self._advanced.items():
-            group = self._groups[group_id]
-            outputs = [self._sample_delta(group.samples[i], i) for i in sorted(indices)]
+        for group in self._advanced.values():
+            outputs = [self._sample_delta(sample) for sample in group.samples if sample.advanced]
             finished = group.finished
             deltas.append(RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
-                                        finished=finished, error=group.error, metrics=group.metrics))
+                                        finished, group.error, group.metrics))
             if finished:
                 self._forget(group)
         self._advanced = {}
         return deltas
 
-    def _sample_delta(self, sample: SampleStream, index: int) -> CompletionOutput:
+    def _sample_delta(self, sample: SampleStream) -> CompletionOutput:
+        sample.advanced = False
         request = sample.request
-        finish_reason = request.finish_reason()
+        status = request.status
+        finish_reason = status.value if status.is_finished else None
         params = request.sampling_params
         wants_logprobs = params.logprobs is not None
         new_ids = request.output_token_ids[sample.sent_tokens:]
         new_logprobs = request.output_logprobs[sample.sent_tokens:] if wants_logprobs else None
         sample.sent_tokens = len(request.output_token_ids)
         text = take_text_delta(sample.detok, params, finish_reason is not None)
-        return CompletionOutput(index, text, new_ids, request.cumulative_logprob if wants_logprobs else None,
+        return CompletionOutput(sample.index, text, new_ids, request.cumulative_logprob if wants_logprobs else None,
                                 new_logprobs, finish_reason, request.stop_reason)
 
     def _forget(self, group: RequestGroup) -> None:

@@ -66,6 +66,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="running sequences to measure at")
     parser.add_argument("--steps", type=int, default=50, help="measured steps of each kind")
     parser.add_argument("--device", default="cpu", help="cpu (native path) or xla")
+    parser.add_argument("--output-kind", nargs="+", choices=("delta", "final_only"), default=["delta"],
+                        help="what the requests ask the engine to hand out: a delta every step (streaming) "
+                             "or only the final output (LLM.generate)")
     parser.add_argument("--overlap", action="store_true",
                         help="also run the real model: step time sync vs async beside its host and device parts")
     parser.set_defaults(run=run)
@@ -99,10 +102,11 @@ def engine_for(path: str, num_seqs: int, steps: int, device: str, worker_class: 
         max_prefill_seqs=JOINING, enable_prefix_caching=False)
 
 
-def _add_requests(engine, count: int, rng: random.Random, max_tokens: int) -> List[str]:
-    from tpu_executor.core.sampling_params import SamplingParams
+def _add_requests(engine, count: int, rng: random.Random, max_tokens: int, output_kind: str = "delta") -> List[str]:
+    from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind[output_kind.upper()])
     return [engine.add_request({"prompt_token_ids": [rng.randrange(3, engine.vocab_size) for _ in range(PROMPT_TOKENS)]},
                                params) for _ in range(count)]
 
@@ -125,9 +129,9 @@ def _timed_steps(engine, timer: PhaseTimer, steps: int, before_step=None) -> Dic
     return ms
 
 
-def _fill(engine, num_seqs: int, rng: random.Random) -> List[str]:
+def _fill(engine, num_seqs: int, rng: random.Random, output_kind: str = "delta") -> List[str]:
     """Queue ``num_seqs`` endless requests and step until all decode; their ids."""
-    running = _add_requests(engine, num_seqs, rng, max_tokens=10 ** 6)
+    running = _add_requests(engine, num_seqs, rng, 10 ** 6, output_kind)
     while engine.scheduler.num_waiting or engine.scheduler.num_running < num_seqs:
         engine.step()
     for _ in range(3):
@@ -135,20 +139,22 @@ def _fill(engine, num_seqs: int, rng: random.Random) -> List[str]:
     return running
 
 
-def measure(path: str, num_seqs: int, steps: int, device: str) -> Dict[str, Dict[str, float]]:
-    """Per-phase milliseconds of a decode step and of a mixed step at ``num_seqs`` sequences."""
+def measure(path: str, num_seqs: int, steps: int, device: str, output_kind: str = "delta") -> Dict[str, Dict[str, float]]:
+    """Per-phase milliseconds of a decode step and of a mixed step at ``num_seqs`` sequences
+    whose requests ask for ``output_kind`` outputs (``delta``: streamed every step;
+    ``final_only``: one output at the end, as ``LLM.generate`` asks)."""
     engine = engine_for(path, num_seqs, steps, device)
     timer = PhaseTimer()
     engine.timer = engine.executor.workers[0].runner.timer = timer
     rng = random.Random(0)
-    running = _fill(engine, num_seqs, rng)
+    running = _fill(engine, num_seqs, rng, output_kind)
     decode = _timed_steps(engine, timer, steps)
 
     def swap_some():  # JOINING sequences leave, as many new prompts join
         for request_id in running[:JOINING]:
             engine.abort_request(request_id)
         running[:JOINING] = []
-        running.extend(_add_requests(engine, JOINING, rng, max_tokens=10 ** 6))
+        running.extend(_add_requests(engine, JOINING, rng, 10 ** 6, output_kind))
 
     swap_some()
     engine.step()
@@ -192,12 +198,12 @@ def print_overlap(results: Dict[int, Dict[str, float]], device: str) -> None:
 
 def print_table(results: Dict[int, Dict[str, Dict[str, float]]]) -> None:
     columns = HOST_PHASES + ("other", "host", "device")
-    print("\n| sequences | step | " + " | ".join(columns) + " | host us/seq |")
-    print("|---|---|" + "---|" * (len(columns) + 1))
-    for num_seqs, kinds in results.items():
+    print("\n| sequences | outputs | step | " + " | ".join(columns) + " | host us/seq |")
+    print("|---|---|---|" + "---|" * (len(columns) + 1))
+    for (num_seqs, output_kind), kinds in results.items():
         for kind, ms in kinds.items():
             cells = " | ".join(f"{ms[c]:.2f}" for c in columns)
-            print(f"| {num_seqs} | {kind} | {cells} | {1e3 * ms['host'] / num_seqs:.1f} |")
+            print(f"| {num_seqs} | {output_kind} | {kind} | {cells} | {1e3 * ms['host'] / num_seqs:.1f} |")
     print("\nMilliseconds per step (mean over the measured steps); host = every column but device. "
           f"Prompts of {PROMPT_TOKENS} tokens, greedy, vocabulary {VOCAB}; a mixed step has {JOINING} "
           "prompts joining while the other sequences decode.")
@@ -208,10 +214,11 @@ def run(args: argparse.Namespace) -> None:
     path = tiny_checkpoint()
     results = {}
     for num_seqs in args.num_seqs:
-        results[num_seqs] = measure(path, num_seqs, args.steps, args.device)
-        decode = results[num_seqs]["decode"]
-        print(f"{num_seqs} sequences: decode step host {decode['host']:.2f} ms, device {decode['device']:.2f} ms; "
-              f"mixed step host {results[num_seqs]['mixed']['host']:.2f} ms", flush=True)
+        for output_kind in args.output_kind:
+            kinds = results[num_seqs, output_kind] = measure(path, num_seqs, args.steps, args.device, output_kind)
+            print(f"{num_seqs} sequences, {output_kind} outputs: decode step host {kinds['decode']['host']:.2f} ms, "
+                  f"device {kinds['decode']['device']:.2f} ms; mixed step host {kinds['mixed']['host']:.2f} ms",
+                  flush=True)
     print_table(results)
     if args.overlap:
         print_overlap({n: overlap(path, n, args.steps, args.device) for n in args.num_seqs}, args.device)

@@ -1,12 +1,13 @@
 """Offline entry point: ``LLM(model=..., device=...).generate(prompts, params)``."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import List, Sequence, Union
 
 from tqdm import tqdm
 
 from tpu_executor.core.request import RequestOutput, accumulate_deltas
-from tpu_executor.core.sampling_params import SamplingParams
+from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams
 from tpu_executor.engine.llm_engine import LLMEngine, PromptType
 from tpu_executor.engine.stats import EngineStats
 
@@ -40,7 +41,8 @@ class LLM:
         """Generate for every prompt; outputs come back in prompt order.
 
         All prompts are validated before any is queued, so a bad one raises ValueError and
-        leaves the engine as it was.
+        leaves the engine as it was. Requests run with ``RequestOutputKind.FINAL_ONLY`` (as in
+        vLLM): only the finished outputs are read.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -48,6 +50,7 @@ class LLM:
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        params = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         token_ids = [self.engine.prepare_prompt(prompt, p) for prompt, p in zip(prompts, params)]
         ids = [self.engine.add_request(prompt, p, prompt_token_ids=t)
                for prompt, p, t in zip(prompts, params, token_ids)]

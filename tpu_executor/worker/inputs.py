@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import itertools
 from operator import attrgetter
-from typing import Dict, Sequence
+from types import MappingProxyType
+from typing import Dict, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from tpu_executor.core.buckets import context_keys
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
-from tpu_executor.core.step import DecodeWork, PrefillWork, SamplingMeta
+from tpu_executor.core.step import PENDING_TOKEN, DecodeWork, PrefillWork, SamplingMeta
 
 
 def _slots(block_ids: Sequence[int], positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -62,12 +63,17 @@ def prefill_inputs(pack: Sequence[PrefillWork], num_tokens: int, num_keys: int, 
     return _as_tensors(t)
 
 
-def decode_inputs(work: Sequence[DecodeWork], rows: int, context_blocks: int, block_size: int) -> Dict[str, torch.Tensor]:
-    """A decode batch padded to ``rows`` rows and ``context_blocks`` block-table entries."""
+def decode_inputs(work: Sequence[DecodeWork], rows: int, context_blocks: int, block_size: int,
+                  previous_tokens: Mapping[str, int] = MappingProxyType({})) -> Dict[str, torch.Tensor]:
+    """A decode batch padded to ``rows`` rows and ``context_blocks`` block-table entries. A
+    ``PENDING_TOKEN`` input is the token the previous step sampled for the same request
+    (``previous_tokens``); a request of a failed previous step has none and gets token 0 (the
+    engine has failed that request and discards what it computes)."""
     num = len(work)
     input_ids = np.zeros(rows, dtype=np.int64)
     positions = np.zeros(rows, dtype=np.int64)
-    input_ids[:num] = [item.token_id for item in work]
+    input_ids[:num] = [item.token_id if item.token_id != PENDING_TOKEN else previous_tokens.get(item.request_id, 0)
+                       for item in work]
     positions[:num] = [item.position for item in work]
     table_lens = np.fromiter((len(item.block_ids) for item in work), dtype=np.int64, count=num)
     tables = np.full((rows, context_blocks), NULL_BLOCK, dtype=np.int64)
@@ -84,17 +90,22 @@ def decode_inputs(work: Sequence[DecodeWork], rows: int, context_blocks: int, bl
 # (tensor name, SamplingMeta field, dtype); padding rows take SamplingMeta.greedy()'s values.
 _SAMPLING_COLUMNS = (("temperature", "temperature", np.float32), ("top_k", "top_k", np.int64),
                      ("top_p", "top_p", np.float32), ("min_p", "min_p", np.float32),
-                     ("seeds", "seed", np.int64), ("steps", "step", np.int64))
+                     ("seeds", "seed", np.int64))
 _GREEDY = SamplingMeta.greedy()
 
 
-def sampling_tensors(metas: Sequence[SamplingMeta], rows: int) -> Dict[str, torch.Tensor]:
-    """Per-row sampler inputs padded to ``rows`` rows (padding rows are greedy)."""
+def sampling_tensors(work: Sequence, rows: int) -> Dict[str, torch.Tensor]:
+    """Per-row sampler inputs of ``work`` (prefill or decode items) padded to ``rows`` rows
+    (padding rows are greedy). A row's step is its sampled token's index among the outputs."""
+    metas = [item.sampling for item in work]
     arrays = {}
     for name, field, dtype in _SAMPLING_COLUMNS:
         column = np.full(rows, getattr(_GREEDY, field), dtype=dtype)
         column[:len(metas)] = list(map(attrgetter(field), metas))
         arrays[name] = column
+    steps = np.zeros(rows, dtype=np.int64)
+    steps[:len(metas)] = [item.sampled_position - meta.prompt_len for item, meta in zip(work, metas)]
+    arrays["steps"] = steps
     return _as_tensors(arrays)
 
 

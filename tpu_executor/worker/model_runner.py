@@ -20,8 +20,7 @@ from tpu_executor.core.buckets import BucketPlan, DecodeCall, DecodeGraph, Graph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.phase_timer import NullPhaseTimer
-from tpu_executor.core.step import (PENDING_TOKEN, DecodeWork, PaddingStats, PrefillWork, SampledToken, SamplingMeta,
-                                   SchedulerOutput)
+from tpu_executor.core.step import DecodeWork, PaddingStats, PrefillWork, SampledTokens, SamplingMeta, SchedulerOutput
 from tpu_executor.worker.compile_guard import CompileGuard
 from tpu_executor.worker.inputs import decode_inputs, prefill_inputs, sampling_tensors, to_device
 from tpu_executor.worker.sampler import SamplerOutput, sample
@@ -45,7 +44,9 @@ class ModelRunner:
         self.guard = CompileGuard(config.compile.strict, enabled=compiled)
         self.padding = PaddingStats()
         self.timer = NullPhaseTimer()  # bench host swaps in a PhaseTimer
-        self._last_tokens: Dict[str, int] = {}  # the previous step's tokens, for PENDING_TOKEN inputs
+        # Tokens sampled by the step before the running one: its PENDING_TOKEN inputs.
+        self._previous_tokens: Dict[str, int] = {}
+        self._last_tokens: Dict[str, int] = {}  # the running step's tokens, for the next step
         if compiled:
             _raise_dynamo_limits(len(self.plan.graphs()))
         # Host-side collectives (gloo on CPU) split the model step into one graph per piece
@@ -77,17 +78,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.no_grad()
-    def execute(self, step: SchedulerOutput) -> Dict[str, SampledToken]:
+    def execute(self, step: SchedulerOutput) -> SampledTokens:
         """Run the prefills (packed), then the decode batch; sample one token for each."""
-        results: Dict[str, SampledToken] = {}
-        last_tokens, self._last_tokens = self._last_tokens, {}  # a failed step leaves none
-        step = _fill_pending_tokens(step, last_tokens)
+        parts: List[SampledTokens] = []
+        self._previous_tokens, self._last_tokens = self._last_tokens, {}  # a failed step leaves none
         for call in self.plan.model_calls(step):
             call.count_into(self.padding)
-            run = self._run_prefill if isinstance(call, PrefillCall) else self._run_decode
-            results.update(run(call))
+            parts.append(self._run_prefill(call) if isinstance(call, PrefillCall) else self._run_decode(call))
+        results = SampledTokens.concat(parts) if parts else SampledTokens()
         if self.config.scheduler.async_scheduling:  # only then can the next step hold PENDING_TOKEN
-            self._last_tokens = {request_id: token.token_id for request_id, token in results.items()}
+            self._last_tokens = results.token_ids_by_request()
         return results
 
     def _prefill_logits(self, pack: Sequence[PrefillWork], graph: PrefillGraph, kv_caches: KVCaches) -> torch.Tensor:
@@ -97,7 +97,8 @@ class ModelRunner:
 
     def _decode_logits(self, work: Sequence[DecodeWork], graph: DecodeGraph) -> torch.Tensor:
         with self.timer.phase("inputs"):
-            inputs = decode_inputs(work, graph.num_rows, graph.context_blocks, self.block_size)
+            inputs = decode_inputs(work, graph.num_rows, graph.context_blocks, self.block_size,
+                                   self._previous_tokens)
         return self._run_fn(self._decode_fn, inputs, "decode", kv_caches=self.kv_caches)
 
     def _run_fn(self, fn, host_inputs: Dict[str, torch.Tensor], phase: str, **static):
@@ -107,24 +108,26 @@ class ModelRunner:
         with self.timer.phase(phase):
             return fn(**inputs, **static)
 
-    def _run_prefill(self, call: PrefillCall) -> Dict[str, SampledToken]:
+    def _run_prefill(self, call: PrefillCall) -> SampledTokens:
         with self.guard.watch(f"prefill bucket tokens={call.graph.num_tokens} keys={call.graph.keys}"):
             logits = self._prefill_logits(call.pack, call.graph, self.kv_caches)
             sampled = self._sample(call.pack, logits, self.plan.max_prefill_seqs)
         # A chunk that does not end its prompt gives no token (its row was sampled with the rest).
-        return {w.request_id: sampled[w.request_id] for w in call.pack if w.is_last_chunk}
+        if all(w.is_last_chunk for w in call.pack):
+            return sampled
+        return sampled.rows([row for row, w in enumerate(call.pack) if w.is_last_chunk])
 
-    def _run_decode(self, call: DecodeCall) -> Dict[str, SampledToken]:
+    def _run_decode(self, call: DecodeCall) -> SampledTokens:
         graph = call.graph
         with self.guard.watch(f"decode bucket rows={graph.num_rows} blocks={graph.context_blocks}"):
             return self._sample(call.work, self._decode_logits(call.work, graph), graph.num_rows)
 
-    def _sample(self, work, logits: torch.Tensor, rows: int) -> Dict[str, SampledToken]:
-        metas = [item.sampling for item in work]
-        graph = self.plan.sampler_graph(rows, wants_logprobs=any(m.num_logprobs > 0 for m in metas),
-                                        all_greedy=all(m.temperature == 0 for m in metas))
+    def _sample(self, work, logits: torch.Tensor, rows: int) -> SampledTokens:
         with self.timer.phase("inputs"):
-            tensors = sampling_tensors(metas, rows)
+            tensors = sampling_tensors(work, rows)
+            wants_logprobs = any(item.sampling.num_logprobs > 0 for item in work)
+            all_greedy = not tensors["temperature"].any()  # padding rows are greedy
+        graph = self.plan.sampler_graph(rows, wants_logprobs=wants_logprobs, all_greedy=bool(all_greedy))
         out = self._run_fn(self._sample_fn, tensors, "sample", logits=logits, num_logprobs=graph.num_logprobs,
                            all_greedy=graph.all_greedy)
         with self.timer.phase("transfer"):
@@ -175,17 +178,6 @@ class ModelRunner:
                          num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy).token_ids.cpu()
 
 
-def _fill_pending_tokens(step: SchedulerOutput, last_tokens: Dict[str, int]) -> SchedulerOutput:
-    """``step`` with each ``PENDING_TOKEN`` input replaced by the token the previous step
-    sampled for that request. A request of a failed previous step has none; it gets token 0,
-    and the engine, which has failed that request, discards what it computes."""
-    if not any(work.token_id == PENDING_TOKEN for work in step.decodes):
-        return step
-    decodes = tuple(DecodeWork(work.request_id, last_tokens.get(work.request_id, 0), work.position, work.block_ids,
-                               work.sampling) if work.token_id == PENDING_TOKEN else work for work in step.decodes)
-    return SchedulerOutput(prefills=step.prefills, decodes=decodes)
-
-
 def _read_back(out: SamplerOutput) -> Tuple[list, list, Optional[list], Optional[list]]:
     """The sampler's outputs as host lists (waits for the device)."""
     def as_list(tensor: Optional[torch.Tensor]) -> Optional[list]:
@@ -194,16 +186,18 @@ def _read_back(out: SamplerOutput) -> Tuple[list, list, Optional[list], Optional
     return as_list(out.token_ids), as_list(out.token_logprobs), as_list(out.top_ids), as_list(out.top_logprobs)
 
 
-def _sampled_tokens(work, host: Tuple[list, list, Optional[list], Optional[list]]) -> Dict[str, SampledToken]:
+def _sampled_tokens(work, host: Tuple[list, list, Optional[list], Optional[list]]) -> SampledTokens:
+    """The sampled rows of ``work`` (the padding rows after them are dropped)."""
     token_ids, logprobs, top_ids, top_lps = host
-    results = {}
-    for row, item in enumerate(work):
-        wanted = item.sampling.num_logprobs
-        top = None
-        if wanted >= 0:  # -1: the request asked for no log-probs
-            top = dict(zip(top_ids[row][:wanted], top_lps[row][:wanted])) if wanted and top_ids else {}
-        results[item.request_id] = SampledToken(token_ids[row], logprobs[row], top)
-    return results
+    num = len(work)
+    top = None
+    if any(item.sampling.num_logprobs >= 0 for item in work):  # -1: the request asked for no log-probs
+        top = []
+        for row, item in enumerate(work):
+            wanted = item.sampling.num_logprobs
+            top.append(None if wanted < 0 else
+                       dict(zip(top_ids[row][:wanted], top_lps[row][:wanted])) if wanted and top_ids else {})
+    return SampledTokens([item.request_id for item in work], token_ids[:num], logprobs[:num], top)
 
 
 def _raise_dynamo_limits(num_graphs: int) -> None:

@@ -9,14 +9,14 @@ import hashlib
 import itertools
 import logging
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from models.layers.parallel import SingleRank, TensorParallelGroup
 from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig
-from tpu_executor.core.step import ModelRunnerOutput, SampledToken, SchedulerOutput, WorkerStats
+from tpu_executor.core.step import ModelRunnerOutput, SampledTokens, SchedulerOutput, WorkerStats
 from tpu_executor.worker.distributed import GlooGroup, RankPlacement, XlaGroup, tpu_topology_env
 from tpu_executor.worker.model_loader import load_model, pack_for_cpu, use_xla_cpu_forms
 from tpu_executor.worker.model_runner import ModelRunner
@@ -219,7 +219,7 @@ class Worker:
         return [self.runner.time_graph(graph, repeats) for graph in graphs]
 
     # ---- serving ------------------------------------------------------------------------
-    def run_step(self, step: SchedulerOutput) -> Dict[str, SampledToken]:
+    def run_step(self, step: SchedulerOutput) -> SampledTokens:
         """Run one step; its exceptions propagate."""
         return self.runner.execute(step)
 

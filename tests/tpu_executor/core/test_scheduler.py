@@ -8,7 +8,7 @@ from tpu_executor.core.kv_cache_manager import KVCacheManager
 from tpu_executor.core.request import Request, RequestStatus
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.core.scheduler import Scheduler
-from tpu_executor.core.step import SampledToken
+from tpu_executor.core.step import SampledTokens
 
 BLOCK = 4
 
@@ -41,13 +41,17 @@ def run_to_completion(scheduler, kv, requests, max_steps=2000, running=()):
         over = 0 if scheduler.config.enable_chunked_prefill else 1
         assert sum(len(p.token_ids) for p in out.prefills[over:]) + len(out.decodes) <= scheduler.config.max_num_batched_tokens
         assert len({w.request_id for w in out.prefills + out.decodes}) == len(out.prefills) + len(out.decodes)
-        sampled = {w.request_id: SampledToken(next_token(table[w.request_id]), 0.0)
-                   for w in out.prefills + out.decodes if getattr(w, "is_last_chunk", True)}
-        for request in scheduler.update(sampled, table):
+        for request in scheduler.update(fake_model_tokens(out, table), table):
             if len(request.output_token_ids) >= request.sampling_params.max_tokens:
                 scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
         kv.check_invariants()
     raise AssertionError("scheduler did not finish")
+
+
+def fake_model_tokens(out, table):
+    """The fake model's token for every sampled request of the step ``out``."""
+    ids = [w.request_id for w in out.prefills + out.decodes if getattr(w, "is_last_chunk", True)]
+    return SampledTokens(ids, [next_token(table[i]) for i in ids], [0.0] * len(ids))
 
 
 def expected_outputs(prompt_len, max_tokens, first=1):
@@ -125,9 +129,7 @@ def test_prefix_cache_hit_skips_computed_tokens():
 def step_sync(scheduler, table):
     """One synchronous step with the fake model; returns the scheduled work."""
     out = scheduler.schedule()
-    sampled = {w.request_id: SampledToken(next_token(table[w.request_id]), 0.0)
-               for w in out.prefills + out.decodes if getattr(w, "is_last_chunk", True)}
-    scheduler.update(sampled, table)
+    scheduler.update(fake_model_tokens(out, table), table)
     return out
 
 

@@ -1,13 +1,15 @@
 """Streaming step outputs on the native path: ``step()`` hands out one delta per request that
 advanced, and the deltas of every sample concatenate to exactly the final output (text, ids,
 log-probs), with stop strings (held back until they can no longer be cut), ``n > 1`` and
-log-probs; ``LLM.generate`` returns the same accumulated outputs."""
+log-probs; ``LLM.generate`` (which asks for ``FINAL_ONLY`` outputs) returns the same outputs."""
 from collections import defaultdict
 
 import pytest
 
 from tests.common import run_to_end, tiny_engine_options
-from tpu_executor import LLM, SamplingParams
+from dataclasses import replace
+
+from tpu_executor import LLM, RequestOutputKind, SamplingParams
 
 # The third prompt repeats the first: it meets the same stop string (and hits the prefix cache).
 PROMPTS = [list(range(5, 40)), list(range(60, 150)), list(range(5, 40)), [7] * 30]
@@ -66,6 +68,27 @@ def test_deltas_concatenate_to_the_final_outputs(llm):
     assert first.finish_reason == "stop" and first.stop_reason == stop and stop not in first.text
     assert included.finish_reason == "stop" and included.text.endswith(stop)
     assert len(parallel.outputs) == 3 and all(len(c.logprobs) == len(c.token_ids) for c in parallel.outputs)
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_final_only_requests_hand_out_each_sample_once_at_its_end(llm):
+    params = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in _params(_stop_text(llm))]
+    engine = llm.engine
+    ids = [engine.add_request({"prompt_token_ids": p}, sp) for p, sp in zip(PROMPTS, params)]
+    deltas = list(run_to_end(engine))
+    for request_id, sp in zip(ids, params):
+        mine = [d for d in deltas if d.request_id == request_id]
+        samples = [c.index for d in mine for c in d.outputs]
+        assert sorted(samples) == list(range(sp.n)), "each sample exactly once"
+        assert all(c.finish_reason is not None for d in mine for c in d.outputs), "only finished samples"
+        assert mine[-1].finished and not any(d.finished for d in mine[:-1])
+    # The whole outputs equal the streamed ones (checked against deltas in the test above).
+    expected = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for request_id, final in zip(ids, expected):
+        got = {c.index: c for d in deltas if d.request_id == request_id for c in d.outputs}
+        for completion in final.outputs:
+            assert (got[completion.index].text, got[completion.index].token_ids) == (completion.text, completion.token_ids)
+            assert got[completion.index].logprobs == completion.logprobs
     assert engine.stats().kv_blocks_used == 0
 
 

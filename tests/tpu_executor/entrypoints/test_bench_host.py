@@ -1,6 +1,8 @@
 """``bench host``: the empty model step drives the real engine, and every phase is measured."""
 import random
 
+import pytest
+
 from tpu_executor.core.phase_timer import HOST_PHASES
 from tpu_executor.entrypoints import bench_host
 from tpu_executor.entrypoints.cli import main
@@ -25,8 +27,10 @@ def test_null_model_engine_generates_the_expected_chain_of_tokens():
         engine.shutdown()
 
 
-def test_measure_reports_every_phase_for_decode_and_mixed_steps():
-    results = bench_host.measure(bench_host.tiny_checkpoint(), num_seqs=16, steps=3, device="cpu")
+@pytest.mark.parametrize("output_kind", ["delta", "final_only"])
+def test_measure_reports_every_phase_for_decode_and_mixed_steps(output_kind):
+    results = bench_host.measure(bench_host.tiny_checkpoint(), num_seqs=16, steps=3, device="cpu",
+                                 output_kind=output_kind)
     for kind in ("decode", "mixed"):
         ms = results[kind]
         assert set(HOST_PHASES) | {"other", "host", "device", "median_step"} <= set(ms)
@@ -35,6 +39,7 @@ def test_measure_reports_every_phase_for_decode_and_mixed_steps():
 
 
 def test_command_prints_the_table(capsys):
-    main(["bench", "host", "--num-seqs", "8", "--steps", "2"])
+    main(["bench", "host", "--num-seqs", "8", "--steps", "2", "--output-kind", "delta", "final_only"])
     out = capsys.readouterr().out
-    assert "| 8 | decode |" in out and "| 8 | mixed |" in out
+    assert "| 8 | delta | decode |" in out and "| 8 | delta | mixed |" in out
+    assert "| 8 | final_only | decode |" in out

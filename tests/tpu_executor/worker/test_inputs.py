@@ -30,8 +30,8 @@ def test_decode_inputs_match_row_by_row_tables_and_slots():
 
 
 def test_sampling_tensors_pad_with_greedy_rows():
-    meta = SamplingMeta(0.7, 5, 0.9, 0.1, 1234, 3, 2)
-    t = sampling_tensors([meta], 4)
+    meta = SamplingMeta(0.7, 5, 0.9, 0.1, 1234, 10, 2)  # a 10-token prompt
+    t = sampling_tensors([DecodeWork("r", 7, 12, (1,), meta)], 4)  # samples position 13: output 3
     torch.testing.assert_close(t["temperature"], torch.tensor([0.7, 0, 0, 0]))
     assert t["top_k"].tolist() == [5, 0, 0, 0] and t["seeds"].tolist() == [1234, 0, 0, 0]
     assert t["steps"].tolist() == [3, 0, 0, 0] and t["top_p"].tolist()[1:] == [1.0] * 3

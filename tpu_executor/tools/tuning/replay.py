@@ -19,7 +19,7 @@ from tqdm import tqdm
 from tpu_executor.core.buckets import BucketPlan, Graph, ModelCall, PrefillCall
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.sampling_params import SamplingParams
-from tpu_executor.core.step import ModelRunnerOutput, PaddingStats, SampledToken, SchedulerOutput, WorkerStats
+from tpu_executor.core.step import ModelRunnerOutput, PaddingStats, SampledTokens, SchedulerOutput, WorkerStats
 from tpu_executor.engine.llm_engine import LLMEngine
 from tpu_executor.engine.stats import EngineStats
 from tpu_executor.executor.base import Executor
@@ -67,7 +67,8 @@ class NullWorker:
         for call in calls:
             call.count_into(self.padding)
         self.steps.append(calls)
-        return ModelRunnerOutput({rid: SampledToken(NULL_TOKEN_ID, 0.0) for rid in step.sampled_request_ids})
+        sampled = step.sampled_request_ids
+        return ModelRunnerOutput(SampledTokens(sampled, [NULL_TOKEN_ID] * len(sampled), [0.0] * len(sampled)))
 
     def stats(self) -> WorkerStats:
         return WorkerStats(padding=self.padding)
