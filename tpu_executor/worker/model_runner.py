@@ -125,9 +125,10 @@ class ModelRunner:
     def _sample(self, work, logits: torch.Tensor, rows: int) -> SampledTokens:
         with self.timer.phase("inputs"):
             tensors = sampling_tensors(work, rows)
-            wants_logprobs = any(item.sampling.num_logprobs > 0 for item in work)
-            all_greedy = not tensors["temperature"].any()  # padding rows are greedy
-        graph = self.plan.sampler_graph(rows, wants_logprobs=wants_logprobs, all_greedy=bool(all_greedy))
+            metas = [item.sampling for item in work]
+            wants_logprobs = any(meta.num_logprobs > 0 for meta in metas)
+            all_greedy = all(meta.temperature == 0 for meta in metas)
+        graph = self.plan.sampler_graph(rows, wants_logprobs=wants_logprobs, all_greedy=all_greedy)
         out = self._run_fn(self._sample_fn, tensors, "sample", logits=logits, num_logprobs=graph.num_logprobs,
                            all_greedy=graph.all_greedy)
         with self.timer.phase("transfer"):

@@ -4,7 +4,7 @@ import random
 import torch
 
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
-from tpu_executor.core.step import DecodeWork, SamplingMeta
+from tpu_executor.core.step import PENDING_TOKEN, DecodeWork, SamplingMeta
 from tpu_executor.worker.inputs import decode_inputs, sampling_tensors
 
 
@@ -35,3 +35,11 @@ def test_sampling_tensors_pad_with_greedy_rows():
     torch.testing.assert_close(t["temperature"], torch.tensor([0.7, 0, 0, 0]))
     assert t["top_k"].tolist() == [5, 0, 0, 0] and t["seeds"].tolist() == [1234, 0, 0, 0]
     assert t["steps"].tolist() == [3, 0, 0, 0] and t["top_p"].tolist()[1:] == [1.0] * 3
+
+
+def test_pending_inputs_take_the_previous_steps_tokens():
+    meta = SamplingMeta.greedy()
+    work = [DecodeWork("a", 11, 4, (1,), meta), DecodeWork("b", PENDING_TOKEN, 9, (2,), meta),
+            DecodeWork("gone", PENDING_TOKEN, 3, (3,), meta)]  # its previous step failed: no token
+    t = decode_inputs(work, 4, 1, 16, previous_tokens={"b": 42, "other": 7})
+    assert t["input_ids"].tolist() == [11, 42, 0, 0]
