@@ -90,8 +90,7 @@ class Scheduler:
 
     def _schedule_decodes(self) -> List[DecodeWork]:
         # Runs over every running request on every step: attributes are read directly rather
-        # than through the request's properties, and blocks are allocated on the fast path
-        # (the last block has room) before any preemption is considered.
+        # than through the request's properties.
         decodes: List[DecodeWork] = []
         kv_cache = self.kv_cache
         running = self.running
@@ -105,7 +104,7 @@ class Scheduler:
                 index += 1  # still prefilling, or its in-flight token is its last
                 continue
             request_id = request.request_id
-            if kv_cache.allocate(request_id, num_tokens) or self._allocate_or_preempt(request, num_tokens):
+            if self._allocate_or_preempt(request, num_tokens):
                 token_id = PENDING_TOKEN if in_flight else request.last_token_id
                 decodes.append(_new_decode_work(DecodeWork, (request_id, token_id, num_tokens - 1,
                                                              kv_cache.block_table(request_id), request.sampling)))

@@ -47,10 +47,8 @@ class PrefillWork(NamedTuple):
         """Cached plus new tokens: the keys this prompt attends over."""
         return self.start_pos + len(self.token_ids)
 
-    @property
-    def sampled_position(self) -> int:
-        """The position of the token this work samples."""
-        return self.start_pos + len(self.token_ids)
+    # The token after the last key: the position this work samples.
+    sampled_position = num_context_tokens
 
 
 # A decode's input token that the previous step is still sampling (asynchronous scheduling):
@@ -121,7 +119,7 @@ class SampledTokens:
 
     @staticmethod
     def concat(parts: Sequence["SampledTokens"]) -> "SampledTokens":
-        """The rows of every part, in order."""
+        """The rows of every part, in order (no part: no rows)."""
         if len(parts) == 1:
             return parts[0]
         top = None

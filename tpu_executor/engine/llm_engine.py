@@ -361,8 +361,7 @@ class LLMEngine:
     def _sample_delta(self, sample: SampleStream) -> CompletionOutput:
         sample.advanced = False
         request = sample.request
-        status = request.status
-        finish_reason = status.value if status.is_finished else None
+        finish_reason = request.finish_reason()
         params = request.sampling_params
         wants_logprobs = params.logprobs is not None
         new_ids = request.output_token_ids[sample.sent_tokens:]

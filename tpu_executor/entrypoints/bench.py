@@ -43,19 +43,6 @@ ENGINE_DEFAULTS = dict(max_model_len=MAX_LEN + NEW_TOKENS, max_num_seqs=NUM_PROM
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """``bench`` and its subcommands: ``throughput`` (here) and ``serve`` (bench_serve.py)."""
-    from tpu_executor.entrypoints import bench_chunked, bench_host, bench_serve
-
-    bench = subparsers.add_parser("bench", help="benchmarks: offline throughput, or a server under load")
-    benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-    add_throughput_parser(benchmarks)
-    bench_serve.add_parser(benchmarks)
-    bench_host.add_parser(benchmarks)
-    bench_chunked.add_parser(benchmarks)
-    return bench
-
-
-def add_throughput_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("throughput", help="throughput versus transformers' generate",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["gemma-100m", "smollm2"], choices=MODELS)

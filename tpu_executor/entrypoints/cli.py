@@ -15,14 +15,25 @@ import argparse
 import logging
 from typing import List, Optional
 
-from tpu_executor.entrypoints import bench, generate, serve, tune
+from tpu_executor.entrypoints import bench, bench_chunked, bench_host, bench_serve, generate, serve, tune
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """``bench`` and its subcommands, one module each: ``throughput`` (bench.py), ``serve``,
+    ``host``, ``chunked-prefill``."""
+    parser = subparsers.add_parser("bench", help="benchmarks: offline throughput, or a server under load")
+    benchmarks = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    for module in (bench, bench_serve, bench_host, bench_chunked):
+        module.add_parser(benchmarks)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpu-executor", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (generate, serve, bench, tune):
+    for module in (generate, serve, tune):
         module.add_parser(subparsers)
+    add_bench_parser(subparsers)
     return parser
 
 

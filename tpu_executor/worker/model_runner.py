@@ -85,7 +85,7 @@ class ModelRunner:
         for call in self.plan.model_calls(step):
             call.count_into(self.padding)
             parts.append(self._run_prefill(call) if isinstance(call, PrefillCall) else self._run_decode(call))
-        results = SampledTokens.concat(parts) if parts else SampledTokens()
+        results = SampledTokens.concat(parts)
         if self.config.scheduler.async_scheduling:  # only then can the next step hold PENDING_TOKEN
             self._last_tokens = results.token_ids_by_request()
         return results
@@ -125,9 +125,8 @@ class ModelRunner:
     def _sample(self, work, logits: torch.Tensor, rows: int) -> SampledTokens:
         with self.timer.phase("inputs"):
             tensors = sampling_tensors(work, rows)
-            metas = [item.sampling for item in work]
-            wants_logprobs = any(meta.num_logprobs > 0 for meta in metas)
-            all_greedy = all(meta.temperature == 0 for meta in metas)
+            wants_logprobs = any(item.sampling.num_logprobs > 0 for item in work)
+            all_greedy = all(item.sampling.temperature == 0 for item in work)
         graph = self.plan.sampler_graph(rows, wants_logprobs=wants_logprobs, all_greedy=all_greedy)
         out = self._run_fn(self._sample_fn, tensors, "sample", logits=logits, num_logprobs=graph.num_logprobs,
                            all_greedy=graph.all_greedy)
