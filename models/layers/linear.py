@@ -14,7 +14,9 @@ the README):
   ``[out, in]`` form ``F.linear`` does not fall into that hole; at decode sizes (32 rows), and
   with either side at 3,072 or more, ``x @ W`` is the faster form (up to 4x). So such small
   layers also keep the checkpoint's ``[out, in]`` copy there and use it for inputs of 128
-  rows or more. The row count is static in every compiled graph: no graph is added.
+  rows or more; at 32-64 rows over 1,536-2,048 input features they run as two half-width
+  dots (a slow case of Eigen's, below). The row count is static in every compiled graph: no
+  graph is added.
 
 Each rank keeps its shard: column-parallel layers split the output features (no
 communication; the output stays sharded), row-parallel layers split the input features and
@@ -74,6 +76,30 @@ def onednn_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 # prefers the [out, in] form (see above).
 XLA_CPU_OUT_IN_BELOW = 3072
 XLA_CPU_OUT_IN_MIN_ROWS = 128
+# Eigen's dot (XLA's CPU backend) has a hole at 32-64 rows over 1,536-2,048 input features:
+# 31-34 GFLOP/s (SmolLM2's down projection, 1,536 -> 576, at 32 rows), while two dots over
+# half the features each, summed, ran at 56-98. Fewer or more rows, or other widths (1,024,
+# 1,280, 2,560, 3,072 features), do not have it; measured on a 2-core AVX2 EPYC.
+XLA_CPU_SPLIT_K_ROWS = range(32, 65)
+XLA_CPU_SPLIT_K_FEATURES = range(1536, 2049)
+
+
+def splits_features(rows: int, features: int) -> bool:
+    """Whether a small layer's matmul over ``features`` inputs at ``rows`` rows runs as two
+    half-width dots on XLA's CPU backend (Eigen's slow case above)."""
+    return rows in XLA_CPU_SPLIT_K_ROWS and features in XLA_CPU_SPLIT_K_FEATURES
+
+
+def xla_cpu_small_matmul(x: torch.Tensor, weight: torch.Tensor, weight_out_in: torch.Tensor) -> torch.Tensor:
+    """``x @ W`` for a layer under ``XLA_CPU_OUT_IN_BELOW`` features a side on XLA's CPU
+    backend, in the form measured fastest for its row count (static in a compiled graph)."""
+    rows, features = x.shape[0], weight.shape[0]
+    if rows >= XLA_CPU_OUT_IN_MIN_ROWS:
+        return F.linear(x, weight_out_in)
+    if splits_features(rows, features):
+        half = features // 2
+        return x[:, :half] @ weight[:half] + x[:, half:] @ weight[half:]
+    return x @ weight
 
 
 def packable_for_cpu(weight: Optional[torch.Tensor]) -> bool:
@@ -131,8 +157,8 @@ class QuantizableMatmul(nn.Module):
             return w8a16_matmul(x, self.weight_q, self.weight_scale)
         if "weight_packed" in self._buffers:
             return onednn_matmul(x, self.weight_packed)
-        if "weight_out_in" in self._buffers and x.shape[0] >= XLA_CPU_OUT_IN_MIN_ROWS:
-            return F.linear(x, self.weight_out_in)
+        if "weight_out_in" in self._buffers:
+            return xla_cpu_small_matmul(x, self.weight, self.weight_out_in)
         return x @ self.weight
 
 

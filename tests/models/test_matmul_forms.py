@@ -64,3 +64,18 @@ def test_layers_with_a_side_at_the_threshold_keep_x_at_w():
     narrow = ColumnParallelLinear(64, XLA_CPU_OUT_IN_BELOW - 1, SingleRank())
     assert not wide.use_xla_cpu_form() and "weight_out_in" not in wide._buffers
     assert narrow.use_xla_cpu_form() and "weight_out_in" in narrow._buffers
+
+
+def test_eigens_slow_case_runs_as_two_half_width_dots():
+    from models.layers.linear import ColumnParallelLinear, splits_features
+    from models.layers.parallel import SingleRank
+
+    assert splits_features(32, 1536) and splits_features(64, 2048)
+    assert not any(splits_features(rows, 1536) for rows in (16, 65, 128))
+    assert not any(splits_features(32, features) for features in (1024, 2560, 3072))
+    layer = ColumnParallelLinear(1536, 576, SingleRank())
+    torch.nn.init.normal_(layer.weight, std=0.02)
+    assert layer.use_xla_cpu_form()
+    for rows in (8, 32, 200):  # x @ W, the two halves, the [out, in] form
+        x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(layer(x), x @ layer.weight, **TOLERANCE)

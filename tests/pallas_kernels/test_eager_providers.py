@@ -44,3 +44,30 @@ def test_the_decode_table_is_cut_to_the_longest_context():
     tables = torch.arange(12).reshape(2, 6)
     assert paged_eager.pages_in_use(torch.tensor([5, 17]), tables, 8).tolist() == [[0, 1, 2], [6, 7, 8]]
     assert paged_eager.pages_in_use(torch.tensor([1, 1]), tables, 8).shape == (2, 1)
+
+
+def test_rows_of_spread_contexts_split_in_two_groups_by_length():
+    lens = torch.tensor([300, 20, 290, 17, 33, 310])
+    short, long = paged_eager.length_groups(lens, 16)
+    assert sorted(short.tolist()) == [1, 3, 4] and sorted(long.tolist()) == [0, 2, 5]
+    assert paged_eager.length_groups(torch.tensor([100, 97, 110]), 16) is None  # too alike to pay
+    assert paged_eager.length_groups(torch.tensor([5]), 16) is None
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_grouped_rows_match_the_reference(window):
+    """32 decode rows with contexts of 1-320 tokens, as the engine's batch has them."""
+    import numpy as np
+
+    from pallas_kernels.paged_attention.ops import SPEC, random_block_tables
+
+    rng = np.random.default_rng(3)
+    lens = rng.integers(1, 321, size=32)
+    tables, num_blocks = random_block_tables(rng, lens, 16, 20)
+    gen = torch.Generator().manual_seed(0)
+    pages = [torch.randn(2, num_blocks, 16, 64, generator=gen) for _ in range(2)]
+    q = torch.randn(32, 6, 64, generator=gen)
+    args = (q, *pages, torch.from_numpy(lens.astype(np.int32)), tables)
+    assert paged_eager.length_groups(args[3], 16) is not None
+    kwargs = dict(scale=0.125, sliding_window=window)
+    SPEC.assert_close(paged_eager.paged_attention(*args, **kwargs), SPEC.reference(*args, **kwargs), "32 rows")

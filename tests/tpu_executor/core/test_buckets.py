@@ -79,3 +79,20 @@ def test_graph_list_covers_every_combination_once(tmp_path):
     assert len([g for g in graphs if isinstance(g, DecodeGraph)]) == 3 * 2
     # rows (2, 8, 24; the prefill pack size 8 is among them) x logprobs (0, 5) x greedy or not
     assert len([g for g in graphs if isinstance(g, SamplerGraph)]) == 3 * 2 * 2
+
+
+def test_prefills_pack_longest_first_into_the_first_pack_with_room():
+    from tpu_executor.core.buckets import pack_prefills
+    from tpu_executor.core.step import PrefillWork
+
+    lengths = [300, 200, 212, 100, 40]
+    work = [PrefillWork(f"r{i}", (1,) * n, 0, (), None) for i, n in enumerate(lengths)]
+    packs = pack_prefills(work, max_tokens=512, max_keys=512 + 8 * 16, max_seqs=8, block_size=16)
+    # In arrival order the packs would be [300, 200], [212, 100, 40]: 500 and 352 tokens.
+    assert [[len(w.token_ids) for w in pack] for pack in packs] == [[300, 212], [200, 100, 40]]
+    assert sorted(w.request_id for pack in packs for w in pack) == [w.request_id for w in work]
+    # Each limit still holds: at most 2 sequences, and keys counted in whole pages.
+    packs = pack_prefills(work, max_tokens=512, max_keys=512 + 8 * 16, max_seqs=2, block_size=16)
+    assert all(len(pack) <= 2 for pack in packs) and len(packs) == 3
+    packs = pack_prefills(work, max_tokens=512, max_keys=320, max_seqs=8, block_size=16)
+    assert all(sum(-(-len(w.token_ids) // 16) * 16 for w in pack) <= 320 for pack in packs)
