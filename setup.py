@@ -7,6 +7,8 @@ setup(
     description="TPU-first LLM inference backend on PyTorch/XLA with paged KV cache and bucketed compilation",
     python_requires=">=3.10,<3.13",
     packages=find_packages(include=["tpu_executor*", "models*", "pallas_kernels*"]),
+    # The native path's C kernel is compiled from source on the machine that runs it.
+    package_data={"pallas_kernels.paged_attention": ["*.c"]},
     install_requires=[
         # torch_xla 2.9 is the last release; it needs exactly torch 2.9.0 and jax 0.7.1.
         "torch==2.9.0",

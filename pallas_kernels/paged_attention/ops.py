@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from pallas_kernels.binding import eager_only, first_problem, jax_backed_op, tpu_provider
-from pallas_kernels.paged_attention import eager, reference
+from pallas_kernels.paged_attention import cpu_native, eager, reference
 from pallas_kernels.registry import REGISTRY, Provider
 from pallas_kernels.spec import OpCase, OpSpec, Tolerance
 from pallas_kernels.tpu_layout import check_attention_operands, torch_dtype_name
@@ -123,14 +123,17 @@ def jax_shipped_op():
 
 
 def register(registry=REGISTRY) -> None:
-    """Our Pallas kernel first, JAX's shipped kernel next (both TPU), the pages-in-use path for
-    untraced non-XLA calls (the native path), the reference last."""
+    """Our Pallas kernel first, JAX's shipped kernel next (both TPU), then for untraced non-XLA
+    calls (the native path) the C kernel on fp32 CPU tensors and the pages-in-use path for the
+    rest, the reference last."""
     registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem,
                                             sources=(KERNEL_MODULE,)))
     # Below ours: it rounds K/V to bf16 and has no sliding window.
     registry.register(OP_NAME, tpu_provider(
         "jax_paged_attention", 10, jax_shipped_op, shipped_kernel_problem,
         sources=(KERNEL_MODULE, "jax.experimental.pallas.ops.tpu.paged_attention.paged_attention_kernel")))
+    registry.register(OP_NAME, Provider("cpu_c", cpu_native.paged_attention, priority=6,
+                                        supported=cpu_native.supported, supports_args=cpu_native.supports_args))
     registry.register(OP_NAME, Provider("eager_sdpa", eager.paged_attention, priority=5, supports_args=eager_only))
     registry.register(OP_NAME, Provider("reference", reference.paged_attention, priority=0,
                                         is_reference=True))

@@ -1,0 +1,118 @@
+"""Paged decode attention for the native CPU path, fp32: a small C kernel (``cpu_decode.c``).
+
+The ``eager_sdpa`` provider gathers each row's pages into a fresh [batch, kv_heads, keys, d]
+copy, then SDPA reads that copy again; on a CPU the op is bound by that traffic and by the
+small per-head products. The C kernel walks each row's pages in place with an online softmax,
+the heads of a GQA group sharing every K/V row read (measured on a 2-core AVX2 EPYC, SmolLM2
+heads, 32 rows of 49-287 tokens, 30 layers' caches: 3.5-4.3 -> 1.6-1.7 ms per layer).
+
+The library is compiled on first use with the machine's C compiler (``cc`` or ``gcc``, OpenMP,
+``-march=native``) into a per-user cache, keyed by the source, the flags and this CPU's
+features, so a home directory shared by different CPUs never loads a foreign binary. Without a
+compiler the provider reports itself unsupported and ``eager_sdpa`` serves the op.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(__file__), "cpu_decode.c")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_float, ctypes.c_int64,
+                                                            ctypes.c_int]
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags (what ``-march=native`` compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tpu_executor", "kernels")
+
+
+def _compile(compiler: str, target: str) -> None:
+    """Compile into a temporary file, then move it into place (ranks may build at once)."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    handle, partial = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
+    os.close(handle)
+    try:
+        subprocess.run([compiler, *CFLAGS, "-o", partial, SOURCE], check=True, capture_output=True, text=True)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> Optional[ctypes.CDLL]:
+    """The compiled kernel (built once per source, flags and CPU), or None where it cannot be
+    built here (no compiler, or the build failed: logged)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not os.path.exists("/proc/cpuinfo"):
+        logger.info("no C compiler (or not Linux): paged decode attention uses torch ops")
+        return None
+    with open(SOURCE, "rb") as source:
+        key = hashlib.sha256(source.read() + repr(CFLAGS).encode() + _cpu_features().encode()).hexdigest()[:16]
+    target = os.path.join(_cache_dir(), f"paged_attention_{key}.so")
+    try:
+        if not os.path.exists(target):
+            _compile(compiler, target)
+        lib = ctypes.CDLL(target)
+    except (OSError, subprocess.CalledProcessError) as err:
+        detail = getattr(err, "stderr", "") or err
+        logger.warning("building the CPU paged-attention kernel failed (%s); using torch ops", detail)
+        return None
+    lib.paged_attention_f32.argtypes = _ARGTYPES
+    lib.paged_attention_f32.restype = ctypes.c_int64
+    return lib
+
+
+def supported() -> bool:
+    """A static check: the kernel builds and loads on this machine."""
+    return library() is not None
+
+
+def supports_args(q=None, k_pages=None, v_pages=None, context_lens=None, block_tables=None, *args, **kwargs) -> bool:
+    """fp32 CPU tensors of the op's shapes, untraced (the native path)."""
+    tensors = (q, k_pages, v_pages, context_lens, block_tables)
+    if any(not isinstance(t, torch.Tensor) for t in tensors) or torch.compiler.is_compiling():
+        return False
+    return (all(t.device.type == "cpu" for t in tensors) and q.dtype == k_pages.dtype == v_pages.dtype == torch.float32
+            and q.dim() == 3 and k_pages.dim() == 4 and k_pages.shape == v_pages.shape
+            and q.shape[1] % k_pages.shape[0] == 0 and q.shape[2] == k_pages.shape[3])
+
+
+def paged_attention(q, k_pages, v_pages, context_lens, block_tables, *, scale, soft_cap=None,
+                    sliding_window=None):
+    """Same contract as ``reference.paged_attention`` (fp32 CPU tensors)."""
+    kv_heads, num_pages, page_size, dim = k_pages.shape
+    batch, heads, _ = q.shape
+    lens, tables = context_lens.to(torch.int64).contiguous(), block_tables.to(torch.int64).contiguous()
+    q, k_pages, v_pages = q.contiguous(), k_pages.contiguous(), v_pages.contiguous()
+    out = torch.empty_like(q)
+    bad_row = library().paged_attention_f32(
+        q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), lens.data_ptr(), tables.data_ptr(), out.data_ptr(),
+        batch, heads, kv_heads, num_pages, page_size, dim, tables.shape[1], scale, soft_cap or 0.0,
+        sliding_window or 0, torch.get_num_threads())
+    if bad_row:  # checked before reading anything: a bad index would read outside the cache
+        row = bad_row - 1
+        raise ValueError(f"paged_attention: row {row}'s context of {int(lens[row])} tokens does not fit its "
+                         f"block table ({tables.shape[1]} pages of {page_size}, ids below {num_pages})")
+    return out
