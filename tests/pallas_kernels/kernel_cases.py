@@ -77,3 +77,16 @@ def case_kinds(cases) -> set:
     """(dtype, soft-cap off, window off) of each attention case."""
     return {(str(c.args[0].dtype), c.kwargs["soft_cap"] is None, c.kwargs["sliding_window"] is None)
             for c in cases}
+
+
+def engine_like_decode_batch(kv_heads: int, heads: int, width: int) -> tuple:
+    """Paged-attention arguments shaped like the engine's decode batch: 32 rows with contexts
+    of 1-320 tokens over random 16-token pages, head size 64."""
+    from pallas_kernels.paged_attention.ops import random_block_tables
+
+    rng = np.random.default_rng(3)
+    lens = rng.integers(1, 321, size=32)
+    tables, num_blocks = random_block_tables(rng, lens, 16, width)
+    gen = torch.Generator().manual_seed(0)
+    pages = [torch.randn(kv_heads, num_blocks, 16, 64, generator=gen) for _ in range(2)]
+    return (torch.randn(32, heads, 64, generator=gen), *pages, torch.from_numpy(lens.astype(np.int32)), tables)

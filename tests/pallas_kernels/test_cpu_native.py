@@ -1,13 +1,12 @@
 """The native path's C kernel for paged decode attention (``cpu_c``) against THE reference."""
 
-import numpy as np
 import pytest
 import torch
 
 from pallas_kernels import OpRegistry, register_all
 from pallas_kernels.paged_attention import cpu_native
-from pallas_kernels.paged_attention.ops import SPEC, random_block_tables
-from tests.pallas_kernels.kernel_cases import case_kinds, generated_cases
+from pallas_kernels.paged_attention.ops import SPEC
+from tests.pallas_kernels.kernel_cases import case_kinds, engine_like_decode_batch, generated_cases
 
 pytestmark = pytest.mark.skipif(not cpu_native.supported(), reason="no C compiler to build the kernel")
 
@@ -23,12 +22,7 @@ def test_matches_the_reference_on_the_generated_fp32_cases():
 @pytest.mark.parametrize("window", [None, 40])
 def test_a_decode_batch_of_smollm2_heads_matches_the_reference(window):
     """32 rows of 1-320 tokens, 9 heads over 3 KV heads of 64 (SmolLM2), on torch's threads."""
-    rng = np.random.default_rng(3)
-    lens = rng.integers(1, 321, size=32)
-    tables, num_blocks = random_block_tables(rng, lens, 16, 22)
-    gen = torch.Generator().manual_seed(0)
-    pages = [torch.randn(3, num_blocks, 16, 64, generator=gen) for _ in range(2)]
-    args = (torch.randn(32, 9, 64, generator=gen), *pages, torch.from_numpy(lens), tables.long())
+    args = engine_like_decode_batch(kv_heads=3, heads=9, width=22)
     kwargs = dict(scale=0.125, sliding_window=window)
     SPEC.assert_close(cpu_native.paged_attention(*args, **kwargs), SPEC.reference(*args, **kwargs), "32 rows")
 

@@ -8,7 +8,7 @@ import torch
 
 from pallas_kernels.paged_attention import eager as paged_eager
 from pallas_kernels.prefill_attention import eager as prefill_eager
-from tests.pallas_kernels.kernel_cases import NUM_CASES, case_kinds, generated_cases
+from tests.pallas_kernels.kernel_cases import NUM_CASES, case_kinds, engine_like_decode_batch, generated_cases
 
 
 @pytest.mark.parametrize("op", ["paged_attention", "prefill_attention"])
@@ -57,17 +57,9 @@ def test_rows_of_spread_contexts_split_in_two_groups_by_length():
 @pytest.mark.parametrize("window", [None, 40])
 def test_grouped_rows_match_the_reference(window):
     """32 decode rows with contexts of 1-320 tokens, as the engine's batch has them."""
-    import numpy as np
+    from pallas_kernels.paged_attention.ops import SPEC
 
-    from pallas_kernels.paged_attention.ops import SPEC, random_block_tables
-
-    rng = np.random.default_rng(3)
-    lens = rng.integers(1, 321, size=32)
-    tables, num_blocks = random_block_tables(rng, lens, 16, 20)
-    gen = torch.Generator().manual_seed(0)
-    pages = [torch.randn(2, num_blocks, 16, 64, generator=gen) for _ in range(2)]
-    q = torch.randn(32, 6, 64, generator=gen)
-    args = (q, *pages, torch.from_numpy(lens.astype(np.int32)), tables)
+    args = engine_like_decode_batch(kv_heads=2, heads=6, width=20)
     assert paged_eager.length_groups(args[3], 16) is not None
     kwargs = dict(scale=0.125, sliding_window=window)
     SPEC.assert_close(paged_eager.paged_attention(*args, **kwargs), SPEC.reference(*args, **kwargs), "32 rows")
