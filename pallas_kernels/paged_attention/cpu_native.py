@@ -7,7 +7,7 @@ the heads of a GQA group sharing every K/V row read (measured on a 2-core AVX2 E
 heads, 32 rows of 49-287 tokens, 30 layers' caches: 3.5-4.3 -> 1.6-1.7 ms per layer).
 
 The library is compiled on first use with the machine's C compiler (``cc`` or ``gcc``, OpenMP,
-``-march=native``) into a per-user cache, keyed by the source, the flags and this CPU's
+``-march=native``) into ``~/.cache/tpu_executor/kernels``, keyed by the source, the flags and this CPU's
 features, so a home directory shared by different CPUs never loads a foreign binary. Without a
 compiler the provider reports itself unsupported and ``eager_sdpa`` serves the op.
 """
@@ -25,26 +25,22 @@ from typing import Optional
 
 import torch
 
+from pallas_kernels.binding import eager_only
+
 logger = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_decode.c")
+# Beside the project's other caches (models, XLA's compile cache).
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tpu_executor", "kernels")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_float, ctypes.c_int64,
                                                             ctypes.c_int]
 
 
 def _cpu_features() -> str:
-    """The CPU's feature flags (what ``-march=native`` compiles for)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "tpu_executor", "kernels")
+    """The CPU's feature flags (what ``-march=native`` compiles for; Linux only)."""
+    with open("/proc/cpuinfo") as info:
+        return next((line for line in info if line.startswith("flags")), "")
 
 
 def _compile(compiler: str, target: str) -> None:
@@ -70,7 +66,7 @@ def library() -> Optional[ctypes.CDLL]:
         return None
     with open(SOURCE, "rb") as source:
         key = hashlib.sha256(source.read() + repr(CFLAGS).encode() + _cpu_features().encode()).hexdigest()[:16]
-    target = os.path.join(_cache_dir(), f"paged_attention_{key}.so")
+    target = os.path.join(CACHE_DIR, f"paged_attention_{key}.so")
     try:
         if not os.path.exists(target):
             _compile(compiler, target)
@@ -92,7 +88,7 @@ def supported() -> bool:
 def supports_args(q=None, k_pages=None, v_pages=None, context_lens=None, block_tables=None, *args, **kwargs) -> bool:
     """fp32 CPU tensors of the op's shapes, untraced (the native path)."""
     tensors = (q, k_pages, v_pages, context_lens, block_tables)
-    if any(not isinstance(t, torch.Tensor) for t in tensors) or torch.compiler.is_compiling():
+    if any(not isinstance(t, torch.Tensor) for t in tensors) or not eager_only(*tensors):
         return False
     return (all(t.device.type == "cpu" for t in tensors) and q.dtype == k_pages.dtype == v_pages.dtype == torch.float32
             and q.dim() == 3 and k_pages.dim() == 4 and k_pages.shape == v_pages.shape
