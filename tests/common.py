@@ -104,11 +104,11 @@ def faulty_worker_class():
     from tpu_executor.worker.worker import Worker
 
     class FaultyWorker(Worker):
-        def run_step(self, step):
+        def start_step(self, step):
             tokens = {t for work in step.prefills for t in work.token_ids}
             if POISON_ALL_RANKS in tokens or (POISON_RANK_1 in tokens and self.rank == 1):
                 raise RuntimeError("device fell over")
-            return super().run_step(step)
+            return super().start_step(step)
 
     return FaultyWorker
 

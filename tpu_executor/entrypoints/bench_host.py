@@ -28,6 +28,7 @@ import torch
 
 from tpu_executor.core.phase_timer import DEVICE_PHASES, HOST_PHASES, PHASES, PhaseTimer
 from tpu_executor.worker.model_runner import ModelRunner
+from tpu_executor.worker.token_feed import fed_input_ids
 from tpu_executor.worker.worker import Worker
 
 PROMPT_TOKENS = 32
@@ -49,8 +50,9 @@ class NullModelRunner(ModelRunner):
                       key_segments, query_segments, logits_indices, kv_caches):
         return next_token_logits(input_ids[logits_indices], self.model.config.vocab_size)
 
-    def _decode_step(self, input_ids, positions, slot_mapping, block_tables, context_lens, kv_caches):
-        return next_token_logits(input_ids, self.model.config.vocab_size)
+    def _decode_step(self, input_ids, feed_slots, feed_tokens, positions, slot_mapping, block_tables,
+                     context_lens, kv_caches):
+        return next_token_logits(fed_input_ids(input_ids, feed_slots, feed_tokens), self.model.config.vocab_size)
 
 
 class NullModelWorker(Worker):

@@ -69,8 +69,10 @@ class Executor(abc.ABC):
 
     def execute_model_async(self, step: SchedulerOutput) -> "Future[ModelRunnerOutput]":
         """Start one step and return at once; the future's ``result()`` is ``execute_model``'s
-        answer (or raises what it would raise). Steps run in the order they were started.
-        This default runs the step before returning; executors that can overlap override it."""
+        answer (or raises what it would raise). Steps run in the order they were started, and
+        their results are read in that order: the engine starts step N+1 before it reads step
+        N, so a worker can queue N+1 on its device before it reads N's tokens back. This
+        default runs the step before returning; executors that can overlap override it."""
         return completed_future(lambda: self.execute_model(step))
 
     def time_graphs(self, graphs: Sequence[Graph], repeats: int = 3) -> List[float]:
@@ -79,6 +81,25 @@ class Executor(abc.ABC):
 
     def stats(self) -> WorkerStats:
         return WorkerStats.combine(self._call_workers("stats"))
+
+
+class StartedStep:
+    """A step launched on every worker (``Worker.launch_step``); ``result()`` is what
+    ``execute_model`` would answer. ``launched()`` gives each rank's launch answer, and
+    ``collect()`` each rank's ``collect_step`` answer, for when the tokens were left on the
+    devices (every rank answered None)."""
+
+    def __init__(self, launched: Callable[[], List[Optional[ModelRunnerOutput]]],
+                 collect: Callable[[], List[ModelRunnerOutput]]):
+        self._launched = launched
+        self._collect = collect
+
+    def result(self) -> ModelRunnerOutput:
+        outputs = self._launched()
+        if all(out is None for out in outputs):
+            outputs = self._collect()
+        # A rank that failed to launch while another launched is out of step: agree_on_step raises.
+        return agree_on_step([out if out is not None else ModelRunnerOutput() for out in outputs])
 
 
 def completed_future(call: Callable[[], Any]) -> Future:

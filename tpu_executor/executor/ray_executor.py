@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Tuple, Type
 
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput
-from tpu_executor.executor.base import Executor, WorkerFailure, agree_on_step
+from tpu_executor.executor.base import Executor, StartedStep, WorkerFailure, agree_on_step
 from tpu_executor.worker.distributed import RankPlacement
 from tpu_executor.worker.worker import Worker
 
@@ -82,18 +82,6 @@ def rank_placements(nodes: List[Tuple[str, str]], driver_node: str) -> List[Rank
     return placements
 
 
-class RayStep:
-    """A step running on the actors; ``result()`` waits for every rank like ``execute_model``."""
-
-    def __init__(self, executor: "RayExecutor", refs: List[Any]):
-        self.executor = executor
-        self.refs = refs
-
-    def result(self) -> ModelRunnerOutput:
-        timeout_s = self.executor.config.parallel.step_timeout_s
-        return agree_on_step(self.executor._gather("execute_model", self.refs, timeout_s))
-
-
 class RayExecutor(Executor):
     """``tensor_parallel_size`` Ray actors, one per chip, in rank order. ``worker_class`` swaps
     in a ``Worker`` subclass (tests inject faults with it)."""
@@ -148,17 +136,27 @@ class RayExecutor(Executor):
         return self._gather(method, [a.execute_method.remote(method, *args) for a in self.actors], timeout_s)
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_model_async(step).result()
+        refs = self._send_step("execute_model", step)
+        return agree_on_step(self._gather("execute_model", refs, self.config.parallel.step_timeout_s))
 
-    def execute_model_async(self, step: SchedulerOutput) -> "RayStep":
-        """Send the step to every actor (serialised once: one object in Ray's store that every
-        rank reads); an actor runs its calls in order, so steps queue up behind each other."""
+    def execute_model_async(self, step: SchedulerOutput) -> StartedStep:
+        """Launch the step on every actor. An actor runs its calls in order, so steps queue up
+        behind each other, and a result's collect call queues behind the steps launched before
+        it was asked for (on XLA the next step is on the device before this one is read)."""
+        refs = self._send_step("launch_step", step)
+        timeout_s = self.config.parallel.step_timeout_s
+        return StartedStep(lambda: self._gather("launch_step", refs, timeout_s),
+                           lambda: self._call_workers("collect_step", timeout_s=timeout_s))
+
+    def _send_step(self, method: str, step: SchedulerOutput) -> List[Any]:
+        """Call ``method(step)`` on every actor, the step serialised once (one object in Ray's
+        store that every rank reads)."""
         import ray
 
         if not self.actors:
             raise WorkerFailure("cannot run a step: the workers have been shut down")
         step_ref = ray.put(step)
-        return RayStep(self, [a.execute_method.remote("execute_model", step_ref) for a in self.actors])
+        return [a.execute_method.remote(method, step_ref) for a in self.actors]
 
     def _gather(self, method: str, refs: List[Any], timeout_s: Optional[float] = None) -> List[Any]:
         """Every rank's result, failing on the first rank that dies or raises (the others may

@@ -1,12 +1,12 @@
 """The in-process executor: one worker in this process (one chip, the CPU, or one GPU)."""
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, List, Optional, Type
 
 from tpu_executor.core.config import EngineConfig
-from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput
-from tpu_executor.executor.base import Executor
+from tpu_executor.core.step import SchedulerOutput
+from tpu_executor.executor.base import Executor, StartedStep
 from tpu_executor.worker.worker import Worker
 
 
@@ -24,10 +24,14 @@ class UniprocExecutor(Executor):
         # In-process calls cannot be interrupted: a hung step hangs the caller (timeout unused).
         return [getattr(worker, method)(*args) for worker in self.workers]
 
-    def execute_model_async(self, step: SchedulerOutput) -> "Future[ModelRunnerOutput]":
+    def execute_model_async(self, step: SchedulerOutput) -> StartedStep:
+        """Launch the step on the step thread. Its result, when asked for, is collected on the
+        same thread, behind whatever was launched in between (the next step, on XLA)."""
         if self._step_thread is None:  # started on first use: sync engines never start it
             self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpu-executor-step")
-        return self._step_thread.submit(self.execute_model, step)
+        thread = self._step_thread
+        launched = thread.submit(self._call_workers, "launch_step", step)
+        return StartedStep(launched.result, lambda: thread.submit(self._call_workers, "collect_step").result())
 
     def shutdown(self) -> None:
         if self._step_thread is not None:

@@ -22,6 +22,7 @@ import torch
 from tpu_executor.core.buckets import context_keys
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.step import PENDING_TOKEN, DecodeWork, PrefillWork, SamplingMeta
+from tpu_executor.worker.token_feed import NO_FEED
 
 
 def _slots(block_ids: Sequence[int], positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -64,16 +65,22 @@ def prefill_inputs(pack: Sequence[PrefillWork], num_tokens: int, num_keys: int, 
 
 
 def decode_inputs(work: Sequence[DecodeWork], rows: int, context_blocks: int, block_size: int,
-                  previous_tokens: Mapping[str, int] = MappingProxyType({})) -> Dict[str, torch.Tensor]:
+                  pending_slots: Mapping[str, int] = MappingProxyType({})) -> Dict[str, torch.Tensor]:
     """A decode batch padded to ``rows`` rows and ``context_blocks`` block-table entries. A
-    ``PENDING_TOKEN`` input is the token the previous step sampled for the same request
-    (``previous_tokens``); a request of a failed previous step has none and gets token 0 (the
-    engine has failed that request and discards what it computes)."""
+    ``PENDING_TOKEN`` input is the token the previous step sampled for the same request, still
+    on the device: ``feed_slots`` names its slot in the token feed (``pending_slots``) and the
+    decode graph reads it from there. A request of a failed previous step has no slot and
+    gets token 0 (the engine has failed that request and discards what it computes)."""
     num = len(work)
     input_ids = np.zeros(rows, dtype=np.int64)
     positions = np.zeros(rows, dtype=np.int64)
-    input_ids[:num] = [item.token_id if item.token_id != PENDING_TOKEN else previous_tokens.get(item.request_id, 0)
-                       for item in work]
+    feed_slots = np.full(rows, NO_FEED, dtype=np.int64)
+    token_ids = [item.token_id for item in work]
+    if PENDING_TOKEN in token_ids:
+        feed_slots[:num] = [pending_slots.get(item.request_id, NO_FEED) if item.token_id == PENDING_TOKEN
+                            else NO_FEED for item in work]
+        token_ids = [max(token_id, 0) for token_id in token_ids]
+    input_ids[:num] = token_ids
     positions[:num] = [item.position for item in work]
     table_lens = np.fromiter((len(item.block_ids) for item in work), dtype=np.int64, count=num)
     tables = np.full((rows, context_blocks), NULL_BLOCK, dtype=np.int64)
@@ -83,8 +90,8 @@ def decode_inputs(work: Sequence[DecodeWork], rows: int, context_blocks: int, bl
     slots = np.full(rows, NULL_BLOCK * block_size, dtype=np.int64)
     real = positions[:num]
     slots[:num] = tables[np.arange(num), real // block_size] * block_size + real % block_size
-    return _as_tensors({"input_ids": input_ids, "positions": positions, "slot_mapping": slots,
-                        "block_tables": tables, "context_lens": positions + 1})
+    return _as_tensors({"input_ids": input_ids, "feed_slots": feed_slots, "positions": positions,
+                        "slot_mapping": slots, "block_tables": tables, "context_lens": positions + 1})
 
 
 # (tensor name, SamplingMeta field, dtype); padding rows take SamplingMeta.greedy()'s values.

@@ -4,13 +4,19 @@ then the separately compiled sampler (graph counts add instead of multiplying).
 A prefill call packs up to ``max_prefill_seqs`` prompts into one row padded to a prefill
 bucket; a decode call runs a batch padded to a (rows, context blocks) bucket. On the native
 path (a torch device) the same code runs eagerly.
+
+A step is launched (inputs built, copied, every call handed to the device) and collected
+(tokens read back) in two moves. On XLA a compiled call returns once it is queued, so with
+asynchronous scheduling the worker launches step N+1 before it collects step N: the device
+goes from one step to the next without waiting for the host. Step N's tokens reach step N+1's
+decode inputs on the device, through the token feed (``worker/token_feed.py``).
 """
 from __future__ import annotations
 
 import logging
 import statistics
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from tqdm import tqdm
@@ -24,6 +30,7 @@ from tpu_executor.core.step import DecodeWork, PaddingStats, PrefillWork, Sample
 from tpu_executor.worker.compile_guard import CompileGuard
 from tpu_executor.worker.inputs import decode_inputs, prefill_inputs, sampling_tensors, to_device
 from tpu_executor.worker.sampler import SamplerOutput, sample
+from tpu_executor.worker.token_feed import TokenFeed, fed_input_ids, write_slots
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +51,9 @@ class ModelRunner:
         self.guard = CompileGuard(config.compile.strict, enabled=compiled)
         self.padding = PaddingStats()
         self.timer = NullPhaseTimer()  # bench host swaps in a PhaseTimer
-        # Tokens sampled by the step before the running one: its PENDING_TOKEN inputs.
-        self._previous_tokens: Dict[str, int] = {}
-        self._last_tokens: Dict[str, int] = {}  # the running step's tokens, for the next step
+        # On XLA a call only queues work: reading tokens back can wait for the next launch.
+        self.collects_late = compiled
+        self.feed = TokenFeed(config.scheduler.max_num_seqs, device)
         if compiled:
             _raise_dynamo_limits(len(self.plan.graphs()))
         # Host-side collectives (gloo on CPU) split the model step into one graph per piece
@@ -54,7 +61,7 @@ class ModelRunner:
         one_graph = model.tp.collectives_in_graph
         self._prefill_fn = self._compile(self._prefill_step, compiled, one_graph)
         self._decode_fn = self._compile(self._decode_step, compiled, one_graph)
-        self._sample_fn = self._compile(sample, compiled, True)
+        self._sample_fn = self._compile(self._sample_step, compiled, True)
 
     @staticmethod
     def _compile(fn, compiled: bool, fullgraph: bool):
@@ -72,23 +79,37 @@ class ModelRunner:
         hidden = self.model(input_ids, kv_caches, AttentionMetadata(positions, slot_mapping, prefill=prefill))
         return self.model.compute_logits(hidden[logits_indices])
 
-    def _decode_step(self, input_ids, positions, slot_mapping, block_tables, context_lens, kv_caches):
+    def _decode_step(self, input_ids, feed_slots, feed_tokens, positions, slot_mapping, block_tables,
+                     context_lens, kv_caches):
         decode = DecodeMetadata(block_tables, context_lens)
+        input_ids = fed_input_ids(input_ids, feed_slots, feed_tokens)
         hidden = self.model(input_ids, kv_caches, AttentionMetadata(positions, slot_mapping, decode=decode))
         return self.model.compute_logits(hidden)
 
-    @torch.no_grad()
+    @staticmethod
+    def _sample_step(logits, slots, feed_tokens, num_logprobs: int, all_greedy: bool, **sampling):
+        """Sample, and write the sampled tokens into the token feed (one compiled graph)."""
+        out = sample(logits, num_logprobs=num_logprobs, all_greedy=all_greedy, **sampling)
+        return out, write_slots(feed_tokens, slots, out.token_ids)
+
     def execute(self, step: SchedulerOutput) -> SampledTokens:
-        """Run the prefills (packed), then the decode batch; sample one token for each."""
-        parts: List[SampledTokens] = []
-        self._previous_tokens, self._last_tokens = self._last_tokens, {}  # a failed step leaves none
-        for call in self.plan.model_calls(step):
-            call.count_into(self.padding)
-            parts.append(self._run_prefill(call) if isinstance(call, PrefillCall) else self._run_decode(call))
-        results = SampledTokens.concat(parts)
-        if self.config.scheduler.async_scheduling:  # only then can the next step hold PENDING_TOKEN
-            self._last_tokens = results.token_ids_by_request()
-        return results
+        """Run one step to the end: launch it, then collect its tokens."""
+        return self.launch(step).collect()
+
+    @torch.no_grad()
+    def launch(self, step: SchedulerOutput) -> "LaunchedStep":
+        """Run the prefills (packed), then the decode batch, and sample one token for each,
+        without reading anything back (on XLA this returns once the work is queued)."""
+        self.feed.begin_step()
+        calls = []
+        try:
+            for call in self.plan.model_calls(step):
+                call.count_into(self.padding)
+                calls.append(self._launch_prefill(call) if isinstance(call, PrefillCall) else self._launch_decode(call))
+        except BaseException:
+            self.feed.forget()
+            raise
+        return LaunchedStep(calls, self.timer)
 
     def _prefill_logits(self, pack: Sequence[PrefillWork], graph: PrefillGraph, kv_caches: KVCaches) -> torch.Tensor:
         with self.timer.phase("inputs"):
@@ -98,8 +119,9 @@ class ModelRunner:
     def _decode_logits(self, work: Sequence[DecodeWork], graph: DecodeGraph) -> torch.Tensor:
         with self.timer.phase("inputs"):
             inputs = decode_inputs(work, graph.num_rows, graph.context_blocks, self.block_size,
-                                   self._previous_tokens)
-        return self._run_fn(self._decode_fn, inputs, "decode", kv_caches=self.kv_caches)
+                                   self.feed.pending_slots)
+        return self._run_fn(self._decode_fn, inputs, "decode", feed_tokens=self.feed.read_tokens,
+                            kv_caches=self.kv_caches)
 
     def _run_fn(self, fn, host_inputs: Dict[str, torch.Tensor], phase: str, **static):
         """Copy ``host_inputs`` to the device and call ``fn`` on them (timed as ``phase``)."""
@@ -108,32 +130,31 @@ class ModelRunner:
         with self.timer.phase(phase):
             return fn(**inputs, **static)
 
-    def _run_prefill(self, call: PrefillCall) -> SampledTokens:
+    def _launch_prefill(self, call: PrefillCall) -> "LaunchedCall":
         with self.guard.watch(f"prefill bucket tokens={call.graph.num_tokens} keys={call.graph.keys}"):
             logits = self._prefill_logits(call.pack, call.graph, self.kv_caches)
-            sampled = self._sample(call.pack, logits, self.plan.max_prefill_seqs)
-        # A chunk that does not end its prompt gives no token (its row was sampled with the rest).
-        if all(w.is_last_chunk for w in call.pack):
-            return sampled
-        return sampled.rows([row for row, w in enumerate(call.pack) if w.is_last_chunk])
+            # A chunk that does not end its prompt gives no token (its row is sampled with the rest).
+            sampled_ids = [w.request_id if w.is_last_chunk else None for w in call.pack]
+            return self._sample(call.pack, sampled_ids, logits, self.plan.max_prefill_seqs)
 
-    def _run_decode(self, call: DecodeCall) -> SampledTokens:
+    def _launch_decode(self, call: DecodeCall) -> "LaunchedCall":
         graph = call.graph
         with self.guard.watch(f"decode bucket rows={graph.num_rows} blocks={graph.context_blocks}"):
-            return self._sample(call.work, self._decode_logits(call.work, graph), graph.num_rows)
+            logits = self._decode_logits(call.work, graph)
+            return self._sample(call.work, [w.request_id for w in call.work], logits, graph.num_rows)
 
-    def _sample(self, work, logits: torch.Tensor, rows: int) -> SampledTokens:
+    def _sample(self, work, sampled_ids: List[Optional[str]], logits: torch.Tensor, rows: int) -> "LaunchedCall":
         with self.timer.phase("inputs"):
             tensors = sampling_tensors(work, rows)
+            tensors["slots"] = self.feed.assign(sampled_ids, rows)
             wants_logprobs = any(item.sampling.num_logprobs > 0 for item in work)
             all_greedy = all(item.sampling.temperature == 0 for item in work)
         graph = self.plan.sampler_graph(rows, wants_logprobs=wants_logprobs, all_greedy=all_greedy)
-        out = self._run_fn(self._sample_fn, tensors, "sample", logits=logits, num_logprobs=graph.num_logprobs,
-                           all_greedy=graph.all_greedy)
-        with self.timer.phase("transfer"):
-            host = _read_back(out)
-        with self.timer.phase("output"):
-            return _sampled_tokens(work, host)
+        out, self.feed.written_tokens = self._run_fn(
+            self._sample_fn, tensors, "sample", logits=logits, feed_tokens=self.feed.written_tokens,
+            num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy)
+        kept = None if all(sampled_ids) else [row for row, rid in enumerate(sampled_ids) if rid is not None]
+        return LaunchedCall(work, out, kept)
 
     @torch.no_grad()
     def profile_run(self, kv_caches: KVCaches) -> None:
@@ -174,8 +195,39 @@ class ModelRunner:
             self._decode_logits([DecodeWork("warmup", 0, 0, (NULL_BLOCK,), SamplingMeta.greedy())], graph).cpu()
         else:
             logits = torch.zeros(graph.num_rows, self.model.config.vocab_size).to(self.device)  # device data, as in serving
-            self._run_fn(self._sample_fn, sampling_tensors([], graph.num_rows), "sample", logits=logits,
-                         num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy).token_ids.cpu()
+            tensors = dict(sampling_tensors([], graph.num_rows),
+                           slots=torch.full((graph.num_rows,), self.feed.discard_slot, dtype=torch.int64))
+            out, _ = self._run_fn(self._sample_fn, tensors, "sample", logits=logits, feed_tokens=self.feed.written_tokens,
+                                  num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy)
+            out.token_ids.cpu()
+
+
+class LaunchedCall(NamedTuple):
+    """One sampler call of a launched step: its work items, the sampler's device outputs, and
+    the rows that give a token (None: every work item's row)."""
+
+    work: Sequence
+    out: SamplerOutput
+    kept_rows: Optional[List[int]]
+
+
+class LaunchedStep:
+    """A step handed to the device; ``collect()`` reads its tokens back (waiting for the device)."""
+
+    def __init__(self, calls: List[LaunchedCall], timer):
+        self.calls = calls
+        self.timer = timer
+
+    def collect(self) -> SampledTokens:
+        """The step's tokens, one per sampled request, in the order of its calls."""
+        parts = []
+        for call in self.calls:
+            with self.timer.phase("transfer"):
+                host = _read_back(call.out)
+            with self.timer.phase("output"):
+                sampled = _sampled_tokens(call.work, host)
+                parts.append(sampled if call.kept_rows is None else sampled.rows(call.kept_rows))
+        return SampledTokens.concat(parts)
 
 
 def _read_back(out: SamplerOutput) -> Tuple[list, list, Optional[list], Optional[list]]:

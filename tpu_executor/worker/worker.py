@@ -4,22 +4,23 @@ environment variables. Executors call the methods named in ``executor/base.py``.
 """
 from __future__ import annotations
 
+import collections
 import glob
 import hashlib
 import itertools
 import logging
 import os
-from typing import List, Optional, Tuple
+from typing import Deque, List, Optional, Tuple
 
 import torch
 
 from models.layers.parallel import SingleRank, TensorParallelGroup
 from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig
-from tpu_executor.core.step import ModelRunnerOutput, SampledTokens, SchedulerOutput, WorkerStats
+from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerStats
 from tpu_executor.worker.distributed import GlooGroup, RankPlacement, XlaGroup, tpu_topology_env
 from tpu_executor.worker.model_loader import load_model, pack_for_cpu, use_xla_cpu_forms
-from tpu_executor.worker.model_runner import ModelRunner
+from tpu_executor.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class Worker:
         self.weight_bytes = 0
         self.kv_cache_bytes = 0
         self.runner: Optional[ModelRunner] = None
+        self._launched: Deque[LaunchedStep] = collections.deque()  # launched, not yet collected
 
     @property
     def rank(self) -> int:
@@ -219,17 +221,41 @@ class Worker:
         return [self.runner.time_graph(graph, repeats) for graph in graphs]
 
     # ---- serving ------------------------------------------------------------------------
-    def run_step(self, step: SchedulerOutput) -> SampledTokens:
-        """Run one step; its exceptions propagate."""
-        return self.runner.execute(step)
+    def start_step(self, step: SchedulerOutput) -> LaunchedStep:
+        """Hand one step to the device; its exceptions propagate."""
+        return self.runner.launch(step)
+
+    def launch_step(self, step: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        """Start one step. Returns its output when there is one already: on eager devices (the
+        tokens are on the host once the step ran) or when it failed to start. Returns None when
+        its tokens are still on the device (XLA): ``collect_step`` reads them, after the next
+        step has been launched if the engine schedules ahead. An exception fails the step
+        (reported in the output), not the worker."""
+        try:
+            launched = self.start_step(step)
+            if not self.runner.collects_late:
+                return ModelRunnerOutput(sampled=launched.collect())
+        except Exception as err:  # noqa: BLE001 - the engine fails this step's requests
+            return self._failed(err)
+        self._launched.append(launched)
+        return None
+
+    def collect_step(self) -> ModelRunnerOutput:
+        """The tokens of the oldest step ``launch_step`` left on the device (waits for it)."""
+        launched = self._launched.popleft()
+        try:
+            return ModelRunnerOutput(sampled=launched.collect())
+        except Exception as err:  # noqa: BLE001 - a device error fails this step's requests
+            return self._failed(err)
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step; an exception fails the step (reported in the output), not the worker."""
-        try:
-            return ModelRunnerOutput(sampled=self.run_step(step))
-        except Exception as err:  # noqa: BLE001 - the engine fails this step's requests
-            logger.exception("rank %d: step failed", self.rank)
-            return ModelRunnerOutput(error=f"{type(err).__name__}: {err}")
+        """Run one step to the end: launch it and collect its tokens."""
+        output = self.launch_step(step)
+        return output if output is not None else self.collect_step()
+
+    def _failed(self, err: Exception) -> ModelRunnerOutput:
+        logger.exception("rank %d: step failed", self.rank)
+        return ModelRunnerOutput(error=f"{type(err).__name__}: {err}")
 
     def stats(self) -> WorkerStats:
         guard = self.runner.guard

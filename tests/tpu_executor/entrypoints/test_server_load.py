@@ -64,16 +64,16 @@ def test_a_full_waiting_queue_answers_503_at_once(checkpoints):
 
 def test_a_dead_engine_ends_open_streams_and_answers_503(checkpoints):
     engine = tiny_engine(checkpoints)
-    real_execute = engine.executor.execute_model
+    real_call = engine.executor._call_workers
     calls = {"n": 0}
 
-    def failing_after_a_while(step):
-        calls["n"] += 1
+    def failing_after_a_while(method, *args, **kwargs):
+        calls["n"] += method in ("launch_step", "execute_model")
         if calls["n"] > 20:
             raise WorkerFailure("rank 0 is gone (simulated)")
-        return real_execute(step)
+        return real_call(method, *args, **kwargs)
 
-    engine.executor.execute_model = failing_after_a_while
+    engine.executor._call_workers = failing_after_a_while
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 250, "ignore_eos": True}
 
     async def run(url):

@@ -1,11 +1,13 @@
 """Input building: the numpy block tables and slots equal a row-by-row construction."""
 import random
 
+import pytest
 import torch
 
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.step import PENDING_TOKEN, DecodeWork, SamplingMeta
 from tpu_executor.worker.inputs import decode_inputs, sampling_tensors
+from tpu_executor.worker.token_feed import NO_FEED, TokenFeed, fed_input_ids, write_slots
 
 
 def test_decode_inputs_match_row_by_row_tables_and_slots():
@@ -37,9 +39,30 @@ def test_sampling_tensors_pad_with_greedy_rows():
     assert t["steps"].tolist() == [3, 0, 0, 0] and t["top_p"].tolist()[1:] == [1.0] * 3
 
 
-def test_pending_inputs_take_the_previous_steps_tokens():
+def test_pending_inputs_read_the_previous_steps_tokens_from_the_feed():
     meta = SamplingMeta.greedy()
     work = [DecodeWork("a", 11, 4, (1,), meta), DecodeWork("b", PENDING_TOKEN, 9, (2,), meta),
             DecodeWork("gone", PENDING_TOKEN, 3, (3,), meta)]  # its previous step failed: no token
-    t = decode_inputs(work, 4, 1, 16, previous_tokens={"b": 42, "other": 7})
-    assert t["input_ids"].tolist() == [11, 42, 0, 0]
+    t = decode_inputs(work, 4, 1, 16, pending_slots={"b": 1, "other": 0})
+    assert t["input_ids"].tolist() == [11, 0, 0, 0]
+    assert t["feed_slots"].tolist() == [NO_FEED, 1, NO_FEED, NO_FEED]
+    feed_tokens = torch.tensor([7, 42, 99])
+    assert fed_input_ids(t["input_ids"], t["feed_slots"], feed_tokens).tolist() == [11, 42, 0, 0]
+
+
+def test_token_feed_hands_out_fresh_slots_per_step_and_forgets_a_failed_one():
+    feed = TokenFeed(max_sampled_rows=4, device=torch.device("cpu"))
+    feed.begin_step()
+    prefill_slots = feed.assign(["p", None], rows=3)  # a chunk that ends no prompt is not sampled
+    decode_slots = feed.assign(["a", "b"], rows=4)
+    assert prefill_slots.tolist() == [0, 4, 4] and decode_slots.tolist() == [1, 2, 4, 4]
+    feed.written_tokens = write_slots(feed.written_tokens, decode_slots, torch.tensor([5, 6, 8, 9]))
+    feed.begin_step()
+    assert dict(feed.pending_slots) == {"p": 0, "a": 1, "b": 2}
+    assert feed.read_tokens.tolist()[1:3] == [5, 6]
+    assert feed.assign(["b"], rows=1).tolist() == [0]  # slots start over each step
+    feed.forget()  # the step failed while launching: the next one finds none of its tokens
+    feed.begin_step()
+    assert dict(feed.pending_slots) == {}
+    with pytest.raises(ValueError, match="more than 4 rows"):
+        feed.assign(["a", "b", "c", "d", "e"], rows=5)
