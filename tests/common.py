@@ -32,6 +32,35 @@ def hf_greedy(path: str, prompts: List[List[int]], max_new_tokens: int) -> Tuple
     return tokens, logprobs
 
 
+def random_requests(count: int, seed: int = 1):
+    """Random lengths; greedy and seeded sampling, log-probs, n = 2, stop strings and ids."""
+    from tpu_executor import SamplingParams
+
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for i in range(count):
+        prompts.append({"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randint(1, 200))]})
+        sampled = i % 3 != 0
+        stop = rng.choice([None, None, ["ka"], ["lo mi", "ne"]])
+        params.append(SamplingParams(
+            temperature=0.8 if sampled else 0, top_k=rng.choice([0, 20]), top_p=rng.choice([1.0, 0.9]),
+            max_tokens=rng.randint(1, 60), ignore_eos=rng.random() < 0.7, seed=i if sampled else None,
+            logprobs=rng.choice([None, 2]), n=2 if i % 17 == 0 else 1, stop=stop,
+            stop_token_ids=[rng.randrange(3, 500)] if i % 11 == 0 else None))
+    return prompts, params
+
+
+def output_summary(outputs):
+    """What a user sees of each sample: token ids, text, finish and stop reasons."""
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs]
+
+
+def logprob_values(outputs):
+    """Every sampled position's log-prob values, flattened (to compare within a tolerance)."""
+    return torch.tensor([lp for o in outputs for c in o.outputs for step in (c.logprobs or [])
+                         for lp in sorted(step.values())])
+
+
 def tiny_engine_options(**overrides):
     """Small buckets so tiny-model engines compile in seconds, and a KV cache of 256 MiB
     (32k blocks of a tiny model) instead of the 2 GiB default: the suite keeps several alive."""

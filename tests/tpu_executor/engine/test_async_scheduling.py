@@ -1,39 +1,12 @@
 """Asynchronous scheduling changes nothing a user sees: the same tokens, text, log-probs and
 finish reasons as the synchronous engine, through chunked prefill, preemption, stops, n > 1 and
 abort."""
-import random
-
 import pytest
 import torch
 
-from tests.common import run_to_end, tiny_engine_options
+from tests.common import logprob_values, output_summary, random_requests, run_to_end, tiny_engine_options
 from tpu_executor import LLM, SamplingParams
 from tpu_executor.core.request import accumulate_deltas
-
-
-def random_requests(count: int, seed: int = 1):
-    """Random lengths; greedy and seeded sampling, log-probs, n = 2, stop strings and ids."""
-    rng = random.Random(seed)
-    prompts, params = [], []
-    for i in range(count):
-        prompts.append({"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randint(1, 200))]})
-        sampled = i % 3 != 0
-        stop = rng.choice([None, None, ["ka"], ["lo mi", "ne"]])
-        params.append(SamplingParams(
-            temperature=0.8 if sampled else 0, top_k=rng.choice([0, 20]), top_p=rng.choice([1.0, 0.9]),
-            max_tokens=rng.randint(1, 60), ignore_eos=rng.random() < 0.7, seed=i if sampled else None,
-            logprobs=rng.choice([None, 2]), n=2 if i % 17 == 0 else 1, stop=stop,
-            stop_token_ids=[rng.randrange(3, 500)] if i % 11 == 0 else None))
-    return prompts, params
-
-
-def summary(outputs):
-    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs]
-
-
-def logprob_values(outputs):
-    return torch.tensor([lp for o in outputs for c in o.outputs for step in (c.logprobs or [])
-                         for lp in sorted(step.values())])
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +25,7 @@ def test_async_outputs_equal_sync_outputs_over_200_random_requests(engines):
     prompts, params = random_requests(200)
     expected = sync.generate(prompts, params, use_tqdm=False)
     got = asynchronous.generate(prompts, params, use_tqdm=False)
-    assert summary(got) == summary(expected)
+    assert output_summary(got) == output_summary(expected)
     torch.testing.assert_close(logprob_values(got), logprob_values(expected), rtol=1e-4, atol=1e-4)
     for llm in engines:
         stats = llm.stats()

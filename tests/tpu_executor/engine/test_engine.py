@@ -8,8 +8,9 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
-from tests.common import run_to_end, tiny_engine_options
+from tests.common import logprob_values, output_summary, random_requests, run_to_end, tiny_engine_options
 from tpu_executor import LLM, SamplingParams
 from tpu_executor.core.request import accumulate_deltas
 
@@ -73,6 +74,30 @@ def test_preemption_gives_the_same_tokens(checkpoints, llm):
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert small.stats().num_preemptions > 0, "the test must exercise preemption"
     assert small.stats().graphs_compiled_after_warmup == 0
+
+
+def test_tokens_read_back_a_step_late_change_nothing(checkpoints, llm):
+    """On XLA the worker queues step N+1 before it reads step N's tokens back (its pending
+    inputs come from the device's token feed); outputs equal the synchronous engine's, with
+    preemption, chunks, stops, n = 2, seeds and log-probs."""
+    worker = llm.engine.executor.workers[0]
+    queued_at_collect = []
+    collect = worker.collect_step
+    worker.collect_step = lambda: queued_at_collect.append(len(worker._launched)) or collect()
+    prompts, params = random_requests(60, seed=3)
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del worker.collect_step
+    # 30 usable blocks: the synchronous engine preempts, the asynchronous one does not.
+    sync = LLM(model=checkpoints["llama"], device="xla", async_scheduling=False,
+               **tiny_engine_options(num_blocks=31, max_num_batched_tokens=96))
+    expected = sync.generate(prompts, params, use_tqdm=False)
+    assert output_summary(got) == output_summary(expected)
+    torch.testing.assert_close(logprob_values(got), logprob_values(expected), rtol=1e-4, atol=1e-4)
+    assert sync.stats().num_preemptions > 0
+    assert max(queued_at_collect) == 2, "step N+1 must be on the device before step N is read"
+    assert llm.stats().graphs_compiled_after_warmup == sync.stats().graphs_compiled_after_warmup == 0
 
 
 def test_seeded_sampling_is_reproducible_and_n_samples_differ(llm):

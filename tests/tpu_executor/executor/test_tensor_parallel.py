@@ -97,7 +97,7 @@ def test_a_lost_worker_fails_in_flight_requests_and_shuts_down(cluster, checkpoi
     engine.step()
     ray.kill(actors[1])
     start = time.monotonic()
-    with pytest.raises(EngineDeadError, match="worker rank 1 failed in execute_model") as failure:
+    with pytest.raises(EngineDeadError, match="worker rank 1 failed in launch_step") as failure:
         while True:
             engine.step()
     assert time.monotonic() - start < 60
