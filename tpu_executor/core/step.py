@@ -108,9 +108,6 @@ class SampledTokens:
     def __len__(self) -> int:
         return len(self.request_ids)
 
-    def token_ids_by_request(self) -> Dict[str, int]:
-        return dict(zip(self.request_ids, self.token_ids))
-
     def rows(self, indices: Sequence[int]) -> "SampledTokens":
         """Only the given rows, in that order."""
         top = self.top_logprobs

@@ -153,7 +153,7 @@ class ModelRunner:
         out, self.feed.written_tokens = self._run_fn(
             self._sample_fn, tensors, "sample", logits=logits, feed_tokens=self.feed.written_tokens,
             num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy)
-        kept = None if all(sampled_ids) else [row for row, rid in enumerate(sampled_ids) if rid is not None]
+        kept = None if None not in sampled_ids else [row for row, sampled in enumerate(sampled_ids) if sampled]
         return LaunchedCall(work, out, kept)
 
     @torch.no_grad()
@@ -194,11 +194,12 @@ class ModelRunner:
         elif isinstance(graph, DecodeGraph):
             self._decode_logits([DecodeWork("warmup", 0, 0, (NULL_BLOCK,), SamplingMeta.greedy())], graph).cpu()
         else:
-            logits = torch.zeros(graph.num_rows, self.model.config.vocab_size).to(self.device)  # device data, as in serving
-            tensors = dict(sampling_tensors([], graph.num_rows),
-                           slots=torch.full((graph.num_rows,), self.feed.discard_slot, dtype=torch.int64))
-            out, _ = self._run_fn(self._sample_fn, tensors, "sample", logits=logits, feed_tokens=self.feed.written_tokens,
-                                  num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy)
+            rows = graph.num_rows
+            logits = torch.zeros(rows, self.model.config.vocab_size).to(self.device)  # device data, as in serving
+            tensors = dict(sampling_tensors([], rows), slots=torch.full((rows,), self.feed.discard_slot))
+            out, _ = self._run_fn(self._sample_fn, tensors, "sample", logits=logits,
+                                  feed_tokens=self.feed.written_tokens, num_logprobs=graph.num_logprobs,
+                                  all_greedy=graph.all_greedy)
             out.token_ids.cpu()
 
 
