@@ -3,7 +3,8 @@
 An executor holds one worker per chip and offers the engine typed calls (``init_device``,
 ``load_model``, ..., ``execute_model(step)``, ``stats()``, ``shutdown()``). This module is the
 one place that names worker methods; a concrete executor only says how to call one method on
-every worker (``_call_workers``): in this process, or on Ray actors.
+every worker (``_call_workers``, and ``_start_on_workers`` to start it without waiting): in this
+process, or on Ray actors.
 
 Failure model: an exception inside a worker's step comes back as ``ModelRunnerOutput.error``
 and fails that step's requests, on every executor alike. A worker that dies, stops answering,
@@ -67,13 +68,23 @@ class Executor(abc.ABC):
         return agree_on_step(self._call_workers("execute_model", step,
                                                 timeout_s=self.config.parallel.step_timeout_s))
 
-    def execute_model_async(self, step: SchedulerOutput) -> "Future[ModelRunnerOutput]":
-        """Start one step and return at once; the future's ``result()`` is ``execute_model``'s
-        answer (or raises what it would raise). Steps run in the order they were started, and
-        their results are read in that order: the engine starts step N+1 before it reads step
-        N, so a worker can queue N+1 on its device before it reads N's tokens back. This
-        default runs the step before returning; executors that can overlap override it."""
-        return completed_future(lambda: self.execute_model(step))
+    def execute_model_async(self, step: SchedulerOutput) -> "StartedStep":
+        """Start one step and return at once; ``result()`` is ``execute_model``'s answer (or
+        raises what it would raise). Steps run in the order they were started, and results are
+        read in that order: the engine starts step N+1 before it reads step N, so on XLA every
+        worker has queued N+1 on its device before it reads N's tokens back."""
+        timeout_s = self.config.parallel.step_timeout_s
+        launched = self._start_on_workers("launch_step", step, timeout_s=timeout_s)
+        return StartedStep(launched, lambda: self._start_on_workers("collect_step", timeout_s=timeout_s)())
+
+    def _start_on_workers(self, method: str, *args: Any,
+                          timeout_s: Optional[float] = None) -> Callable[[], List[Any]]:
+        """Start ``Worker.<method>(*args)`` on every worker; returns a function that waits for
+        the results (one per rank, failing as ``_call_workers`` does). Calls started this way
+        run in the order they were started. This default runs the call before returning;
+        executors that can overlap override it."""
+        results = self._call_workers(method, *args, timeout_s=timeout_s)
+        return lambda: results
 
     def time_graphs(self, graphs: Sequence[Graph], repeats: int = 3) -> List[float]:
         """Seconds per run of each graph, rank 0's (every rank runs the same shapes)."""
@@ -85,8 +96,8 @@ class Executor(abc.ABC):
 
 class StartedStep:
     """A step launched on every worker (``Worker.launch_step``); ``result()`` is what
-    ``execute_model`` would answer. ``launched()`` gives each rank's launch answer, and
-    ``collect()`` each rank's ``collect_step`` answer, for when the tokens were left on the
+    ``execute_model`` would answer. ``launched()`` waits for each rank's launch answer;
+    ``collect()`` asks each rank for ``collect_step``, for when the tokens were left on the
     devices (every rank answered None)."""
 
     def __init__(self, launched: Callable[[], List[Optional[ModelRunnerOutput]]],

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import socket
 from dataclasses import replace
-from typing import Any, List, Optional, Tuple, Type
+from typing import Any, Callable, List, Optional, Tuple, Type
 
 from tpu_executor.core.config import EngineConfig
-from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput
-from tpu_executor.executor.base import Executor, StartedStep, WorkerFailure, agree_on_step
+from tpu_executor.executor.base import Executor, WorkerFailure
 from tpu_executor.worker.distributed import RankPlacement
 from tpu_executor.worker.worker import Worker
 
@@ -131,32 +130,19 @@ class RayExecutor(Executor):
                                      for a, p in zip(self.actors, self.placements)])
 
     def _call_workers(self, method: str, *args: Any, timeout_s: Optional[float] = None) -> List[Any]:
-        if not self.actors:
-            raise WorkerFailure(f"cannot call {method}: the workers have been shut down")
-        return self._gather(method, [a.execute_method.remote(method, *args) for a in self.actors], timeout_s)
+        return self._start_on_workers(method, *args, timeout_s=timeout_s)()
 
-    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        refs = self._send_step("execute_model", step)
-        return agree_on_step(self._gather("execute_model", refs, self.config.parallel.step_timeout_s))
-
-    def execute_model_async(self, step: SchedulerOutput) -> StartedStep:
-        """Launch the step on every actor. An actor runs its calls in order, so steps queue up
-        behind each other, and a result's collect call queues behind the steps launched before
-        it was asked for (on XLA the next step is on the device before this one is read)."""
-        refs = self._send_step("launch_step", step)
-        timeout_s = self.config.parallel.step_timeout_s
-        return StartedStep(lambda: self._gather("launch_step", refs, timeout_s),
-                           lambda: self._call_workers("collect_step", timeout_s=timeout_s))
-
-    def _send_step(self, method: str, step: SchedulerOutput) -> List[Any]:
-        """Call ``method(step)`` on every actor, the step serialised once (one object in Ray's
-        store that every rank reads)."""
+    def _start_on_workers(self, method: str, *args: Any,
+                          timeout_s: Optional[float] = None) -> Callable[[], List[Any]]:
+        """Send the call to every actor, each argument serialised once (one object in Ray's
+        store that every rank reads: a step is sent once). An actor runs its calls in order."""
         import ray
 
         if not self.actors:
-            raise WorkerFailure("cannot run a step: the workers have been shut down")
-        step_ref = ray.put(step)
-        return [a.execute_method.remote(method, step_ref) for a in self.actors]
+            raise WorkerFailure(f"cannot call {method}: the workers have been shut down")
+        arg_refs = [ray.put(arg) for arg in args]
+        refs = [a.execute_method.remote(method, *arg_refs) for a in self.actors]
+        return lambda: self._gather(method, refs, timeout_s)
 
     def _gather(self, method: str, refs: List[Any], timeout_s: Optional[float] = None) -> List[Any]:
         """Every rank's result, failing on the first rank that dies or raises (the others may

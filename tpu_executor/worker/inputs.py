@@ -117,4 +117,11 @@ def sampling_tensors(work: Sequence, rows: int) -> Dict[str, torch.Tensor]:
 
 
 def to_device(tensors: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
+    """The host tensors of one call on ``device``. On XLA they go in one batched transfer:
+    one ``.to()`` per tensor costs a round through the runtime each (about 35 us here, for a
+    dozen tensors per call)."""
+    if device.type == "xla":
+        import torch_xla.core.xla_model as xm  # only on the XLA path
+
+        return xm.send_cpu_data_to_device(tensors, device)
     return {name: t.to(device) for name, t in tensors.items()}

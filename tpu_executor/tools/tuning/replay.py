@@ -70,6 +70,10 @@ class NullWorker:
         sampled = step.sampled_request_ids
         return ModelRunnerOutput(SampledTokens(sampled, [NULL_TOKEN_ID] * len(sampled), [0.0] * len(sampled)))
 
+    def launch_step(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs the step at once: nothing is left on a device to collect."""
+        return self.execute_model(step)
+
     def stats(self) -> WorkerStats:
         return WorkerStats(padding=self.padding)
 
