@@ -12,7 +12,8 @@ from tpu_executor.worker.worker import Worker
 class UniprocExecutor(Executor):
     """Runs the single worker's methods directly; calls started with ``_start_on_workers``
     (asynchronous steps) run on one thread of its own, in order, so the engine's host work
-    overlaps the step (the device work releases the GIL). ``worker_class`` swaps in a subclass (tests inject faults with it)."""
+    overlaps the step (the device work releases the GIL). ``worker_class`` swaps in a subclass
+    (tests inject faults with it)."""
 
     def __init__(self, config: EngineConfig, worker_class: Optional[Type[Worker]] = None):
         super().__init__(config)

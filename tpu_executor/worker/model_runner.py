@@ -92,10 +92,6 @@ class ModelRunner:
         out = sample(logits, num_logprobs=num_logprobs, all_greedy=all_greedy, **sampling)
         return out, write_slots(feed_tokens, slots, out.token_ids)
 
-    def execute(self, step: SchedulerOutput) -> SampledTokens:
-        """Run one step to the end: launch it, then collect its tokens."""
-        return self.launch(step).collect()
-
     @torch.no_grad()
     def launch(self, step: SchedulerOutput) -> "LaunchedStep":
         """Run the prefills (packed), then the decode batch, and sample one token for each,
