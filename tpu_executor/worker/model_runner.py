@@ -53,7 +53,7 @@ class ModelRunner:
         self.timer = NullPhaseTimer()  # bench host swaps in a PhaseTimer
         # On XLA a call only queues work: reading tokens back can wait for the next launch.
         self.collects_late = compiled
-        self.feed = TokenFeed(config.scheduler.max_num_seqs, device)
+        self.feed = TokenFeed(config.scheduler.max_num_seqs, device, in_use=config.scheduler.async_scheduling)
         if compiled:
             _raise_dynamo_limits(len(self.plan.graphs()))
         # Host-side collectives (gloo on CPU) split the model step into one graph per piece
@@ -192,7 +192,7 @@ class ModelRunner:
         else:
             rows = graph.num_rows
             logits = torch.zeros(rows, self.model.config.vocab_size).to(self.device)  # device data, as in serving
-            tensors = dict(sampling_tensors([], rows), slots=torch.full((rows,), self.feed.discard_slot))
+            tensors = dict(sampling_tensors([], rows), slots=self.feed.assign([], rows))
             out, _ = self._run_fn(self._sample_fn, tensors, "sample", logits=logits,
                                   feed_tokens=self.feed.written_tokens, num_logprobs=graph.num_logprobs,
                                   all_greedy=graph.all_greedy)

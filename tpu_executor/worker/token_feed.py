@@ -45,8 +45,11 @@ class TokenFeed:
     the previous step left it) and each sampler call returns the next ``written_tokens``.
     """
 
-    def __init__(self, max_sampled_rows: int, device: torch.device):
+    def __init__(self, max_sampled_rows: int, device: torch.device, in_use: bool = True):
         self.discard_slot = max_sampled_rows
+        # Synchronous scheduling never leaves a token pending: every row writes the discard
+        # slot and no request's slot is remembered (host work saved on every step).
+        self.in_use = in_use
         # Made on the host, then copied: the graphs take device data, never a pending computation.
         self.written_tokens = torch.zeros(max_sampled_rows + 1, dtype=torch.int64).to(device)
         self.read_tokens = self.written_tokens
@@ -69,8 +72,11 @@ class TokenFeed:
 
     def assign(self, request_ids: Sequence[Optional[str]], rows: int) -> torch.Tensor:
         """Slots for a sampler call of ``rows`` rows: a fresh slot for each request id, the
-        discard slot for None (an unsampled chunk) and for the padding rows after them."""
+        discard slot for None (an unsampled chunk) and for the padding rows after them (for
+        every row when the feed is not in use)."""
         slots = np.full(rows, self.discard_slot, dtype=np.int64)
+        if not self.in_use:
+            return torch.from_numpy(slots)
         sampled_ids = [request_id for request_id in request_ids if request_id is not None]
         first, count = len(self._written), len(sampled_ids)
         if first + count > self.discard_slot:
