@@ -58,12 +58,33 @@ class Detokenizer:
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def append_token(self, state: DetokenizerState, request: Request) -> str:
-        """Add the text of the request's newest output token; returns the new characters."""
+    def advance(self, request: Request, state: DetokenizerState) -> Optional[RequestStatus]:
+        """Add the text of the request's newest output token, then check its stop conditions:
+        the request's finish status, or None to go on. A stop string found in the text
+        truncates it there (and sets ``request.stop_reason``). Runs for every running sequence
+        on every step, so the common checks read plain attributes in one call."""
+        outputs = request.output_token_ids
+        last = outputs[-1]
         if state.stream is not None:
-            new_text = state.stream.step(self._backend, request.output_token_ids[-1]) or ""
-            state.text += new_text
-            return new_text
+            new_text = state.stream.step(self._backend, last)
+            if new_text:
+                state.text += new_text
+        else:
+            new_text = self._window_text(request, state)
+        params = request.sampling_params
+        if last == request.eos_token_id and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop_token_ids and last in params.stop_token_ids:
+            request.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if new_text and params.stop and self._truncate_at_stop(request, state, new_text):
+            return RequestStatus.FINISHED_STOPPED
+        if len(outputs) >= params.max_tokens or len(request.prompt_token_ids) + len(outputs) >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _window_text(self, request: Request, state: DetokenizerState) -> str:
+        """The new characters of the newest token, by decoding a short window (no stream)."""
         all_token_ids = request.all_token_ids
         prefix = self._decode(all_token_ids[state.prefix_offset:state.read_offset])
         full = self._decode(all_token_ids[state.prefix_offset:])
@@ -73,23 +94,6 @@ class Detokenizer:
         state.text += new_text
         state.prefix_offset, state.read_offset = state.read_offset, len(all_token_ids)
         return new_text
-
-    def apply_stop_conditions(self, request: Request, state: DetokenizerState,
-                              new_text: str) -> Optional[RequestStatus]:
-        """The finish status of ``request`` after its latest token, or None to go on. A stop
-        string found in the text truncates it there (and sets ``request.stop_reason``)."""
-        params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if not params.ignore_eos and request.eos_token_id is not None and last == request.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
-            request.stop_reason = last
-            return RequestStatus.FINISHED_STOPPED
-        if new_text and params.stop and self._truncate_at_stop(request, state, new_text):
-            return RequestStatus.FINISHED_STOPPED
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     @staticmethod
     def _truncate_at_stop(request: Request, state: DetokenizerState, new_text: str) -> bool:

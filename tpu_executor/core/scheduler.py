@@ -203,13 +203,14 @@ class Scheduler:
         updated = []
         kv_cache = self.kv_cache
         token_ids, logprobs, top_column = sampled.token_ids, sampled.logprobs, sampled.top_logprobs
+        running = RequestStatus.RUNNING  # looked up once: reading an enum class attribute is slow
         for row, request_id in enumerate(sampled.request_ids):
             request = requests.get(request_id)
             if request is None or request.status.is_finished:
                 continue  # aborted, or finished by the token before this one: discarded
             request.num_in_flight -= 1
             outputs = request.output_token_ids
-            if request.status is RequestStatus.RUNNING:
+            if request.status is running:
                 num_computed = request.num_computed_tokens = len(request.prompt_token_ids) + len(outputs)
                 if kv_cache.has_blocks_to_cache(request_id, num_computed):
                     kv_cache.cache_computed_blocks(request_id, request.all_token_ids, num_computed)

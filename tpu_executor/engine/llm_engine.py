@@ -64,7 +64,7 @@ class RequestGroup:
     @property
     def finished(self) -> bool:
         for sample in self.samples:
-            if not sample.request.is_finished:
+            if not sample.request.status.is_finished:
                 return False
         return True
 
@@ -291,9 +291,7 @@ class LLMEngine:
         with self.timer.phase("output"):
             updated = self.scheduler.update(output.sampled, self._requests)
         with self.timer.phase("detokenize"):
-            streams = self._streams
-            for request in updated:
-                self._process_token(streams[request.request_id])
+            self._process_tokens(updated)
 
     def _release_deferred_samples(self) -> None:
         """Queue the remaining samples of groups whose first sample has been prefilled."""
@@ -308,15 +306,20 @@ class LLMEngine:
                 still_waiting.append(group)
         self._deferred = still_waiting
 
-    def _process_token(self, sample: SampleStream) -> None:
-        request, detok = sample.request, sample.detok
-        new_text = self.detokenizer.append_token(detok, request)
-        status = self.detokenizer.apply_stop_conditions(request, detok, new_text)
-        if status is not None:
-            self.scheduler.finish(request, status)
-        elif sample.final_only:
-            return  # nothing goes out before the end
-        self._mark_advanced(sample)
+    def _process_tokens(self, updated: List[Request]) -> None:
+        """Detokenize each request's new token and apply its stop conditions. This loop runs
+        for every running sequence on every step: ``_mark_advanced`` is inlined."""
+        streams, groups, advanced = self._streams, self._groups, self._advanced
+        advance, finish = self.detokenizer.advance, self.scheduler.finish
+        for request in updated:
+            sample = streams[request.request_id]
+            status = advance(request, sample.detok)
+            if status is not None:
+                finish(request, status)
+            elif sample.final_only:
+                continue  # nothing goes out before the end
+            sample.advanced = True
+            advanced[sample.group_id] = groups[sample.group_id]
 
     def _mark_advanced(self, sample: SampleStream) -> None:
         """The sample has news for the next delta."""
@@ -358,18 +361,19 @@ class LLMEngine:
         self._advanced = {}
         return deltas
 
-    def _sample_delta(self, sample: SampleStream) -> CompletionOutput:
+    @staticmethod
+    def _sample_delta(sample: SampleStream) -> CompletionOutput:
         sample.advanced = False
         request = sample.request
-        finish_reason = request.finish_reason()
+        finish_reason = request.status.finish_reason
+        outputs = request.output_token_ids
+        sent, sample.sent_tokens = sample.sent_tokens, len(outputs)
         params = request.sampling_params
-        wants_logprobs = params.logprobs is not None
-        new_ids = request.output_token_ids[sample.sent_tokens:]
-        new_logprobs = request.output_logprobs[sample.sent_tokens:] if wants_logprobs else None
-        sample.sent_tokens = len(request.output_token_ids)
         text = take_text_delta(sample.detok, params, finish_reason is not None)
-        return CompletionOutput(sample.index, text, new_ids, request.cumulative_logprob if wants_logprobs else None,
-                                new_logprobs, finish_reason, request.stop_reason)
+        if params.logprobs is None:
+            return CompletionOutput(sample.index, text, outputs[sent:], None, None, finish_reason, request.stop_reason)
+        return CompletionOutput(sample.index, text, outputs[sent:], request.cumulative_logprob,
+                                request.output_logprobs[sent:], finish_reason, request.stop_reason)
 
     def _forget(self, group: RequestGroup) -> None:
         del self._groups[group.request_id]

@@ -18,7 +18,7 @@ def feed(detok, tokenizer, prompt, output_ids, params):
     status = None
     for token in output_ids:
         request.output_token_ids.append(token)
-        status = detok.apply_stop_conditions(request, state, detok.append_token(state, request))
+        status = detok.advance(request, state)
         if status is not None:
             break
     return request, state, status
