@@ -26,6 +26,7 @@ until the token is back (the prefill must include it).
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from typing import Collection, Deque, Dict, List
 
@@ -93,21 +94,24 @@ class Scheduler:
         # than through the request's properties.
         decodes: List[DecodeWork] = []
         kv_cache = self.kv_cache
+        allocate, block_table = kv_cache.allocate, kv_cache.block_table
         running = self.running
         index = 0
         while index < len(running):
             request = running[index]
             in_flight = request.num_in_flight
-            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids) + in_flight
+            prompt, outputs = request.prompt_token_ids, request.output_token_ids
+            num_tokens = len(prompt) + len(outputs) + in_flight
             if request.num_computed_tokens < request.num_prefill_tokens or (
                     in_flight and self._reaches_limit(request, num_tokens)):
                 index += 1  # still prefilling, or its in-flight token is its last
                 continue
             request_id = request.request_id
-            if self._allocate_or_preempt(request, num_tokens):
-                token_id = PENDING_TOKEN if in_flight else request.last_token_id
+            # allocate() first: it succeeds on most steps, and the preempting path costs a call more.
+            if allocate(request_id, num_tokens) or self._allocate_or_preempt(request, num_tokens):
+                token_id = PENDING_TOKEN if in_flight else (outputs[-1] if outputs else prompt[-1])
                 decodes.append(_new_decode_work(DecodeWork, (request_id, token_id, num_tokens - 1,
-                                                             kv_cache.block_table(request_id), request.sampling)))
+                                                             block_table(request_id), request.sampling)))
                 request.num_in_flight = in_flight + 1
                 index += 1
         return decodes
@@ -202,9 +206,9 @@ class Scheduler:
         request preempted while its token was in flight keeps the token and waits)."""
         updated = []
         kv_cache = self.kv_cache
-        token_ids, logprobs, top_column = sampled.token_ids, sampled.logprobs, sampled.top_logprobs
         running = RequestStatus.RUNNING  # looked up once: reading an enum class attribute is slow
-        for row, request_id in enumerate(sampled.request_ids):
+        tops = sampled.top_logprobs if sampled.top_logprobs is not None else itertools.repeat(None)
+        for request_id, token_id, logprob, top in zip(sampled.request_ids, sampled.token_ids, sampled.logprobs, tops):
             request = requests.get(request_id)
             if request is None or request.status.is_finished:
                 continue  # aborted, or finished by the token before this one: discarded
@@ -214,12 +218,10 @@ class Scheduler:
                 num_computed = request.num_computed_tokens = len(request.prompt_token_ids) + len(outputs)
                 if kv_cache.has_blocks_to_cache(request_id, num_computed):
                     kv_cache.cache_computed_blocks(request_id, request.all_token_ids, num_computed)
-            token_id = token_ids[row]
             outputs.append(token_id)
-            request.cumulative_logprob += logprobs[row]
-            top = top_column[row] if top_column is not None else None
+            request.cumulative_logprob += logprob
             if top is not None:
-                request.output_logprobs.append({token_id: logprobs[row], **top})
+                request.output_logprobs.append({token_id: logprob, **top})
             updated.append(request)
         return updated
 

@@ -351,8 +351,13 @@ class LLMEngine:
     def _take_deltas(self) -> List[RequestOutput]:
         """A delta per group with news; finished groups are forgotten afterwards."""
         deltas = []
+        sample_delta = self._sample_delta
         for group in self._advanced.values():
-            outputs = [self._sample_delta(sample) for sample in group.samples if sample.advanced]
+            samples = group.samples
+            if len(samples) == 1:  # the common group: no comprehension's frame per request
+                outputs = [sample_delta(samples[0])]
+            else:
+                outputs = [sample_delta(sample) for sample in samples if sample.advanced]
             finished = group.finished
             deltas.append(RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
                                         finished, group.error, group.metrics))

@@ -104,16 +104,22 @@ _GREEDY = SamplingMeta.greedy()
 def sampling_tensors(work: Sequence, rows: int) -> Dict[str, torch.Tensor]:
     """Per-row sampler inputs of ``work`` (prefill or decode items) padded to ``rows`` rows
     (padding rows are greedy). A row's step is its sampled token's index among the outputs."""
-    metas = [item.sampling for item in work]
-    arrays = {}
-    for name, field, dtype in _SAMPLING_COLUMNS:
-        column = np.full(rows, getattr(_GREEDY, field), dtype=dtype)
-        column[:len(metas)] = list(map(attrgetter(field), metas))
-        arrays[name] = column
-    steps = np.zeros(rows, dtype=np.int64)
-    steps[:len(metas)] = [item.sampled_position - meta.prompt_len for item, meta in zip(work, metas)]
-    arrays["steps"] = steps
+    num = len(work)
+    arrays = {name: np.full(rows, getattr(_GREEDY, field), dtype=dtype) for name, field, dtype in _SAMPLING_COLUMNS}
+    arrays["steps"] = np.zeros(rows, dtype=np.int64)
+    if num:
+        # zip(*...) turns the rows into columns in C: no Python step per row and field.
+        columns = dict(zip(SamplingMeta._fields, zip(*[item.sampling for item in work])))
+        for name, field, _ in _SAMPLING_COLUMNS:
+            arrays[name][:num] = columns[field]
+        arrays["steps"][:num] = _sampled_positions(work) - np.array(columns["prompt_len"], dtype=np.int64)
     return _as_tensors(arrays)
+
+
+def _sampled_positions(work: Sequence) -> np.ndarray:
+    if isinstance(work[0], DecodeWork):  # hundreds of rows: read the position column in C
+        return np.fromiter(map(attrgetter("position"), work), dtype=np.int64, count=len(work)) + 1
+    return np.array([item.sampled_position for item in work], dtype=np.int64)
 
 
 def to_device(tensors: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
