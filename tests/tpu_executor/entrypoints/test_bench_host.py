@@ -1,4 +1,5 @@
 """``bench host``: the empty model step drives the real engine, and every phase is measured."""
+import gc
 import random
 
 import pytest
@@ -33,9 +34,18 @@ def test_measure_reports_every_phase_for_decode_and_mixed_steps(output_kind):
                                  output_kind=output_kind)
     for kind in ("decode", "mixed"):
         ms = results[kind]
-        assert set(HOST_PHASES) | {"other", "host", "device", "median_step"} <= set(ms)
+        assert set(HOST_PHASES) | {"other", "host", "device", "median_step", "gc"} <= set(ms)
+        assert 0 <= ms["gc"] < sum(ms[p] for p in HOST_PHASES) + ms["other"] + ms["device"]
         assert ms["schedule"] > 0 and ms["inputs"] > 0 and ms["detokenize"] > 0 and ms["device"] > 0
         assert abs(ms["host"] - sum(ms[p] for p in HOST_PHASES) - ms["other"]) < 1e-9
+
+
+def test_gc_clock_counts_collections_only_while_active():
+    with bench_host.GcClock() as clock:
+        gc.collect()
+    inside = clock.seconds
+    gc.collect()
+    assert inside > 0 and clock.seconds == inside
 
 
 def test_command_prints_the_table(capsys):
