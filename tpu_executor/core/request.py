@@ -75,11 +75,6 @@ class Request:
         return tokens
 
     @property
-    def last_token_id(self) -> int:
-        """The newest token (the next decode step's input)."""
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
@@ -91,9 +86,6 @@ class Request:
     def is_prefilling(self) -> bool:
         """Admitted, with chunks of its prefill still to schedule."""
         return self.num_computed_tokens < self.num_prefill_tokens
-
-    def finish_reason(self) -> Optional[str]:
-        return self.status.finish_reason
 
 
 @dataclass(slots=True)

@@ -12,7 +12,6 @@ cost ~10 us each, which at hundreds of sequences is milliseconds of host time pe
 from __future__ import annotations
 
 import itertools
-from operator import attrgetter
 from types import MappingProxyType
 from typing import Dict, Mapping, Sequence
 
@@ -112,14 +111,9 @@ def sampling_tensors(work: Sequence, rows: int) -> Dict[str, torch.Tensor]:
         columns = dict(zip(SamplingMeta._fields, zip(*[item.sampling for item in work])))
         for name, field, _ in _SAMPLING_COLUMNS:
             arrays[name][:num] = columns[field]
-        arrays["steps"][:num] = _sampled_positions(work) - np.array(columns["prompt_len"], dtype=np.int64)
+        sampled_positions = np.array([item.sampled_position for item in work], dtype=np.int64)
+        arrays["steps"][:num] = sampled_positions - np.array(columns["prompt_len"], dtype=np.int64)
     return _as_tensors(arrays)
-
-
-def _sampled_positions(work: Sequence) -> np.ndarray:
-    if isinstance(work[0], DecodeWork):  # hundreds of rows: read the position column in C
-        return np.fromiter(map(attrgetter("position"), work), dtype=np.int64, count=len(work)) + 1
-    return np.array([item.sampled_position for item in work], dtype=np.int64)
 
 
 def to_device(tensors: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
