@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from tpu_executor.core.buckets import BucketPlan
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.detokenizer import Detokenizer, DetokenizerState, take_text_delta
+from tpu_executor.core.heap import freeze_startup_heap, unfreeze_heap
 from tpu_executor.core.kv_cache_manager import KVCacheManager
 from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
@@ -119,6 +120,8 @@ class LLMEngine:
         self.timer = NullPhaseTimer()  # bench host swaps in a PhaseTimer
         # The step started but not yet read back (asynchronous scheduling).
         self._in_flight: Optional[Tuple[SchedulerOutput, "Future[ModelRunnerOutput]"]] = None
+        # Ready to serve: later collections skip what start-up built (see core/heap.py).
+        freeze_startup_heap()
 
     @classmethod
     def from_options(cls, model: str, show_progress: bool = True, worker_class: Optional[type] = None,
@@ -405,3 +408,4 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        unfreeze_heap()

@@ -115,19 +115,23 @@ def _add_requests(engine, count: int, rng: random.Random, max_tokens: int, outpu
 
 
 class GcClock:
-    """Seconds the garbage collector ran while active (a ``gc.callbacks`` hook): a full
-    collection at ~1,000 sequences takes a fifth of a second and lands in whichever phase
-    triggered it, so the table shows it apart."""
+    """Seconds the garbage collector ran while active, in all and in its longest collection
+    (a ``gc.callbacks`` hook). A collection lands in whichever phase triggered it, so the
+    table shows it apart; the longest one is the engine's worst stall (a full collection over
+    an unfrozen heap took a fifth of a second at ~1,000 sequences)."""
 
     def __init__(self):
         self.seconds = 0.0
+        self.longest = 0.0
         self._start = 0.0
 
     def _on_gc(self, phase: str, info: dict) -> None:  # noqa: ARG002 - gc's callback signature
         if phase == "start":
             self._start = time.perf_counter()
         else:
-            self.seconds += time.perf_counter() - self._start
+            took = time.perf_counter() - self._start
+            self.seconds += took
+            self.longest = max(self.longest, took)
 
     def __enter__(self) -> "GcClock":
         gc.callbacks.append(self._on_gc)
@@ -155,6 +159,7 @@ def _timed_steps(engine, timer: PhaseTimer, steps: int, before_step=None) -> Dic
     ms["host"] = sum(ms[p] for p in HOST_PHASES) + ms["other"]
     ms["median_step"] = 1e3 * statistics.median(walls)
     ms["gc"] = 1e3 * gc_clock.seconds / steps
+    ms["gc max"] = 1e3 * gc_clock.longest
     return ms
 
 
@@ -226,7 +231,7 @@ def print_overlap(results: Dict[int, Dict[str, float]], device: str) -> None:
 
 
 def print_table(results: Dict[int, Dict[str, Dict[str, float]]]) -> None:
-    columns = HOST_PHASES + ("other", "host", "device", "gc")
+    columns = HOST_PHASES + ("other", "host", "device", "gc", "gc max")
     print("\n| sequences | outputs | step | " + " | ".join(columns) + " | host us/seq |")
     print("|---|---|---|" + "---|" * (len(columns) + 1))
     for (num_seqs, output_kind), kinds in results.items():
@@ -234,7 +239,8 @@ def print_table(results: Dict[int, Dict[str, Dict[str, float]]]) -> None:
             cells = " | ".join(f"{ms[c]:.2f}" for c in columns)
             print(f"| {num_seqs} | {output_kind} | {kind} | {cells} | {1e3 * ms['host'] / num_seqs:.1f} |")
     print("\nMilliseconds per step (mean over the measured steps); host = every column but device and gc; "
-          "gc = garbage collection, already counted in whichever phase it interrupted. "
+          "gc = garbage collection, already counted in whichever phase it interrupted; "
+          "gc max = the longest single collection (ms, not per step). "
           f"Prompts of {PROMPT_TOKENS} tokens, greedy, vocabulary {VOCAB}; a mixed step has {JOINING} "
           "prompts joining while the other sequences decode.")
 

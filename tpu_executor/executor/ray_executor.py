@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any, Callable, List, Optional, Tuple, Type
 
 from tpu_executor.core.config import EngineConfig
+from tpu_executor.core.heap import freeze_startup_heap
 from tpu_executor.executor.base import Executor, WorkerFailure
 from tpu_executor.worker.distributed import RankPlacement
 from tpu_executor.worker.worker import Worker
@@ -43,6 +44,10 @@ class WorkerActor:
 
     def execute_method(self, method: str, *args: Any) -> Any:
         return getattr(self.worker, method)(*args)
+
+    def freeze_heap(self) -> None:
+        """The actor's process is ready to serve: see ``core/heap.py``."""
+        freeze_startup_heap()
 
 
 def check_cluster(tensor_parallel_size: int) -> None:
@@ -162,6 +167,11 @@ class RayExecutor(Executor):
                 raise WorkerFailure(f"worker rank {refs.index(done[0])} failed in {method}: "
                                     f"{type(cause).__name__}: {cause}") from err
         return ray.get(refs)
+
+    def warmup(self, show_progress: bool) -> None:
+        super().warmup(show_progress)
+        # Each actor is a process of its own, with its own start-up heap to freeze.
+        self._gather("freeze_heap", [a.freeze_heap.remote() for a in self.actors])
 
     def node_ids(self) -> List[str]:
         """The Ray node id of each rank's actor."""
