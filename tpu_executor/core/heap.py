@@ -5,7 +5,7 @@ the imported modules of torch, transformers and the project, the model, the comp
 the tokenizer. CPython's oldest-generation collection walks every one of them, and it runs
 whenever the objects promoted since the last one exceed a quarter of that generation. The
 engine loop promotes a few thousand per step (the step's records are alive when a young
-collection happens mid-step), so at 1,024 running sequences this was a 0.2-0.3 s stop of the
+collection happens mid-step), so at 1,024 running sequences this was a 0.15-0.3 s stop of the
 engine every few dozen steps, scanning objects that can never be garbage. Freezing the
 start-up heap moves those objects to the permanent generation, which collections skip; what
 the loop allocates later is collected as before. vLLM's engine core does the same.
