@@ -1,11 +1,9 @@
-"""The start-up heap freeze: what start-up built is exempt from later collections, garbage of
-an earlier freeze is not kept for the process's life, and an engine freezes once it is ready
-and gives the heap back when it shuts down."""
+"""The start-up heap freeze: what start-up built is exempt from later collections, and garbage
+of an earlier freeze is not kept for the process's life (the engine's use of it:
+tests/tpu_executor/engine/test_startup_heap.py)."""
 import gc
 import weakref
 
-from tests.common import tiny_engine_options
-from tpu_executor import LLM, SamplingParams
 from tpu_executor.core.heap import freeze_startup_heap, unfreeze_heap
 
 
@@ -43,18 +41,4 @@ def test_frozen_objects_are_skipped_and_a_later_freeze_frees_garbage_frozen_befo
         assert frozen_garbage() is None
     finally:
         unfreeze_heap()
-    assert gc.get_freeze_count() == 0
-
-
-def test_engine_freezes_its_start_up_heap_and_releases_it_at_shutdown(checkpoints):
-    llm = LLM(checkpoints["llama"], device="cpu", **tiny_engine_options())
-    try:
-        frozen = gc.get_freeze_count()
-        # Torch, transformers, the model and the tokenizer: far more than the loop's objects.
-        assert frozen > 10 * len(gc.get_objects())
-        out = llm.generate({"prompt_token_ids": list(range(5, 30))},
-                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 8
-    finally:
-        llm.shutdown()
     assert gc.get_freeze_count() == 0
