@@ -26,12 +26,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import platform
 import random
 import time
 from typing import Dict, List
 
 from tpu_executor.engine.options import add_engine_arguments, engine_options_from_args
+from tpu_executor.tools.hardware import CALIBRATION_SIZE, cpu_description, matmul_gflops
 
 NUM_PROMPTS, MIN_LEN, MAX_LEN, NEW_TOKENS = 32, 16, 256, 64
 MODELS = ("gemma-100m", "smollm2", "mixtral-small")
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> None:
     if max(args.tensor_parallel_sizes) > 1:
         start_local_ray(max(args.tensor_parallel_sizes))
     base = engine_options_from_args(args, ENGINE_DEFAULTS)
-    rows = []
+    gflops, rows = [matmul_gflops()], []
     for name in args.models:
         path = model_path(name)
         vocab_size = AutoConfig.from_pretrained(path).vocab_size
@@ -160,7 +160,8 @@ def run(args: argparse.Namespace) -> None:
                 first = first or ours
                 print_run(name, device, ours, first)
                 rows.append((name, device, ours, theirs))
-    print_table(rows)
+    gflops.append(matmul_gflops())
+    print_table(rows, gflops)
 
 
 def print_run(name: str, device: str, ours: Dict, first: Dict) -> None:
@@ -181,21 +182,7 @@ def start_local_ray(chips: int) -> None:
     ray.init(resources={"TPU": chips}, include_dashboard=False, log_to_driver=False)
 
 
-def cpu_description() -> str:
-    """The CPU's model name and the widest vector instructions torch uses on it: matmul
-    speed, and which matmul form wins, differ between AVX2 and AVX-512 machines."""
-    import torch
-
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{model}, {torch.backends.cpu.get_cpu_capability()}"
-
-
-def print_table(rows) -> None:
+def print_table(rows, gflops: List[float]) -> None:
     print("\n| model | path | tp | weights | scheduling | engine tok/s | transformers tok/s | ratio | warm-up s | "
           "XLA compilations | prefill padding | decode row padding |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, device, ours, theirs in rows:
@@ -208,7 +195,8 @@ def print_table(rows) -> None:
               f"{ours['tokens_per_s']:.1f} | {ref} | "
               f"{ratio} | {ours['warmup_s']:.0f} | {stats.graphs_compiled_at_warmup} | "
               f"{waste['prefill_tokens']:.0%} | {waste['decode_rows']:.0%} |")
-    hardware = f"{cpu_description()}, {os.cpu_count()} cores"
-    print(f"\nHardware: {hardware}. Workload: {NUM_PROMPTS} prompts, lengths uniform {MIN_LEN}-{MAX_LEN} "
+    calibration = " -> ".join(f"{g:.0f}" for g in gflops)
+    print(f"\nHardware: {cpu_description()}; fp32 matmul {CALIBRATION_SIZE}^3 at {calibration} GFLOP/s (start -> end "
+          f"of the run). Workload: {NUM_PROMPTS} prompts, lengths uniform {MIN_LEN}-{MAX_LEN} "
           f"(seed 0), {NEW_TOKENS} new tokens, greedy, fp32; transformers: one batched generate, left-padded.")
 
