@@ -3,7 +3,9 @@
 
 Workload: 32 prompts with lengths uniform in [16, 256] (seeded random token ids), 64 new
 tokens each, greedy, fp32. Prints output tokens/s, warm-up time, compiled graphs and padding
-waste for each model, then a Markdown table for the README.
+waste for each model, then a Markdown table for the README and the hardware it ran on (CPUID
+family and model, and a matmul calibration at the start and the end of the run: the ratios
+depend on the CPU generation, see the README's Benchmarks).
 
     tpu-executor bench throughput                     # both models, XLA and native paths
     tpu-executor bench throughput --models gemma-100m --devices xla --skip-transformers
