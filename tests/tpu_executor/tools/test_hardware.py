@@ -1,6 +1,7 @@
 """The hardware line of the CPU benchmarks: CPUID family and model, and a matmul calibration."""
 import os
 
+import pytest
 import torch
 
 from tpu_executor.tools.hardware import cpu_description, cpuinfo_fields, matmul_gflops
@@ -21,17 +22,20 @@ model name\t: something else
 """
 
 
-def test_first_processor_fields_are_read(tmp_path):
+@pytest.fixture
+def zen1_cpuinfo(tmp_path) -> str:
     path = tmp_path / "cpuinfo"
     path.write_text(ZEN1_CPUINFO)
-    fields = cpuinfo_fields(str(path))
+    return str(path)
+
+
+def test_first_processor_fields_are_read(zen1_cpuinfo):
+    fields = cpuinfo_fields(zen1_cpuinfo)
     assert fields["cpu family"] == "23" and fields["model"] == "1" and fields["model name"] == "AMD EPYC"
 
 
-def test_description_names_family_model_vector_width_and_cores(tmp_path):
-    path = tmp_path / "cpuinfo"
-    path.write_text(ZEN1_CPUINFO)
-    description = cpu_description(str(path))
+def test_description_names_family_model_vector_width_and_cores(zen1_cpuinfo):
+    description = cpu_description(zen1_cpuinfo)
     assert description == (f"AMD EPYC (family 23 model 1), {torch.backends.cpu.get_cpu_capability()}, "
                            f"{os.cpu_count()} cores")
 
