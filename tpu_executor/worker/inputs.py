@@ -1,27 +1,24 @@
-"""Host-side input tensors of one model call, padded to a bucket of the plan.
+"""Host-side input tensors of a prefill call and of the sampler, padded to a bucket of the
+plan (a decode call's come from the persistent batch, ``worker/decode_batch.py``).
 
 A prefill call packs up to ``max_prefill_seqs`` prompts (or prompt chunks) into one row of
-``num_tokens`` queries over ``num_keys`` context keys; a decode call is ``rows`` sequences with ``context_blocks``-wide block tables. Padding tokens
-write their K/V to the null block and padding keys share segment -1, so they never mix with
-real ones. Every tensor has the bucket's fixed shape, whatever the real sizes.
+``num_tokens`` queries over ``num_keys`` context keys. Padding tokens write their K/V to the
+null block and padding keys share segment -1, so they never mix with real ones. Every tensor
+has the bucket's fixed shape, whatever the real sizes.
 
-The arrays are built with numpy from whole columns at once (one list per field, block tables
-filled through one mask) and handed to torch without a copy: per-row ``torch.tensor`` calls
-cost ~10 us each, which at hundreds of sequences is milliseconds of host time per step.
+The arrays are built with numpy from whole columns at once (one list per field) and handed to
+torch without a copy: per-row ``torch.tensor`` calls cost ~10 us each, which at hundreds of
+sequences is milliseconds of host time per step.
 """
 from __future__ import annotations
 
-import itertools
-from types import MappingProxyType
-from typing import Dict, Mapping, Sequence
+from typing import Dict, Sequence
 
 import numpy as np
 import torch
 
 from tpu_executor.core.buckets import context_keys
-from tpu_executor.core.kv_cache_manager import NULL_BLOCK
-from tpu_executor.core.step import PENDING_TOKEN, DecodeWork, PrefillWork, SamplingMeta
-from tpu_executor.worker.token_feed import NO_FEED
+from tpu_executor.core.step import PrefillWork, SamplingMeta
 
 
 def _slots(block_ids: Sequence[int], positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -63,38 +60,8 @@ def prefill_inputs(pack: Sequence[PrefillWork], num_tokens: int, num_keys: int, 
     return _as_tensors(t)
 
 
-def decode_inputs(work: Sequence[DecodeWork], rows: int, context_blocks: int, block_size: int,
-                  pending_slots: Mapping[str, int] = MappingProxyType({})) -> Dict[str, torch.Tensor]:
-    """A decode batch padded to ``rows`` rows and ``context_blocks`` block-table entries. A
-    ``PENDING_TOKEN`` input is the token the previous step sampled for the same request, still
-    on the device: ``feed_slots`` names its slot in the token feed (``pending_slots``) and the
-    decode graph reads it from there. A request of a failed previous step has no slot and
-    gets token 0 (the engine has failed that request and discards what it computes)."""
-    num = len(work)
-    input_ids = np.zeros(rows, dtype=np.int64)
-    positions = np.zeros(rows, dtype=np.int64)
-    feed_slots = np.full(rows, NO_FEED, dtype=np.int64)
-    token_ids = [item.token_id for item in work]
-    if PENDING_TOKEN in token_ids:
-        feed_slots[:num] = [pending_slots.get(item.request_id, NO_FEED) if item.token_id == PENDING_TOKEN
-                            else NO_FEED for item in work]
-        token_ids = [max(token_id, 0) for token_id in token_ids]
-    input_ids[:num] = token_ids
-    positions[:num] = [item.position for item in work]
-    table_lens = np.fromiter((len(item.block_ids) for item in work), dtype=np.int64, count=num)
-    tables = np.full((rows, context_blocks), NULL_BLOCK, dtype=np.int64)
-    # Row-major order of the mask is the order of the concatenated block lists.
-    tables[:num][np.arange(context_blocks)[None, :] < table_lens[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(item.block_ids for item in work), dtype=np.int64, count=int(table_lens.sum()))
-    slots = np.full(rows, NULL_BLOCK * block_size, dtype=np.int64)
-    real = positions[:num]
-    slots[:num] = tables[np.arange(num), real // block_size] * block_size + real % block_size
-    return _as_tensors({"input_ids": input_ids, "feed_slots": feed_slots, "positions": positions,
-                        "slot_mapping": slots, "block_tables": tables, "context_lens": positions + 1})
-
-
 # (tensor name, SamplingMeta field, dtype); padding rows take SamplingMeta.greedy()'s values.
-_SAMPLING_COLUMNS = (("temperature", "temperature", np.float32), ("top_k", "top_k", np.int64),
+SAMPLING_COLUMNS = (("temperature", "temperature", np.float32), ("top_k", "top_k", np.int64),
                      ("top_p", "top_p", np.float32), ("min_p", "min_p", np.float32),
                      ("seeds", "seed", np.int64))
 _GREEDY = SamplingMeta.greedy()
@@ -104,12 +71,12 @@ def sampling_tensors(work: Sequence, rows: int) -> Dict[str, torch.Tensor]:
     """Per-row sampler inputs of ``work`` (prefill or decode items) padded to ``rows`` rows
     (padding rows are greedy). A row's step is its sampled token's index among the outputs."""
     num = len(work)
-    arrays = {name: np.full(rows, getattr(_GREEDY, field), dtype=dtype) for name, field, dtype in _SAMPLING_COLUMNS}
+    arrays = {name: np.full(rows, getattr(_GREEDY, field), dtype=dtype) for name, field, dtype in SAMPLING_COLUMNS}
     arrays["steps"] = np.zeros(rows, dtype=np.int64)
     if num:
         # zip(*...) turns the rows into columns in C: no Python step per row and field.
         columns = dict(zip(SamplingMeta._fields, zip(*[item.sampling for item in work])))
-        for name, field, _ in _SAMPLING_COLUMNS:
+        for name, field, _ in SAMPLING_COLUMNS:
             arrays[name][:num] = columns[field]
         sampled_positions = np.array([item.sampled_position for item in work], dtype=np.int64)
         arrays["steps"][:num] = sampled_positions - np.array(columns["prompt_len"], dtype=np.int64)

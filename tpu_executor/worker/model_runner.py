@@ -22,13 +22,14 @@ import torch
 from tqdm import tqdm
 
 from models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
-from tpu_executor.core.buckets import BucketPlan, DecodeCall, DecodeGraph, Graph, PrefillCall, PrefillGraph
+from tpu_executor.core.buckets import BucketPlan, DecodeCall, DecodeGraph, Graph, PrefillCall, PrefillGraph, SamplerGraph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.step import DecodeWork, PaddingStats, PrefillWork, SampledTokens, SamplingMeta, SchedulerOutput
 from tpu_executor.worker.compile_guard import CompileGuard
-from tpu_executor.worker.inputs import decode_inputs, prefill_inputs, sampling_tensors, to_device
+from tpu_executor.worker.decode_batch import PersistentDecodeBatch
+from tpu_executor.worker.inputs import prefill_inputs, sampling_tensors, to_device
 from tpu_executor.worker.sampler import SamplerOutput, sample
 from tpu_executor.worker.token_feed import TokenFeed, fed_input_ids, write_slots
 
@@ -54,6 +55,8 @@ class ModelRunner:
         # On XLA a call only queues work: reading tokens back can wait for the next launch.
         self.collects_late = compiled
         self.feed = TokenFeed(config.scheduler.max_num_seqs, device, in_use=config.scheduler.async_scheduling)
+        self.decode_batch = PersistentDecodeBatch(self.plan.decode_row_buckets[-1],
+                                                  self.plan.decode_context_block_buckets[-1])
         if compiled:
             _raise_dynamo_limits(len(self.plan.graphs()))
         # Host-side collectives (gloo on CPU) split the model step into one graph per piece
@@ -114,8 +117,9 @@ class ModelRunner:
 
     def _decode_logits(self, work: Sequence[DecodeWork], graph: DecodeGraph) -> torch.Tensor:
         with self.timer.phase("inputs"):
-            inputs = decode_inputs(work, graph.num_rows, graph.context_blocks, self.block_size,
-                                   self.feed.pending_slots)
+            self.decode_batch.update(work)
+            inputs = self.decode_batch.inputs(graph.num_rows, graph.context_blocks, self.block_size,
+                                              self.feed.pending_slots)
         return self._run_fn(self._decode_fn, inputs, "decode", feed_tokens=self.feed.read_tokens,
                             kv_caches=self.kv_caches)
 
@@ -131,21 +135,31 @@ class ModelRunner:
             logits = self._prefill_logits(call.pack, call.graph, self.kv_caches)
             # A chunk that does not end its prompt gives no token (its row is sampled with the rest).
             sampled_ids = [w.request_id if w.is_last_chunk else None for w in call.pack]
-            return self._sample(call.pack, sampled_ids, logits, self.plan.max_prefill_seqs)
+            rows = self.plan.max_prefill_seqs
+            with self.timer.phase("inputs"):
+                sampling = sampling_tensors(call.pack, rows)
+                sampler = self.plan.sampler_graph(
+                    rows, wants_logprobs=any(item.sampling.num_logprobs > 0 for item in call.pack),
+                    all_greedy=all(item.sampling.temperature == 0 for item in call.pack))
+            return self._sample(call.pack, sampled_ids, logits, sampling, sampler)
 
     def _launch_decode(self, call: DecodeCall) -> "LaunchedCall":
         graph = call.graph
         with self.guard.watch(f"decode bucket rows={graph.num_rows} blocks={graph.context_blocks}"):
             logits = self._decode_logits(call.work, graph)
-            return self._sample(call.work, [w.request_id for w in call.work], logits, graph.num_rows)
+            batch = self.decode_batch
+            with self.timer.phase("inputs"):
+                sampling = batch.sampling(graph.num_rows)
+                sampler = self.plan.sampler_graph(graph.num_rows, wants_logprobs=batch.wants_logprobs,
+                                                  all_greedy=batch.all_greedy)
+            return self._sample(call.work, batch.request_ids, logits, sampling, sampler)
 
-    def _sample(self, work, sampled_ids: List[Optional[str]], logits: torch.Tensor, rows: int) -> "LaunchedCall":
+    def _sample(self, work, sampled_ids: List[Optional[str]], logits: torch.Tensor,
+                tensors: Dict[str, torch.Tensor], graph: SamplerGraph) -> "LaunchedCall":
+        """Launch the sampler over ``logits`` with its per-row ``tensors`` (padded to the
+        graph's rows); each sampled row writes its token into the feed."""
         with self.timer.phase("inputs"):
-            tensors = sampling_tensors(work, rows)
-            tensors["slots"] = self.feed.assign(sampled_ids, rows)
-            wants_logprobs = any(item.sampling.num_logprobs > 0 for item in work)
-            all_greedy = all(item.sampling.temperature == 0 for item in work)
-        graph = self.plan.sampler_graph(rows, wants_logprobs=wants_logprobs, all_greedy=all_greedy)
+            tensors["slots"] = self.feed.assign(sampled_ids, graph.num_rows)
         out, self.feed.written_tokens = self._run_fn(
             self._sample_fn, tensors, "sample", logits=logits, feed_tokens=self.feed.written_tokens,
             num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy)

@@ -1,4 +1,7 @@
-"""Input building: the numpy block tables and slots equal a row-by-row construction."""
+"""Input building: the persistent decode batch's tables, slots and sampling columns equal a
+row-by-row construction over a run of steps; the prefill sampler columns pad with greedy rows;
+pending tokens come from the token feed."""
+import pickle
 import random
 
 import pytest
@@ -6,29 +9,108 @@ import torch
 
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.step import PENDING_TOKEN, DecodeWork, SamplingMeta
-from tpu_executor.worker.inputs import decode_inputs, sampling_tensors
+from tpu_executor.worker.decode_batch import PersistentDecodeBatch
+from tpu_executor.worker.inputs import sampling_tensors
 from tpu_executor.worker.token_feed import NO_FEED, TokenFeed, fed_input_ids, write_slots
 
+BLOCK_SIZE = 16
 
-def test_decode_inputs_match_row_by_row_tables_and_slots():
-    rng, block_size, rows, width = random.Random(0), 16, 12, 9
-    work = []
-    for i in range(7):
-        position = rng.randrange(0, width * block_size)
-        blocks = tuple(rng.sample(range(1, 500), position // block_size + 1))
-        work.append(DecodeWork(f"r{i}", rng.randrange(100), position, blocks, SamplingMeta.greedy()))
-    t = decode_inputs(work, rows, width, block_size)
+
+def batch_inputs(work, rows, width, max_rows=16, max_blocks=12, pending_slots=None):
+    batch = PersistentDecodeBatch(max_rows, max_blocks)
+    batch.update(work)
+    return batch.inputs(rows, width, BLOCK_SIZE, pending_slots or {})
+
+
+def assert_rows_match(t, work, rows, width):
+    """Every tensor of the decode call equals what the row's work says, padding rows null."""
     for row in range(rows):
         item = work[row] if row < len(work) else None
         blocks = list(item.block_ids) if item else []
         assert t["block_tables"][row].tolist() == blocks + [NULL_BLOCK] * (width - len(blocks))
         if item:
-            slot = item.block_ids[item.position // block_size] * block_size + item.position % block_size
+            slot = item.block_ids[item.position // BLOCK_SIZE] * BLOCK_SIZE + item.position % BLOCK_SIZE
             assert (t["input_ids"][row], t["positions"][row], t["slot_mapping"][row]) == (item.token_id, item.position, slot)
             assert t["context_lens"][row] == item.position + 1
         else:
-            assert t["slot_mapping"][row] == NULL_BLOCK * block_size
+            assert t["slot_mapping"][row] == NULL_BLOCK * BLOCK_SIZE and t["positions"][row] == 0
     assert all(v.dtype == torch.int64 for v in t.values())
+
+
+def assert_sampling_matches(s, work, rows):
+    expected = sampling_tensors(work, rows)  # the per-step construction the prefill calls use
+    assert s.keys() == expected.keys()
+    for name in s:
+        torch.testing.assert_close(s[name], expected[name], rtol=0, atol=0)
+
+
+def random_meta(rng):
+    return SamplingMeta(rng.choice([0.0, 0.8]), rng.randrange(4), 1.0, 0.0, rng.randrange(1000), rng.randrange(1, 20),
+                        rng.choice([-1, 0, 2]))
+
+
+def test_decode_inputs_match_row_by_row_tables_and_slots():
+    rng, rows, width = random.Random(0), 12, 9
+    work = []
+    for i in range(7):
+        position = rng.randrange(0, width * BLOCK_SIZE)
+        blocks = tuple(rng.sample(range(1, 500), position // BLOCK_SIZE + 1))
+        work.append(DecodeWork(f"r{i}", rng.randrange(100), position, blocks, SamplingMeta.greedy()))
+    assert_rows_match(batch_inputs(work, rows, width), work, rows, width)
+
+
+def test_persistent_batch_follows_joins_leaves_moves_and_new_blocks_over_many_steps():
+    """Each step some requests leave, some join, the order shuffles now and then, positions
+    advance and tables grow a block at page boundaries; some steps carry equal but new tuples
+    (as over Ray). Every step's tensors equal a fresh row-by-row construction."""
+    rng, batch = random.Random(1), PersistentDecodeBatch(max_rows=16, max_blocks=12)
+    live = {}  # request id -> [position, blocks tuple, meta]
+    next_id = 0
+    for step in range(120):
+        for request_id in rng.sample(sorted(live), k=min(len(live), rng.randrange(3))):
+            del live[request_id]
+        while len(live) < 14 and rng.random() < 0.5:
+            position = rng.randrange(0, 60)
+            live[f"r{next_id}"] = [position, tuple(rng.sample(range(1, 900), position // BLOCK_SIZE + 1)), random_meta(rng)]
+            next_id += 1
+        order = sorted(live, key=lambda r: int(r[1:]))
+        if step % 7 == 0:
+            rng.shuffle(order)
+        work = []
+        for request_id in order:
+            state = live[request_id]
+            state[0] += 1
+            if state[0] // BLOCK_SIZE + 1 > len(state[1]):
+                state[1] = state[1] + (rng.randrange(1, 900),)
+            work.append(DecodeWork(request_id, rng.randrange(100), state[0], state[1], state[2]))
+        if step % 5 == 0:
+            work = pickle.loads(pickle.dumps(work))  # equal values, new objects
+        rows = 16 if len(work) > 8 else 8
+        width = max([len(w.block_ids) for w in work], default=1)
+        batch.update(work)
+        assert_rows_match(batch.inputs(rows, width, BLOCK_SIZE), work, rows, width)
+        assert_sampling_matches(batch.sampling(rows), work, rows)
+        assert batch.request_ids == [w.request_id for w in work]
+        assert batch.wants_logprobs == any(w.sampling.num_logprobs > 0 for w in work)
+        assert batch.all_greedy == all(w.sampling.temperature == 0 for w in work)
+
+
+def test_a_steps_tensors_are_not_changed_by_the_next_update():
+    batch = PersistentDecodeBatch(max_rows=4, max_blocks=4)
+    meta = SamplingMeta(0.5, 0, 1.0, 0.0, 1, 3, -1)
+    batch.update([DecodeWork("a", 5, 15, (7,), meta)])
+    first, first_sampling = batch.inputs(4, 2, BLOCK_SIZE), batch.sampling(4)
+    batch.update([DecodeWork("b", 6, 16, (8, 9), SamplingMeta.greedy()), DecodeWork("a", 5, 16, (7, 3), meta)])
+    batch.inputs(4, 2, BLOCK_SIZE), batch.sampling(4)
+    assert first["block_tables"][0].tolist() == [7, NULL_BLOCK] and first["positions"][0] == 15
+    torch.testing.assert_close(first_sampling["temperature"], torch.tensor([0.5, 0, 0, 0]))
+
+
+def test_more_rows_than_the_largest_bucket_are_refused():
+    batch = PersistentDecodeBatch(max_rows=2, max_blocks=4)
+    work = [DecodeWork(f"r{i}", 1, 1, (1,), SamplingMeta.greedy()) for i in range(3)]
+    with pytest.raises(ValueError, match="3 decode rows exceed the largest decode bucket"):
+        batch.update(work)
 
 
 def test_sampling_tensors_pad_with_greedy_rows():
@@ -43,7 +125,7 @@ def test_pending_inputs_read_the_previous_steps_tokens_from_the_feed():
     meta = SamplingMeta.greedy()
     work = [DecodeWork("a", 11, 4, (1,), meta), DecodeWork("b", PENDING_TOKEN, 9, (2,), meta),
             DecodeWork("gone", PENDING_TOKEN, 3, (3,), meta)]  # its previous step failed: no token
-    t = decode_inputs(work, 4, 1, 16, pending_slots={"b": 1, "other": 0})
+    t = batch_inputs(work, 4, 1, pending_slots={"b": 1, "other": 0})
     assert t["input_ids"].tolist() == [11, 0, 0, 0]
     assert t["feed_slots"].tolist() == [NO_FEED, 1, NO_FEED, NO_FEED]
     feed_tokens = torch.tensor([7, 42, 99])
