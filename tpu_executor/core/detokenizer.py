@@ -8,6 +8,15 @@ token's text can depend on its neighbours (byte-level BPE, SentencePiece's leadi
 each step decodes a short window and keeps only the new characters. The window costs two full
 ``decode`` calls per token, the stream about a tenth of that.
 
+Byte-level BPE (GPT-2's decoder: Llama 3, Qwen, SmolLM2) needs even less. Its decoder maps each
+token to bytes on its own and decodes their concatenation, so once the text so far ends on a
+whole character, a token whose bytes are whole characters adds exactly its own text, whatever
+came before. Those texts are looked up in a table made once per engine (one batched decode of
+the vocabulary); a token that is only part of a character goes through a ``DecodeStream``,
+made when needed, until the text is whole again. Such a decoder adds no space before a first
+token, so its samples' text starts from their own first token, unprimed by the prompt: a
+prompt given as ids that ends inside a character does not lend its bytes to the output. That is a list index per token instead of a call into the tokenizer.
+
 Streaming: the text handed out so far must never be taken back, yet a stop string that
 completes later truncates the text where it began. So while a request with stop strings runs,
 the last ``len(longest stop) - 1`` characters are held back (as vLLM does); they go out with
@@ -16,7 +25,7 @@ the next delta or, truncated, with the last one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from tpu_executor.core.request import Request, RequestStatus
 from tpu_executor.core.sampling_params import SamplingParams
@@ -34,7 +43,9 @@ class DetokenizerState:
     prefix_offset: int = 0
     read_offset: int = 0
     sent_text_len: int = 0
-    stream: Any = None  # a tokenizers DecodeStream, when the tokenizer has one
+    # A tokenizers DecodeStream: always, for a fast tokenizer without a piece table; with one,
+    # only while the text is not whole.
+    stream: Any = None
 
 
 class Detokenizer:
@@ -44,11 +55,12 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self._backend = _stream_backend(tokenizer)
+        self._pieces = _whole_character_pieces(self._backend)
 
     def new_state(self, prompt_token_ids: Sequence[int]) -> DetokenizerState:
         start = max(0, len(prompt_token_ids) - _CONTEXT_TOKENS)
         state = DetokenizerState(prefix_offset=start, read_offset=len(prompt_token_ids))
-        if self._backend is not None:
+        if self._backend is not None and self._pieces is None:
             from tokenizers.decoders import DecodeStream
 
             # Primed with the prompt's tail, so the first output token keeps its leading space.
@@ -65,10 +77,12 @@ class Detokenizer:
         on every step, so the common checks read plain attributes in one call."""
         outputs = request.output_token_ids
         last = outputs[-1]
-        if state.stream is not None:
-            new_text = state.stream.step(self._backend, last)
-            if new_text:
-                state.text += new_text
+        pieces = self._pieces
+        if state.stream is None and pieces is not None and last < len(pieces) and pieces[last] is not None:
+            new_text = pieces[last]  # the text so far is whole: the token adds its own text
+            state.text += new_text
+        elif self._backend is not None:
+            new_text = self._stream_text(state, last)
         else:
             new_text = self._window_text(request, state)
         params = request.sampling_params
@@ -82,6 +96,21 @@ class Detokenizer:
         if len(outputs) >= params.max_tokens or len(request.prompt_token_ids) + len(outputs) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _stream_text(self, state: DetokenizerState, token_id: int) -> str:
+        """The new text of ``token_id`` through the sample's ``DecodeStream``. With a piece
+        table the stream is made here, empty (the text so far is whole, so nothing before
+        changes what comes next), and dropped once it gives text: it holds nothing back then."""
+        if state.stream is None:
+            from tokenizers.decoders import DecodeStream
+
+            state.stream = DecodeStream(skip_special_tokens=True)
+        new_text = state.stream.step(self._backend, token_id)
+        if new_text:
+            state.text += new_text
+            if self._pieces is not None:
+                state.stream = None
+        return new_text or ""
 
     def _window_text(self, request: Request, state: DetokenizerState) -> str:
         """The new characters of the newest token, by decoding a short window (no stream)."""
@@ -122,6 +151,21 @@ def _stream_backend(tokenizer) -> Optional[Any]:
     except ImportError:
         return None
     return backend
+
+
+def _whole_character_pieces(backend) -> Optional[List[Optional[str]]]:
+    """For a byte-level BPE decoder: each token's text where its bytes are whole characters
+    (None where they are not, or the text itself ends in U+FFFD, which a stream holds back);
+    None for any other decoder."""
+    if backend is None:
+        return None
+    from tokenizers import decoders
+
+    if type(backend.decoder) is not decoders.ByteLevel:
+        return None
+    size = backend.get_vocab_size(with_added_tokens=True)
+    texts = backend.decode_batch([[token_id] for token_id in range(size)], skip_special_tokens=True)
+    return [None if "\ufffd" in text else text for text in texts]
 
 
 def take_text_delta(state: DetokenizerState, params: SamplingParams, finished: bool) -> str:

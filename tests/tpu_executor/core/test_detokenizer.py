@@ -1,4 +1,7 @@
-"""Incremental detokenization equals a full decode; stop strings, EOS, stop ids, max_tokens."""
+"""Incremental detokenization equals a full decode; stop strings, EOS, stop ids, max_tokens; the
+byte-level piece table equals a DecodeStream token by token."""
+import random
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -57,17 +60,46 @@ def test_eos_stop_ids_and_length(tokenizer):
     assert status is RequestStatus.FINISHED_LENGTH and len(request.output_token_ids) == 3
 
 
-def test_stream_and_window_paths_give_the_same_text(tokenizer):
-    """The DecodeStream path (fast tokenizers) against the two-decode window path."""
-    fast = Detokenizer(tokenizer, max_model_len=10_000)
-    assert fast._backend is not None
+def test_table_stream_and_window_paths_give_the_same_text(tokenizer):
+    """The piece table (byte-level BPE), a DecodeStream per sample primed with the prompt (any
+    fast tokenizer) and the two-decode window (any tokenizer) agree on a prompt of text."""
+    table = Detokenizer(tokenizer, max_model_len=10_000)
+    stream = Detokenizer(tokenizer, max_model_len=10_000)
+    stream._pieces = None
     window = Detokenizer(tokenizer, max_model_len=10_000)
-    window._backend = None
+    window._backend = window._pieces = None
+    assert table._pieces is not None and stream._backend is not None
     prompt = tokenizer("Once upon a time")["input_ids"]
     output = tokenizer("there was a café in Zürich, 東京 too 🙂, and\n  a   space")["input_ids"] + [tokenizer.eos_token_id] + \
         tokenizer(" after the end")["input_ids"]
     params = SamplingParams(max_tokens=500, ignore_eos=True)
-    _, fast_state, _ = feed(fast, tokenizer, prompt, output, params)
-    _, window_state, _ = feed(window, tokenizer, prompt, output, params)
-    assert fast_state.stream is not None and window_state.stream is None
-    assert fast_state.text == window_state.text == tokenizer.decode(output, skip_special_tokens=True)
+    states = [feed(detok, tokenizer, prompt, output, params)[1] for detok in (table, stream, window)]
+    assert states[1].stream is not None and states[2].stream is None
+    assert states[0].text == states[1].text == states[2].text == tokenizer.decode(output, skip_special_tokens=True)
+
+
+def test_piece_table_gives_a_streams_text_token_by_token(tokenizer):
+    """Byte-level BPE: the piece table (with a stream only inside characters) against one
+    DecodeStream stepped through every output token, on random ids weighted towards pieces of
+    characters, specials and U+FFFD pieces, text compared after every token."""
+    from tokenizers.decoders import DecodeStream
+
+    detok = Detokenizer(tokenizer, max_model_len=100_000)
+    backend = tokenizer.backend_tokenizer
+    partial = [i for i, piece in enumerate(detok._pieces) if piece is None]
+    specials = list(tokenizer.all_special_ids)
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+    streamed_through = 0
+    for _ in range(40):
+        prompt = [rng.choice(partial) for _ in range(rng.randrange(1, 4))]  # ends inside a character
+        request = Request("r", prompt, params, seed=0, eos_token_id=tokenizer.eos_token_id)
+        state, reference, text = detok.new_state(prompt), DecodeStream(skip_special_tokens=True), ""
+        for _ in range(60):
+            token = rng.choice([rng.randrange(len(detok._pieces)), rng.choice(partial), rng.choice(specials)])
+            request.output_token_ids.append(token)
+            assert detok.advance(request, state) is None
+            text += reference.step(backend, token) or ""
+            assert state.text == text
+            streamed_through += state.stream is not None
+    assert streamed_through > 100  # the stream path was exercised, not only the table
