@@ -170,8 +170,12 @@ def _whole_character_pieces(backend) -> Optional[List[Optional[str]]]:
 
 def take_text_delta(state: DetokenizerState, params: SamplingParams, finished: bool) -> str:
     """The text not handed out yet, less the hold-back a later stop string could still cut."""
+    if not params.stop:  # the common case, once per streamed sample and step
+        delta = state.text[state.sent_text_len:]
+        state.sent_text_len = len(state.text)
+        return delta
     end = len(state.text)
-    if params.stop and not params.include_stop_str_in_output and not finished:
+    if not params.include_stop_str_in_output and not finished:
         end -= max(len(stop) for stop in params.stop) - 1
     end = max(state.sent_text_len, end)
     delta = state.text[state.sent_text_len:end]

@@ -357,13 +357,14 @@ class LLMEngine:
         sample_delta = self._sample_delta
         for group in self._advanced.values():
             samples = group.samples
-            if len(samples) == 1:  # the common group: no comprehension's frame per request
-                outputs = [sample_delta(samples[0])]
+            if len(samples) == 1:  # the common group: no comprehension or property per request
+                request = samples[0].request
+                outputs, finished, error = [sample_delta(samples[0])], request.status.is_finished, request.error
             else:
                 outputs = [sample_delta(sample) for sample in samples if sample.advanced]
-            finished = group.finished
+                finished, error = group.finished, group.error
             deltas.append(RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
-                                        finished, group.error, group.metrics))
+                                        finished, error, group.metrics))
             if finished:
                 self._forget(group)
         self._advanced = {}

@@ -70,14 +70,16 @@ class PersistentDecodeBatch:
             # Identity first: in-process the objects are the scheduler's own and most rows stop
             # there; over Ray they arrive unpickled, and equality decides.
             blocks = item.block_ids
-            if blocks is not block_ids[row] and blocks != block_ids[row]:
-                tables[row, :len(blocks)] = blocks
-                tables[row, len(blocks):] = NULL_BLOCK
-            block_ids[row] = blocks
+            if blocks is not block_ids[row]:
+                if blocks != block_ids[row]:
+                    tables[row, :len(blocks)] = blocks
+                    tables[row, len(blocks):] = NULL_BLOCK
+                block_ids[row] = blocks
             meta = item.sampling
-            if meta is not metas[row] and meta != metas[row]:
-                self._write_sampling(row, meta)
-            metas[row] = meta
+            if meta is not metas[row]:
+                if meta != metas[row]:
+                    self._write_sampling(row, meta)
+                metas[row] = meta
         self._work = work
         self._positions = np.fromiter((item.position for item in work), dtype=np.int64, count=len(work))
 
