@@ -58,14 +58,25 @@ class Detokenizer:
         self._pieces = _whole_character_pieces(self._backend)
 
     def new_state(self, prompt_token_ids: Sequence[int]) -> DetokenizerState:
+        """A sample's decoding state, after ``prompt_token_ids``."""
         start = max(0, len(prompt_token_ids) - _CONTEXT_TOKENS)
         state = DetokenizerState(prefix_offset=start, read_offset=len(prompt_token_ids))
         if self._backend is not None and self._pieces is None:
             from tokenizers.decoders import DecodeStream
 
             # Primed with the prompt's tail, so the first output token keeps its leading space.
-            state.stream = DecodeStream(ids=list(prompt_token_ids[start:]), skip_special_tokens=True)
+            state.stream = DecodeStream(ids=self._priming_context(prompt_token_ids), skip_special_tokens=True)
         return state
+
+    def _priming_context(self, prompt_token_ids: Sequence[int]) -> List[int]:
+        """The prompt's last tokens, less those that leave it inside a character: a
+        DecodeStream primed with text ending in U+FFFD hands that prompt text out with its
+        first delta. So a prompt given as ids that ends inside a character does not lend its
+        bytes to the output, as with the piece table."""
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        while context and self._backend.decode(context, skip_special_tokens=True).endswith("\ufffd"):
+            context.pop()
+        return context
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

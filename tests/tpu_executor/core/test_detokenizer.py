@@ -103,3 +103,33 @@ def test_piece_table_gives_a_streams_text_token_by_token(tokenizer):
             assert state.text == text
             streamed_through += state.stream is not None
     assert streamed_through > 100  # the stream path was exercised, not only the table
+
+
+def sentencepiece_style_tokenizer():
+    """A Llama-2-style tokenizer (spaces as U+2581, byte fallback, leading space stripped):
+    no piece table, every sample decodes through a primed DecodeStream."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ("\u2581Hello", "\u2581world", "\u2581a", "\u2581"):
+        vocab[piece] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", clean_up_tokenization_spaces=False)
+
+
+def test_a_prompt_ending_inside_a_character_lends_no_text_to_the_output():
+    """A DecodeStream primed with text that ends in U+FFFD would hand the prompt's tail out
+    with the first delta ("rld " here); the primed context stops before the split character."""
+    tokenizer = sentencepiece_style_tokenizer()
+    detok = Detokenizer(tokenizer, max_model_len=1000)
+    assert detok._pieces is None and detok._backend is not None
+    ids = tokenizer("Hello world 東")["input_ids"]  # 東 is three byte-fallback tokens
+    prompt, a = ids[:-1], tokenizer.convert_tokens_to_ids("\u2581a")
+    _, state, _ = feed(detok, tokenizer, prompt, [ids[-1], a], SamplingParams(max_tokens=10))
+    assert state.text == "\ufffd a"
+    _, state, _ = feed(detok, tokenizer, ids, [a, a], SamplingParams(max_tokens=10))  # a whole prompt
+    assert state.text == " a a"
