@@ -76,6 +76,14 @@ class KVCacheManager:
             table = self._req_tables[request_id] = tuple(self._req_blocks.get(request_id, ()))
         return table
 
+    def table_if_room(self, request_id: str, num_tokens: int) -> Optional[Tuple[int, ...]]:
+        """The request's block table if its blocks already hold ``num_tokens`` tokens (the
+        common decode step, in one call), else None: ``allocate`` first."""
+        table = self._req_tables.get(request_id)
+        if table is not None and len(table) * self.block_size >= num_tokens:
+            return table
+        return None
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -91,29 +91,29 @@ class Scheduler:
 
     def _schedule_decodes(self) -> List[DecodeWork]:
         # Runs over every running request on every step: attributes are read directly rather
-        # than through the request's properties.
+        # than through the request's properties, and a request whose blocks have room costs
+        # one call into the KV-cache manager.
         decodes: List[DecodeWork] = []
-        kv_cache = self.kv_cache
-        allocate, block_table = kv_cache.allocate, kv_cache.block_table
-        running = self.running
-        index = 0
-        while index < len(running):
-            request = running[index]
+        table_if_room, block_table = self.kv_cache.table_if_room, self.kv_cache.block_table
+        running_status = RequestStatus.RUNNING
+        for request in list(self.running):  # a preemption removes requests as it goes
+            if request.status is not running_status:
+                continue  # preempted by an earlier request's allocation
             in_flight = request.num_in_flight
-            prompt, outputs = request.prompt_token_ids, request.output_token_ids
-            num_tokens = len(prompt) + len(outputs) + in_flight
+            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids) + in_flight
             if request.num_computed_tokens < request.num_prefill_tokens or (
                     in_flight and self._reaches_limit(request, num_tokens)):
-                index += 1  # still prefilling, or its in-flight token is its last
-                continue
+                continue  # still prefilling, or its in-flight token is its last
             request_id = request.request_id
-            # allocate() first: it succeeds on most steps, and the preempting path costs a call more.
-            if allocate(request_id, num_tokens) or self._allocate_or_preempt(request, num_tokens):
-                token_id = PENDING_TOKEN if in_flight else (outputs[-1] if outputs else prompt[-1])
-                decodes.append(_new_decode_work(DecodeWork, (request_id, token_id, num_tokens - 1,
-                                                             block_table(request_id), request.sampling)))
-                request.num_in_flight = in_flight + 1
-                index += 1
+            table = table_if_room(request_id, num_tokens)
+            if table is None:
+                if not self._allocate_or_preempt(request, num_tokens):
+                    continue  # it was preempted itself
+                table = block_table(request_id)
+            outputs = request.output_token_ids
+            token_id = PENDING_TOKEN if in_flight else (outputs[-1] if outputs else request.prompt_token_ids[-1])
+            decodes.append(_new_decode_work(DecodeWork, (request_id, token_id, num_tokens - 1, table, request.sampling)))
+            request.num_in_flight = in_flight + 1
         return decodes
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, scheduled: Collection[str] = ()) -> bool:

@@ -16,8 +16,9 @@ its host buffer) never sees the next step's writes.
 """
 from __future__ import annotations
 
+import operator
 from types import MappingProxyType
-from typing import Dict, List, Mapping, Sequence
+from typing import Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -43,59 +44,58 @@ class PersistentDecodeBatch:
     def __init__(self, max_rows: int, max_blocks: int):
         self.max_rows = max_rows
         self.max_blocks = max_blocks
-        self._tables = self._empty_tables()
-        self._columns = self._empty_columns()
-        self._ids: List[str] = []
-        self._block_ids: List[object] = []  # per row: the block tuple its table row was written from
-        self._metas: List[object] = []  # per row: the SamplingMeta its columns were written from
-        self._work: Sequence[DecodeWork] = ()
+        # One row more than a bucket holds: the last is never written and stays padding (null
+        # blocks, greedy), so moving rows is one gather, with new rows taken from it.
+        self._tables = np.full((max_rows + 1, max_blocks), NULL_BLOCK, dtype=np.int64)
+        self._columns = {name: np.full(max_rows + 1, getattr(_GREEDY, field), dtype=dtype)
+                         for name, field, dtype in _COLUMNS}
+        self._ids: Tuple[str, ...] = ()
+        # Per row: the block tuple its table row and the SamplingMeta its columns were written
+        # from (None: padding).
+        self._block_ids: List[object] = [None] * (max_rows + 1)
+        self._metas: List[object] = [None] * (max_rows + 1)
+        self._token_ids: Tuple[int, ...] = ()
         self._positions = np.zeros(0, dtype=np.int64)
-
-    def _empty_tables(self) -> np.ndarray:
-        return np.full((self.max_rows, self.max_blocks), NULL_BLOCK, dtype=np.int64)
-
-    def _empty_columns(self) -> Dict[str, np.ndarray]:
-        return {name: np.full(self.max_rows, getattr(_GREEDY, field), dtype=dtype) for name, field, dtype in _COLUMNS}
 
     def update(self, work: Sequence[DecodeWork]) -> None:
         """Make the rows those of ``work``: rows of requests that stay are moved (when the set
         or order changed), then every row whose blocks or sampling changed is written."""
         if len(work) > self.max_rows:
             raise ValueError(f"{len(work)} decode rows exceed the largest decode bucket ({self.max_rows})")
-        ids = [item.request_id for item in work]
+        # The work's columns, transposed in C (the items are tuples).
+        ids, token_ids, positions, all_blocks, all_metas = zip(*work) if work else ((),) * 5
         if ids != self._ids:
             self._move_rows(ids)
         tables, block_ids, metas = self._tables, self._block_ids, self._metas
-        for row, item in enumerate(work):
+        for row, (blocks, meta) in enumerate(zip(all_blocks, all_metas)):
             # Identity first: in-process the objects are the scheduler's own and most rows stop
             # there; over Ray they arrive unpickled, and equality decides.
-            blocks = item.block_ids
             if blocks is not block_ids[row]:
                 if blocks != block_ids[row]:
                     tables[row, :len(blocks)] = blocks
                     tables[row, len(blocks):] = NULL_BLOCK
                 block_ids[row] = blocks
-            meta = item.sampling
             if meta is not metas[row]:
                 if meta != metas[row]:
                     self._write_sampling(row, meta)
                 metas[row] = meta
-        self._work = work
-        self._positions = np.fromiter((item.position for item in work), dtype=np.int64, count=len(work))
+        self._token_ids = token_ids
+        self._positions = np.array(positions, dtype=np.int64)
 
-    def _move_rows(self, ids: List[str]) -> None:
-        """Rows in the order of ``ids``: a staying request's row is copied from where it was,
-        a new one is left empty (written by ``update``), rows past the end are padding."""
+    def _move_rows(self, ids: Tuple[str, ...]) -> None:
+        """Rows in the order of ``ids``: a staying request's row is copied from where it was;
+        a new one, and every row past the end, is a copy of the padding row (``update``
+        writes the new ones)."""
+        padding = self.max_rows
         row_of = {request_id: row for row, request_id in enumerate(self._ids)}
-        sources = np.fromiter((row_of.get(request_id, -1) for request_id in ids), dtype=np.int64, count=len(ids))
-        kept = np.flatnonzero(sources >= 0)
-        tables, columns = self._empty_tables(), self._empty_columns()
-        tables[kept] = self._tables[sources[kept]]
-        for name, column in columns.items():
-            column[kept] = self._columns[name][sources[kept]]
-        self._block_ids = [self._block_ids[s] if s >= 0 else None for s in sources.tolist()]
-        self._metas = [self._metas[s] if s >= 0 else None for s in sources.tolist()]
-        self._tables, self._columns, self._ids = tables, columns, ids
+        sources = [row_of.get(request_id, padding) for request_id in ids]
+        sources += [padding] * (padding + 1 - len(sources))
+        gather = operator.itemgetter(*sources)  # a tuple of the picked items, in C
+        index = np.array(sources, dtype=np.int64)
+        self._tables = self._tables[index]
+        self._columns = {name: column[index] for name, column in self._columns.items()}
+        self._block_ids, self._metas = list(gather(self._block_ids)), list(gather(self._metas))
+        self._ids = ids
 
     def _write_sampling(self, row: int, meta: SamplingMeta) -> None:
         columns = self._columns
@@ -109,14 +109,14 @@ class PersistentDecodeBatch:
         the device: ``feed_slots`` names its slot in the token feed (``pending_slots``); a
         request of a failed previous step has none and gets token 0 (the engine has failed it
         and discards what it computes)."""
-        work, num = self._work, len(self._work)
+        token_ids, num = self._token_ids, len(self._token_ids)
         input_ids = np.zeros(rows, dtype=np.int64)
         positions = np.zeros(rows, dtype=np.int64)
         feed_slots = np.full(rows, NO_FEED, dtype=np.int64)
-        token_ids = [item.token_id for item in work]
         if PENDING_TOKEN in token_ids:
-            feed_slots[:num] = [pending_slots.get(item.request_id, NO_FEED) if item.token_id == PENDING_TOKEN
-                                else NO_FEED for item in work]
+            slot_of = pending_slots.get
+            feed_slots[:num] = [slot_of(request_id, NO_FEED) if token_id == PENDING_TOKEN else NO_FEED
+                                for request_id, token_id in zip(self._ids, token_ids)]
             token_ids = [max(token_id, 0) for token_id in token_ids]
         input_ids[:num] = token_ids
         positions[:num] = self._positions
@@ -131,7 +131,7 @@ class PersistentDecodeBatch:
     def sampling(self, rows: int) -> Dict[str, torch.Tensor]:
         """The sampler's per-row inputs for the rows, padded greedy to ``rows``. A row's step
         is its sampled token's index among the outputs."""
-        num, columns = len(self._work), self._columns
+        num, columns = len(self._ids), self._columns
         tensors = {name: torch.from_numpy(columns[name][:rows].copy()) for name, _, _ in SAMPLING_COLUMNS}
         steps = np.zeros(rows, dtype=np.int64)
         steps[:num] = self._positions + 1 - columns["prompt_len"][:num]
@@ -139,16 +139,16 @@ class PersistentDecodeBatch:
         return tensors
 
     @property
-    def request_ids(self) -> List[str]:
-        """The rows' requests, in order (do not modify)."""
+    def request_ids(self) -> Tuple[str, ...]:
+        """The rows' requests, in order."""
         return self._ids
 
     @property
     def wants_logprobs(self) -> bool:
         """Whether a row asked for top log-probs."""
-        return bool((self._columns["num_logprobs"][:len(self._work)] > 0).any())
+        return bool((self._columns["num_logprobs"][:len(self._ids)] > 0).any())
 
     @property
     def all_greedy(self) -> bool:
         """Whether every row samples greedily."""
-        return bool((self._columns["temperature"][:len(self._work)] == 0).all())
+        return bool((self._columns["temperature"][:len(self._ids)] == 0).all())

@@ -90,7 +90,7 @@ def test_persistent_batch_follows_joins_leaves_moves_and_new_blocks_over_many_st
         batch.update(work)
         assert_rows_match(batch.inputs(rows, width, BLOCK_SIZE), work, rows, width)
         assert_sampling_matches(batch.sampling(rows), work, rows)
-        assert batch.request_ids == [w.request_id for w in work]
+        assert batch.request_ids == tuple(w.request_id for w in work)
         assert batch.wants_logprobs == any(w.sampling.num_logprobs > 0 for w in work)
         assert batch.all_greedy == all(w.sampling.temperature == 0 for w in work)
 
