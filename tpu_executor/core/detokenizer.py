@@ -13,9 +13,10 @@ token to bytes on its own and decodes their concatenation, so once the text so f
 whole character, a token whose bytes are whole characters adds exactly its own text, whatever
 came before. Those texts are looked up in a table made once per engine (one batched decode of
 the vocabulary); a token that is only part of a character goes through a ``DecodeStream``,
-made when needed, until the text is whole again. Such a decoder adds no space before a first
-token, so its samples' text starts from their own first token, unprimed by the prompt: a
-prompt given as ids that ends inside a character does not lend its bytes to the output. That is a list index per token instead of a call into the tokenizer.
+made when needed, until the text is whole again. That is a list index per token instead of a
+call into the tokenizer. Such a decoder adds no space before a first token, so its samples'
+text starts from their own first token, unprimed by the prompt: a prompt given as ids that
+ends inside a character does not lend its bytes to the output.
 
 Streaming: the text handed out so far must never be taken back, yet a stop string that
 completes later truncates the text where it began. So while a request with stop strings runs,
@@ -166,8 +167,8 @@ def _stream_backend(tokenizer) -> Optional[Any]:
 
 def _whole_character_pieces(backend) -> Optional[List[Optional[str]]]:
     """For a byte-level BPE decoder: each token's text where its bytes are whole characters
-    (None where they are not, or the text itself ends in U+FFFD, which a stream holds back);
-    None for any other decoder."""
+    (None where its text holds a U+FFFD: a piece of a character, or one a stream would hold
+    back); None for any other decoder."""
     if backend is None:
         return None
     from tokenizers import decoders

@@ -43,7 +43,6 @@ class PersistentDecodeBatch:
 
     def __init__(self, max_rows: int, max_blocks: int):
         self.max_rows = max_rows
-        self.max_blocks = max_blocks
         # One row more than a bucket holds: the last is never written and stays padding (null
         # blocks, greedy), so moving rows is one gather, with new rows taken from it.
         self._tables = np.full((max_rows + 1, max_blocks), NULL_BLOCK, dtype=np.int64)
