@@ -26,7 +26,7 @@ the next delta or, truncated, with the last one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from tpu_executor.core.request import Request, RequestStatus
 from tpu_executor.core.sampling_params import SamplingParams
@@ -47,6 +47,12 @@ class DetokenizerState:
     # A tokenizers DecodeStream: always, for a fast tokenizer without a piece table; with one,
     # only while the text is not whole.
     stream: Any = None
+    # The sample's stop conditions on tokens, settled once (``advance`` runs every step):
+    # the outputs it may make (max_tokens, or fewer where the context ends first), the ids
+    # that stop it (EOS unless ignored, and stop_token_ids), and the EOS id if it stops.
+    max_outputs: int = 0
+    stop_token_ids: frozenset = frozenset()
+    eos_token_id: Optional[int] = None
 
 
 class Detokenizer:
@@ -56,13 +62,18 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self._backend = _stream_backend(tokenizer)
-        self._pieces = _whole_character_pieces(self._backend)
+        self._pieces = _whole_character_pieces(self._backend)  # empty: no piece table
 
-    def new_state(self, prompt_token_ids: Sequence[int]) -> DetokenizerState:
-        """A sample's decoding state, after ``prompt_token_ids``."""
-        start = max(0, len(prompt_token_ids) - _CONTEXT_TOKENS)
-        state = DetokenizerState(prefix_offset=start, read_offset=len(prompt_token_ids))
-        if self._backend is not None and self._pieces is None:
+    def new_state(self, request: Request) -> DetokenizerState:
+        """A sample's decoding state, after its prompt."""
+        prompt_token_ids, params = request.prompt_token_ids, request.sampling_params
+        eos = None if params.ignore_eos else request.eos_token_id
+        state = DetokenizerState(
+            prefix_offset=max(0, len(prompt_token_ids) - _CONTEXT_TOKENS), read_offset=len(prompt_token_ids),
+            max_outputs=min(params.max_tokens, self.max_model_len - len(prompt_token_ids)),
+            stop_token_ids=frozenset(params.stop_token_ids) | ({eos} if eos is not None else set()),
+            eos_token_id=eos)
+        if self._backend is not None and not self._pieces:
             from tokenizers.decoders import DecodeStream
 
             # Primed with the prompt's tail, so the first output token keeps its leading space.
@@ -89,23 +100,19 @@ class Detokenizer:
         on every step, so the common checks read plain attributes in one call."""
         outputs = request.output_token_ids
         last = outputs[-1]
-        pieces = self._pieces
-        if state.stream is None and pieces is not None and last < len(pieces) and pieces[last] is not None:
-            new_text = pieces[last]  # the text so far is whole: the token adds its own text
-            state.text += new_text
+        if state.stream is None and (new_text := self._pieces.get(last)) is not None:
+            state.text += new_text  # the text so far is whole: the token adds its own text
         elif self._backend is not None:
             new_text = self._stream_text(state, last)
         else:
             new_text = self._window_text(request, state)
-        params = request.sampling_params
-        if last == request.eos_token_id and not params.ignore_eos:
+        if last in state.stop_token_ids:
+            if last != state.eos_token_id:
+                request.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
-        if params.stop_token_ids and last in params.stop_token_ids:
-            request.stop_reason = last
+        if new_text and request.sampling_params.stop and self._truncate_at_stop(request, state, new_text):
             return RequestStatus.FINISHED_STOPPED
-        if new_text and params.stop and self._truncate_at_stop(request, state, new_text):
-            return RequestStatus.FINISHED_STOPPED
-        if len(outputs) >= params.max_tokens or len(request.prompt_token_ids) + len(outputs) >= self.max_model_len:
+        if len(outputs) >= state.max_outputs:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -120,7 +127,7 @@ class Detokenizer:
         new_text = state.stream.step(self._backend, token_id)
         if new_text:
             state.text += new_text
-            if self._pieces is not None:
+            if self._pieces:
                 state.stream = None
         return new_text or ""
 
@@ -165,19 +172,19 @@ def _stream_backend(tokenizer) -> Optional[Any]:
     return backend
 
 
-def _whole_character_pieces(backend) -> Optional[List[Optional[str]]]:
-    """For a byte-level BPE decoder: each token's text where its bytes are whole characters
-    (None where its text holds a U+FFFD: a piece of a character, or one a stream would hold
-    back); None for any other decoder."""
+def _whole_character_pieces(backend) -> Dict[int, str]:
+    """For a byte-level BPE decoder: the text of each token whose bytes are whole characters
+    (not those whose text holds a U+FFFD: a piece of a character, or one a stream would hold
+    back), by id; empty for any other decoder."""
     if backend is None:
-        return None
+        return {}
     from tokenizers import decoders
 
     if type(backend.decoder) is not decoders.ByteLevel:
-        return None
+        return {}
     size = backend.get_vocab_size(with_added_tokens=True)
     texts = backend.decode_batch([[token_id] for token_id in range(size)], skip_special_tokens=True)
-    return [None if "\ufffd" in text else text for text in texts]
+    return {token_id: text for token_id, text in enumerate(texts) if "\ufffd" not in text}
 
 
 def take_text_delta(state: DetokenizerState, params: SamplingParams, finished: bool) -> str:

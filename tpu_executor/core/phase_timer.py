@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, List, Optional
 
 # The phases, in the order a step runs them. The device phases are the model calls and the
 # sampler: the device's time, not the host's (on the native CPU path both are the same cores).
@@ -46,24 +46,44 @@ class PhaseTimer(NullPhaseTimer):
 
     @property
     def active(self) -> List[str]:
-        if not hasattr(self._local, "active"):
-            self._local.active = []
-        return self._local.active
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        active = self.active
-        active.append(name)
         try:
-            yield
-            if self._synchronize is not None and name in DEVICE_PHASES:
+            return self._local.active
+        except AttributeError:
+            self._local.active = []
+            return self._local.active
+
+    def phase(self, name: str) -> "_Phase":
+        return _Phase(self, name)
+
+    def _close(self, name: str, start: float, failed: bool) -> None:
+        """End the calling thread's innermost phase, ``name``, begun at ``start``."""
+        try:
+            if not failed and self._synchronize is not None and name in DEVICE_PHASES:
                 self._synchronize()
         finally:
-            active.pop()
+            self.active.pop()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
             self.calls[name] = self.calls.get(name, 0) + 1
 
     def reset(self) -> None:
         self.seconds = {}
         self.calls = {}
+
+
+class _Phase:
+    """One timed phase (a class, not a generator context manager: it is entered about a dozen
+    times per step, and the generator's overhead would land in the figures it measures)."""
+
+    __slots__ = ("_timer", "_name", "_start")
+
+    def __init__(self, timer: PhaseTimer, name: str):
+        self._timer = timer
+        self._name = name
+        self._start = 0.0
+
+    def __enter__(self) -> None:
+        self._timer.active.append(self._name)
+        self._start = time.perf_counter()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._timer._close(self._name, self._start, exc_type is not None)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from typing import Collection, Deque, Dict, List
+from typing import Collection, Deque, Dict, List, Tuple
 
 from tpu_executor.core.config import SchedulerConfig
 from tpu_executor.core.kv_cache_manager import KVCacheManager
@@ -80,41 +80,45 @@ class Scheduler:
         """The next step's work: decodes of running requests first, then prefills (chunks of
         running prompts, then new requests) in what is left of the token budget."""
         preemptions = self.num_preemptions
-        decodes = self._schedule_decodes()
+        decodes, prefilling = self._schedule_decodes()
         budget = self.config.max_num_batched_tokens - len(decodes)
-        chunks = self._schedule_chunks(budget, decodes)
+        chunks = self._schedule_chunks(prefilling, budget, decodes)
         budget -= sum(len(work.token_ids) for work in chunks)
         prefills: List[PrefillWork] = []
         if self.num_preemptions == preemptions:  # blocks are short: admit nobody (as vLLM)
             prefills = self._schedule_prefills(budget, bool(decodes or chunks))
         return SchedulerOutput(prefills=tuple(chunks + prefills), decodes=tuple(decodes))
 
-    def _schedule_decodes(self) -> List[DecodeWork]:
+    def _schedule_decodes(self) -> Tuple[List[DecodeWork], List[Request]]:
+        """A decode for every running request that has finished its prefill; also the ones
+        still prefilling, in admission order (this is the step's one pass over them all)."""
         # Runs over every running request on every step: attributes are read directly rather
         # than through the request's properties, and a request whose blocks have room costs
         # one call into the KV-cache manager.
         decodes: List[DecodeWork] = []
+        prefilling: List[Request] = []
         table_if_room, block_table = self.kv_cache.table_if_room, self.kv_cache.block_table
         running_status = RequestStatus.RUNNING
         for request in list(self.running):  # a preemption removes requests as it goes
             if request.status is not running_status:
                 continue  # preempted by an earlier request's allocation
-            in_flight = request.num_in_flight
-            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids) + in_flight
-            if request.num_computed_tokens < request.num_prefill_tokens or (
-                    in_flight and self._reaches_limit(request, num_tokens)):
-                continue  # still prefilling, or its in-flight token is its last
+            if request.num_computed_tokens < request.num_prefill_tokens:
+                prefilling.append(request)
+                continue
+            in_flight, outputs = request.num_in_flight, request.output_token_ids
+            num_tokens = len(request.prompt_token_ids) + len(outputs) + in_flight
+            if in_flight and self._reaches_limit(request, num_tokens):
+                continue  # its in-flight token is its last
             request_id = request.request_id
             table = table_if_room(request_id, num_tokens)
             if table is None:
                 if not self._allocate_or_preempt(request, num_tokens):
                     continue  # it was preempted itself
                 table = block_table(request_id)
-            outputs = request.output_token_ids
             token_id = PENDING_TOKEN if in_flight else (outputs[-1] if outputs else request.prompt_token_ids[-1])
             decodes.append(_new_decode_work(DecodeWork, (request_id, token_id, num_tokens - 1, table, request.sampling)))
             request.num_in_flight = in_flight + 1
-        return decodes
+        return decodes, prefilling
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, scheduled: Collection[str] = ()) -> bool:
         """Blocks for ``num_tokens`` of a running request, preempting the most recently admitted
@@ -126,11 +130,10 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_chunks(self, budget: int, decodes: List[DecodeWork]) -> List[PrefillWork]:
-        """The next chunk of each running request that is still prefilling, in admission order.
+    def _schedule_chunks(self, prefilling: List[Request], budget: int, decodes: List[DecodeWork]) -> List[PrefillWork]:
+        """The next chunk of each request in ``prefilling`` (running, in admission order).
         Blocks come without preempting a request that has work in the step already."""
         chunks: List[PrefillWork] = []
-        prefilling = [request for request in self.running if request.is_prefilling]
         scheduled = _LazyIds(decodes, chunks)
         for request in prefilling:
             if budget <= 0:

@@ -198,10 +198,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.prepare_prompt(prompt, params)
         group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, list(token_ids),
-                             [SampleStream(self._new_sample(request_id, token_ids, params, index),
-                                           self.detokenizer.new_state(token_ids), request_id, index,
-                                           params.output_kind is RequestOutputKind.FINAL_ONLY)
-                              for index in range(params.n)],
+                             [self._new_sample(request_id, token_ids, params, index) for index in range(params.n)],
                              RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()))
         self._groups[request_id] = group
         for sample in group.samples:
@@ -214,10 +211,13 @@ class LLMEngine:
             self._deferred.append(group)
         return request_id
 
-    def _new_sample(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, index: int) -> Request:
+    def _new_sample(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
+                    index: int) -> SampleStream:
         seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(62)
         sample_id = request_id if params.n == 1 else f"{request_id}#{index}"
-        return Request(sample_id, list(token_ids), params, seed, eos_token_id=self.tokenizer.eos_token_id)
+        request = Request(sample_id, list(token_ids), params, seed, eos_token_id=self.tokenizer.eos_token_id)
+        return SampleStream(request, self.detokenizer.new_state(request), request_id, index,
+                            params.output_kind is RequestOutputKind.FINAL_ONLY)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request wherever it is; its blocks return to the pool at once, and the next

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
 import statistics
@@ -79,7 +80,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def tiny_checkpoint() -> str:
-    """A 2-layer Llama with an 8,192-token vocabulary and a trained tokenizer (cached)."""
+    """A 2-layer Llama and a tokenizer trained for it (cached); the model's vocabulary is the
+    tokenizer's, which learns fewer than the ``VOCAB`` tokens it is asked for."""
     from tpu_executor.tools.random_checkpoint import TINY, build
 
     path = os.path.join(os.path.expanduser("~"), ".cache", "tpu_executor", "host-bench-llama")
@@ -230,7 +232,7 @@ def print_overlap(results: Dict[int, Dict[str, float]], device: str) -> None:
           "run's phases (device: model and sampler calls and reading the tokens back; host: the rest).")
 
 
-def print_table(results: Dict[int, Dict[str, Dict[str, float]]]) -> None:
+def print_table(results: Dict[int, Dict[str, Dict[str, float]]], vocab_size: int) -> None:
     columns = HOST_PHASES + ("other", "host", "device", "gc", "gc max")
     print("\n| sequences | outputs | step | " + " | ".join(columns) + " | host us/seq |")
     print("|---|---|---|" + "---|" * (len(columns) + 1))
@@ -241,7 +243,7 @@ def print_table(results: Dict[int, Dict[str, Dict[str, float]]]) -> None:
     print("\nMilliseconds per step (mean over the measured steps); host = every column but device and gc; "
           "gc = garbage collection, already counted in whichever phase it interrupted; "
           "gc max = the longest single collection (ms, not per step). "
-          f"Prompts of {PROMPT_TOKENS} tokens, greedy, vocabulary {VOCAB}; a mixed step has {JOINING} "
+          f"Prompts of {PROMPT_TOKENS} tokens, greedy, vocabulary {vocab_size:,}; a mixed step has {JOINING} "
           "prompts joining while the other sequences decode.")
 
 
@@ -255,6 +257,7 @@ def run(args: argparse.Namespace) -> None:
             print(f"{num_seqs} sequences, {output_kind} outputs: decode step host {kinds['decode']['host']:.2f} ms, "
                   f"device {kinds['decode']['device']:.2f} ms; mixed step host {kinds['mixed']['host']:.2f} ms",
                   flush=True)
-    print_table(results)
+    with open(os.path.join(path, "config.json")) as config:
+        print_table(results, json.load(config)["vocab_size"])
     if args.overlap:
         print_overlap({n: overlap(path, n, args.steps, args.device) for n in args.num_seqs}, args.device)

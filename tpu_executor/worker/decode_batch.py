@@ -148,6 +148,11 @@ class PersistentDecodeBatch:
         return bool((self._columns["num_logprobs"][:len(self._ids)] > 0).any())
 
     @property
+    def returns_logprobs(self) -> bool:
+        """Whether a row asked for log-probs (0: its sampled token's only)."""
+        return bool((self._columns["num_logprobs"][:len(self._ids)] >= 0).any())
+
+    @property
     def all_greedy(self) -> bool:
         """Whether every row samples greedily."""
         return bool((self._columns["temperature"][:len(self._ids)] == 0).all())

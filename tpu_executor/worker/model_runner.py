@@ -141,7 +141,8 @@ class ModelRunner:
                 sampler = self.plan.sampler_graph(
                     rows, wants_logprobs=any(item.sampling.num_logprobs > 0 for item in call.pack),
                     all_greedy=all(item.sampling.temperature == 0 for item in call.pack))
-            return self._sample(call.pack, sampled_ids, logits, sampling, sampler)
+            returns_logprobs = any(item.sampling.num_logprobs >= 0 for item in call.pack)
+            return self._sample(call.pack, sampled_ids, returns_logprobs, logits, sampling, sampler)
 
     def _launch_decode(self, call: DecodeCall) -> "LaunchedCall":
         graph = call.graph
@@ -152,19 +153,20 @@ class ModelRunner:
                 sampling = batch.sampling(graph.num_rows)
                 sampler = self.plan.sampler_graph(graph.num_rows, wants_logprobs=batch.wants_logprobs,
                                                   all_greedy=batch.all_greedy)
-            return self._sample(call.work, batch.request_ids, logits, sampling, sampler)
+            return self._sample(call.work, batch.request_ids, batch.returns_logprobs, logits, sampling, sampler)
 
-    def _sample(self, work, sampled_ids: List[Optional[str]], logits: torch.Tensor,
+    def _sample(self, work, sampled_ids: Sequence[Optional[str]], returns_logprobs: bool, logits: torch.Tensor,
                 tensors: Dict[str, torch.Tensor], graph: SamplerGraph) -> "LaunchedCall":
         """Launch the sampler over ``logits`` with its per-row ``tensors`` (padded to the
-        graph's rows); each sampled row writes its token into the feed."""
+        graph's rows); each sampled row writes its token into the feed. ``returns_logprobs``:
+        a row of ``work`` asked for log-probs (its sampled token's, at least)."""
         with self.timer.phase("inputs"):
             tensors["slots"] = self.feed.assign(sampled_ids, graph.num_rows)
         out, self.feed.written_tokens = self._run_fn(
             self._sample_fn, tensors, "sample", logits=logits, feed_tokens=self.feed.written_tokens,
             num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy)
         kept = None if None not in sampled_ids else [row for row, sampled in enumerate(sampled_ids) if sampled]
-        return LaunchedCall(work, out, kept)
+        return LaunchedCall(work, sampled_ids, returns_logprobs, out, kept)
 
     @torch.no_grad()
     def profile_run(self, kv_caches: KVCaches) -> None:
@@ -214,10 +216,13 @@ class ModelRunner:
 
 
 class LaunchedCall(NamedTuple):
-    """One sampler call of a launched step: its work items, the sampler's device outputs, and
-    the rows that give a token (None: every work item's row)."""
+    """One sampler call of a launched step: its work items, the request of each row (None: a
+    row that gives no token), whether any asked for log-probs, the sampler's device outputs,
+    and the rows that give a token (None: every work item's row)."""
 
     work: Sequence
+    request_ids: Sequence[Optional[str]]
+    returns_logprobs: bool
     out: SamplerOutput
     kept_rows: Optional[List[int]]
 
@@ -236,7 +241,7 @@ class LaunchedStep:
             with self.timer.phase("transfer"):
                 host = _read_back(call.out)
             with self.timer.phase("output"):
-                sampled = _sampled_tokens(call.work, host)
+                sampled = _sampled_tokens(call, host)
                 parts.append(sampled if call.kept_rows is None else sampled.rows(call.kept_rows))
         return SampledTokens.concat(parts)
 
@@ -249,18 +254,18 @@ def _read_back(out: SamplerOutput) -> Tuple[list, list, Optional[list], Optional
     return as_list(out.token_ids), as_list(out.token_logprobs), as_list(out.top_ids), as_list(out.top_logprobs)
 
 
-def _sampled_tokens(work, host: Tuple[list, list, Optional[list], Optional[list]]) -> SampledTokens:
-    """The sampled rows of ``work`` (the padding rows after them are dropped)."""
+def _sampled_tokens(call: LaunchedCall, host: Tuple[list, list, Optional[list], Optional[list]]) -> SampledTokens:
+    """The rows of ``call``'s work (the padding rows after them are dropped)."""
     token_ids, logprobs, top_ids, top_lps = host
-    num = len(work)
+    num = len(call.work)
     top = None
-    if any(item.sampling.num_logprobs >= 0 for item in work):  # -1: the request asked for no log-probs
+    if call.returns_logprobs:
         top = []
-        for row, item in enumerate(work):
-            wanted = item.sampling.num_logprobs
+        for row, item in enumerate(call.work):
+            wanted = item.sampling.num_logprobs  # -1: the request asked for no log-probs
             top.append(None if wanted < 0 else
                        dict(zip(top_ids[row][:wanted], top_lps[row][:wanted])) if wanted and top_ids else {})
-    return SampledTokens([item.request_id for item in work], token_ids[:num], logprobs[:num], top)
+    return SampledTokens(list(call.request_ids), token_ids[:num], logprobs[:num], top)
 
 
 def _raise_dynamo_limits(num_graphs: int) -> None:

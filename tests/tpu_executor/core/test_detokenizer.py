@@ -17,7 +17,7 @@ def tokenizer(smollm2_path):
 
 def feed(detok, tokenizer, prompt, output_ids, params):
     request = Request("r", list(prompt), params, seed=0, eos_token_id=tokenizer.eos_token_id)
-    state = detok.new_state(prompt)
+    state = detok.new_state(request)
     status = None
     for token in output_ids:
         request.output_token_ids.append(token)
@@ -58,6 +58,13 @@ def test_eos_stop_ids_and_length(tokenizer):
     assert status is RequestStatus.FINISHED_STOPPED and request.stop_reason == ids[1]
     request, _, status = feed(detok, tokenizer, [1], ids, SamplingParams(max_tokens=3))
     assert status is RequestStatus.FINISHED_LENGTH and len(request.output_token_ids) == 3
+    eos = tokenizer.eos_token_id  # ignored as EOS, asked for as a stop id: it stops, and says so
+    request, _, status = feed(detok, tokenizer, [1], ids[:2] + [eos],
+                              SamplingParams(ignore_eos=True, stop_token_ids=[eos]))
+    assert status is RequestStatus.FINISHED_STOPPED and request.stop_reason == eos
+    short = Detokenizer(tokenizer, max_model_len=6)  # the context ends before max_tokens
+    request, _, status = feed(short, tokenizer, [1, 2], ids, SamplingParams(max_tokens=50))
+    assert status is RequestStatus.FINISHED_LENGTH and len(request.output_token_ids) == 4
 
 
 def test_table_stream_and_window_paths_give_the_same_text(tokenizer):
@@ -65,10 +72,10 @@ def test_table_stream_and_window_paths_give_the_same_text(tokenizer):
     fast tokenizer) and the two-decode window (any tokenizer) agree on a prompt of text."""
     table = Detokenizer(tokenizer, max_model_len=10_000)
     stream = Detokenizer(tokenizer, max_model_len=10_000)
-    stream._pieces = None
+    stream._pieces = {}
     window = Detokenizer(tokenizer, max_model_len=10_000)
-    window._backend = window._pieces = None
-    assert table._pieces is not None and stream._backend is not None
+    window._backend, window._pieces = None, {}
+    assert table._pieces and stream._backend is not None
     prompt = tokenizer("Once upon a time")["input_ids"]
     output = tokenizer("there was a café in Zürich, 東京 too 🙂, and\n  a   space")["input_ids"] + [tokenizer.eos_token_id] + \
         tokenizer(" after the end")["input_ids"]
@@ -86,7 +93,8 @@ def test_piece_table_gives_a_streams_text_token_by_token(tokenizer):
 
     detok = Detokenizer(tokenizer, max_model_len=100_000)
     backend = tokenizer.backend_tokenizer
-    partial = [i for i, piece in enumerate(detok._pieces) if piece is None]
+    vocab_size = backend.get_vocab_size(with_added_tokens=True)
+    partial = [i for i in range(vocab_size) if i not in detok._pieces]
     specials = list(tokenizer.all_special_ids)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=10_000, ignore_eos=True)
@@ -94,9 +102,9 @@ def test_piece_table_gives_a_streams_text_token_by_token(tokenizer):
     for _ in range(40):
         prompt = [rng.choice(partial) for _ in range(rng.randrange(1, 4))]  # ends inside a character
         request = Request("r", prompt, params, seed=0, eos_token_id=tokenizer.eos_token_id)
-        state, reference, text = detok.new_state(prompt), DecodeStream(skip_special_tokens=True), ""
+        state, reference, text = detok.new_state(request), DecodeStream(skip_special_tokens=True), ""
         for _ in range(60):
-            token = rng.choice([rng.randrange(len(detok._pieces)), rng.choice(partial), rng.choice(specials)])
+            token = rng.choice([rng.randrange(vocab_size), rng.choice(partial), rng.choice(specials)])
             request.output_token_ids.append(token)
             assert detok.advance(request, state) is None
             text += reference.step(backend, token) or ""
@@ -126,7 +134,7 @@ def test_a_prompt_ending_inside_a_character_lends_no_text_to_the_output():
     with the first delta ("rld " here); the primed context stops before the split character."""
     tokenizer = sentencepiece_style_tokenizer()
     detok = Detokenizer(tokenizer, max_model_len=1000)
-    assert detok._pieces is None and detok._backend is not None
+    assert not detok._pieces and detok._backend is not None
     ids = tokenizer("Hello world 東")["input_ids"]  # 東 is three byte-fallback tokens
     prompt, a = ids[:-1], tokenizer.convert_tokens_to_ids("\u2581a")
     _, state, _ = feed(detok, tokenizer, prompt, [ids[-1], a], SamplingParams(max_tokens=10))
