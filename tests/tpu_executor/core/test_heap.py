@@ -4,7 +4,7 @@ tests/tpu_executor/engine/test_startup_heap.py)."""
 import gc
 import weakref
 
-from tpu_executor.core.heap import freeze_startup_heap, unfreeze_heap
+from tpu_executor.core.heap import YOUNG_COLLECTION_THRESHOLD, freeze_startup_heap, unfreeze_heap
 
 
 class Node:
@@ -42,3 +42,14 @@ def test_frozen_objects_are_skipped_and_a_later_freeze_frees_garbage_frozen_befo
     finally:
         unfreeze_heap()
     assert gc.get_freeze_count() == 0
+
+
+def test_young_collections_are_rarer_while_frozen_and_the_thresholds_come_back():
+    before = gc.get_threshold()
+    try:
+        freeze_startup_heap()
+        freeze_startup_heap()  # a second engine: the thresholds to restore stay the first ones
+        assert gc.get_threshold() == (max(before[0], YOUNG_COLLECTION_THRESHOLD), *before[1:])
+    finally:
+        unfreeze_heap()
+    assert gc.get_threshold() == before
