@@ -22,14 +22,18 @@ Streaming: the text handed out so far must never be taken back, yet a stop strin
 completes later truncates the text where it began. So while a request with stop strings runs,
 the last ``len(longest stop) - 1`` characters are held back (as vLLM does); they go out with
 the next delta or, truncated, with the last one.
+
+The text is kept as the pieces not handed out yet, never as one growing string: appending to
+a string copies it, which made every token cost time in proportion to the text so far. A
+piece from the table is the table's own string; a delta joins the pieces since the last one.
+A stop string is looked for in the new text and the characters just before it, kept apart.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from tpu_executor.core.request import Request, RequestStatus
-from tpu_executor.core.sampling_params import SamplingParams
 
 # How many earlier tokens give the context that decides a token's text.
 _CONTEXT_TOKENS = 6
@@ -37,22 +41,28 @@ _CONTEXT_TOKENS = 6
 
 @dataclass(slots=True)
 class DetokenizerState:
-    """Per-sample decoding state: the text so far, the decode window offsets, and how much of
-    the text has been handed out in deltas."""
+    """Per-sample decoding state: the text not handed out yet, the decode window offsets, and
+    the sample's stop conditions."""
 
-    text: str = ""
+    unsent: List[str] = field(default_factory=list)  # text pieces not in a delta yet, in order
     prefix_offset: int = 0
     read_offset: int = 0
-    sent_text_len: int = 0
     # A tokenizers DecodeStream: always, for a fast tokenizer without a piece table; with one,
     # only while the text is not whole.
     stream: Any = None
-    # The sample's stop conditions on tokens, settled once (``advance`` runs every step):
-    # the outputs it may make (max_tokens, or fewer where the context ends first), the ids
-    # that stop it (EOS unless ignored, and stop_token_ids), and the EOS id if it stops.
+    # The sample's stop conditions, settled once (``advance`` runs every step): the outputs
+    # it may make (max_tokens, or fewer where the context ends first), the ids that stop it
+    # (EOS unless ignored, and stop_token_ids), the EOS id if it stops, its stop strings.
     max_outputs: int = 0
     stop_token_ids: frozenset = frozenset()
     eos_token_id: Optional[int] = None
+    stops: Tuple[str, ...] = ()
+    # Characters just before a token's text that can begin a stop string it completes
+    # (len(longest stop) - 1): kept in ``tail``, and held back from deltas while the sample
+    # runs, unless include_stop_str_in_output (the cut then never reaches sent text).
+    stop_overlap: int = 0
+    include_stop: bool = False
+    tail: str = ""
 
 
 class Detokenizer:
@@ -72,7 +82,8 @@ class Detokenizer:
             prefix_offset=max(0, len(prompt_token_ids) - _CONTEXT_TOKENS), read_offset=len(prompt_token_ids),
             max_outputs=min(params.max_tokens, self.max_model_len - len(prompt_token_ids)),
             stop_token_ids=frozenset(params.stop_token_ids) | ({eos} if eos is not None else set()),
-            eos_token_id=eos)
+            eos_token_id=eos, stops=params.stop, stop_overlap=max(map(len, params.stop), default=1) - 1,
+            include_stop=params.include_stop_str_in_output)
         if self._backend is not None and not self._pieces:
             from tokenizers.decoders import DecodeStream
 
@@ -101,7 +112,7 @@ class Detokenizer:
         outputs = request.output_token_ids
         last = outputs[-1]
         if state.stream is None and (new_text := self._pieces.get(last)) is not None:
-            state.text += new_text  # the text so far is whole: the token adds its own text
+            state.unsent.append(new_text)  # the text so far is whole: the token adds its own text
         elif self._backend is not None:
             new_text = self._stream_text(state, last)
         else:
@@ -110,7 +121,7 @@ class Detokenizer:
             if last != state.eos_token_id:
                 request.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
-        if new_text and request.sampling_params.stop and self._truncate_at_stop(request, state, new_text):
+        if new_text and state.stops and _truncate_at_stop(request, state, new_text):
             return RequestStatus.FINISHED_STOPPED
         if len(outputs) >= state.max_outputs:
             return RequestStatus.FINISHED_LENGTH
@@ -126,7 +137,7 @@ class Detokenizer:
             state.stream = DecodeStream(skip_special_tokens=True)
         new_text = state.stream.step(self._backend, token_id)
         if new_text:
-            state.text += new_text
+            state.unsent.append(new_text)
             if self._pieces:
                 state.stream = None
         return new_text or ""
@@ -139,24 +150,29 @@ class Detokenizer:
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""  # an incomplete character or a token with no text yet
         new_text = full[len(prefix):]
-        state.text += new_text
+        state.unsent.append(new_text)
         state.prefix_offset, state.read_offset = state.read_offset, len(all_token_ids)
         return new_text
 
-    @staticmethod
-    def _truncate_at_stop(request: Request, state: DetokenizerState, new_text: str) -> bool:
-        params = request.sampling_params
-        # Only the tail can hold a stop string that was not there before this token.
-        longest = max(len(s) for s in params.stop)
-        search_from = max(0, len(state.text) - len(new_text) - longest + 1)
-        for stop in params.stop:
-            at = state.text.find(stop, search_from)
-            if at != -1:
-                end = at + len(stop) if params.include_stop_str_in_output else at
-                state.text = state.text[:end]
-                request.stop_reason = stop
-                return True
-        return False
+
+def _truncate_at_stop(request: Request, state: DetokenizerState, new_text: str) -> bool:
+    """Whether ``new_text`` completes one of the sample's stop strings; if so, the unsent text
+    is cut where it began (or ended, with include_stop_str_in_output). Only the new text and
+    the characters just before it can hold a stop string that was not there before; what the
+    cut drops is all unsent (the hold-back keeps it so)."""
+    window = state.tail + new_text
+    for stop in state.stops:
+        at = window.find(stop)
+        if at != -1:
+            dropped = len(window) - (at + len(stop) if state.include_stop else at)
+            if dropped:
+                unsent = "".join(state.unsent)
+                state.unsent = [unsent[:len(unsent) - dropped]]
+            request.stop_reason = stop
+            return True
+    keep = state.stop_overlap
+    state.tail = window[-keep:] if keep else ""
+    return False
 
 
 def _stream_backend(tokenizer) -> Optional[Any]:
@@ -187,16 +203,13 @@ def _whole_character_pieces(backend) -> Dict[int, str]:
     return {token_id: text for token_id, text in enumerate(texts) if "\ufffd" not in text}
 
 
-def take_text_delta(state: DetokenizerState, params: SamplingParams, finished: bool) -> str:
-    """The text not handed out yet, less the hold-back a later stop string could still cut."""
-    if not params.stop:  # the common case, once per streamed sample and step
-        delta = state.text[state.sent_text_len:]
-        state.sent_text_len = len(state.text)
-        return delta
-    end = len(state.text)
-    if not params.include_stop_str_in_output and not finished:
-        end -= max(len(stop) for stop in params.stop) - 1
-    end = max(state.sent_text_len, end)
-    delta = state.text[state.sent_text_len:end]
-    state.sent_text_len = end
-    return delta
+def take_text_delta(state: DetokenizerState, finished: bool) -> str:
+    """The text not handed out yet, less the hold-back a later stop string could still cut
+    (none once the sample has finished)."""
+    text = "".join(state.unsent)  # one piece: that string itself, not a copy
+    hold_back = 0 if finished or state.include_stop else state.stop_overlap
+    if hold_back:
+        state.unsent = [text[-hold_back:]] if text else []
+        return text[:-hold_back]
+    state.unsent.clear()
+    return text

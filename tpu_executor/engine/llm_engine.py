@@ -378,7 +378,7 @@ class LLMEngine:
         outputs = request.output_token_ids
         sent, sample.sent_tokens = sample.sent_tokens, len(outputs)
         params = request.sampling_params
-        text = take_text_delta(sample.detok, params, finish_reason is not None)
+        text = take_text_delta(sample.detok, finish_reason is not None)
         if params.logprobs is None:
             return CompletionOutput(sample.index, text, outputs[sent:], None, None, finish_reason, request.stop_reason)
         return CompletionOutput(sample.index, text, outputs[sent:], request.cumulative_logprob,

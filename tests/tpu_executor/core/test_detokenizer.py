@@ -5,7 +5,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from tpu_executor.core.detokenizer import Detokenizer
+from tpu_executor.core.detokenizer import Detokenizer, take_text_delta
 from tpu_executor.core.request import Request, RequestStatus
 from tpu_executor.core.sampling_params import SamplingParams
 
@@ -13,6 +13,11 @@ from tpu_executor.core.sampling_params import SamplingParams
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path):
     return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def unsent_text(state) -> str:
+    """All the text a state holds (the tests below take no deltas until they say so)."""
+    return "".join(state.unsent)
 
 
 def feed(detok, tokenizer, prompt, output_ids, params):
@@ -33,7 +38,7 @@ def test_incremental_text_equals_full_decode(tokenizer, text):
     prompt = tokenizer("Say:")["input_ids"]
     output = tokenizer(text)["input_ids"]
     _, state, _ = feed(detok, tokenizer, prompt, output, SamplingParams(max_tokens=500))
-    assert state.text == tokenizer.decode(output, skip_special_tokens=True)
+    assert unsent_text(state) == tokenizer.decode(output, skip_special_tokens=True)
 
 
 def test_stop_string_truncates_and_stops(tokenizer):
@@ -41,9 +46,41 @@ def test_stop_string_truncates_and_stops(tokenizer):
     output = tokenizer("one two three STOP four five")["input_ids"]
     request, state, status = feed(detok, tokenizer, [1], output, SamplingParams(stop=["STOP"], max_tokens=100))
     assert status is RequestStatus.FINISHED_STOPPED and request.stop_reason == "STOP"
-    assert state.text == "one two three "
+    assert unsent_text(state) == "one two three "
     _, state, _ = feed(detok, tokenizer, [1], output, SamplingParams(stop="STOP", include_stop_str_in_output=True))
-    assert state.text == "one two three STOP"
+    assert unsent_text(state) == "one two three STOP"
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_deltas_add_up_to_the_text_cut_at_its_stop_string(tokenizer, include_stop):
+    """Random texts, each with a stop string cut from it (or one it lacks) and an absent longer
+    one: deltas taken at random moments, then a last one, add up to the text cut where the
+    stop string first occurs (after it, with include_stop_str_in_output), or the whole text.
+    A delta is never taken back, so this also shows the hold-back kept every cut unsent."""
+    detok = Detokenizer(tokenizer, max_model_len=100_000)
+    words = ["alpha", " beta", "gamma ", "STOP", "東京", "🙂", "\n", "x", "ST", "OP", "é"]
+    rng = random.Random(1)
+    for _ in range(80):
+        ids = tokenizer("".join(rng.choice(words) for _ in range(rng.randrange(3, 25))))["input_ids"]
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        start = rng.randrange(len(full))
+        stop = full[start:start + rng.randrange(1, 6)] if rng.random() < 0.8 else "absent"
+        stops = [stop, "QQQQQQQQ"] if rng.random() < 0.5 else ["QQQQQQQQ", stop]
+        params = SamplingParams(max_tokens=len(ids), stop=stops, include_stop_str_in_output=include_stop)
+        request = Request("r", [1], params, seed=0, eos_token_id=tokenizer.eos_token_id)
+        state, handed_out, status = detok.new_state(request), "", None
+        for token in ids:
+            request.output_token_ids.append(token)
+            status = detok.advance(request, state)
+            if status is not None:
+                break
+            if rng.random() < 0.6:
+                handed_out += take_text_delta(state, finished=False)
+        handed_out += take_text_delta(state, finished=True)
+        at = full.find(stop)
+        expected = full if at == -1 else full[:at + (len(stop) if include_stop else 0)]
+        assert handed_out == expected, (full, stops)
+        assert (request.stop_reason == stop) == (at != -1)
 
 
 def test_eos_stop_ids_and_length(tokenizer):
@@ -82,13 +119,14 @@ def test_table_stream_and_window_paths_give_the_same_text(tokenizer):
     params = SamplingParams(max_tokens=500, ignore_eos=True)
     states = [feed(detok, tokenizer, prompt, output, params)[1] for detok in (table, stream, window)]
     assert states[1].stream is not None and states[2].stream is None
-    assert states[0].text == states[1].text == states[2].text == tokenizer.decode(output, skip_special_tokens=True)
+    texts = [unsent_text(state) for state in states]
+    assert texts[0] == texts[1] == texts[2] == tokenizer.decode(output, skip_special_tokens=True)
 
 
 def test_piece_table_gives_a_streams_text_token_by_token(tokenizer):
     """Byte-level BPE: the piece table (with a stream only inside characters) against one
     DecodeStream stepped through every output token, on random ids weighted towards pieces of
-    characters, specials and U+FFFD pieces, text compared after every token."""
+    characters, specials and U+FFFD pieces, the text handed out compared after every token."""
     from tokenizers.decoders import DecodeStream
 
     detok = Detokenizer(tokenizer, max_model_len=100_000)
@@ -102,13 +140,15 @@ def test_piece_table_gives_a_streams_text_token_by_token(tokenizer):
     for _ in range(40):
         prompt = [rng.choice(partial) for _ in range(rng.randrange(1, 4))]  # ends inside a character
         request = Request("r", prompt, params, seed=0, eos_token_id=tokenizer.eos_token_id)
-        state, reference, text = detok.new_state(request), DecodeStream(skip_special_tokens=True), ""
+        state, reference = detok.new_state(request), DecodeStream(skip_special_tokens=True)
+        text = handed_out = ""
         for _ in range(60):
             token = rng.choice([rng.randrange(vocab_size), rng.choice(partial), rng.choice(specials)])
             request.output_token_ids.append(token)
             assert detok.advance(request, state) is None
             text += reference.step(backend, token) or ""
-            assert state.text == text
+            handed_out += take_text_delta(state, finished=False)
+            assert handed_out == text
             streamed_through += state.stream is not None
     assert streamed_through > 100  # the stream path was exercised, not only the table
 
@@ -138,6 +178,6 @@ def test_a_prompt_ending_inside_a_character_lends_no_text_to_the_output():
     ids = tokenizer("Hello world 東")["input_ids"]  # 東 is three byte-fallback tokens
     prompt, a = ids[:-1], tokenizer.convert_tokens_to_ids("\u2581a")
     _, state, _ = feed(detok, tokenizer, prompt, [ids[-1], a], SamplingParams(max_tokens=10))
-    assert state.text == "\ufffd a"
+    assert unsent_text(state) == "\ufffd a"
     _, state, _ = feed(detok, tokenizer, ids, [a, a], SamplingParams(max_tokens=10))  # a whole prompt
-    assert state.text == " a a"
+    assert unsent_text(state) == " a a"
