@@ -119,11 +119,13 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """When a request arrived and when its first sample was first scheduled
-    (``time.monotonic()`` seconds); the difference is its time in the queue."""
+    """When a request arrived, when its first sample was first scheduled and when the engine
+    read its first token back (``time.monotonic()`` seconds): the engine's own times, so a
+    request that wants only its final output still has them."""
 
     arrival_time: float
     first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
 
     @property
     def queue_time(self) -> Optional[float]:

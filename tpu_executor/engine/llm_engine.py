@@ -26,7 +26,7 @@ from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
 from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams
 from tpu_executor.core.scheduler import Scheduler
-from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerStats
+from tpu_executor.core.step import ModelRunnerOutput, PrefillWork, SchedulerOutput, WorkerStats
 from tpu_executor.engine.options import build_engine_config
 from tpu_executor.engine.stats import EngineStats
 from tpu_executor.executor import Executor, WorkerFailure, executor_class_for
@@ -293,8 +293,20 @@ class LLMEngine:
             return
         with self.timer.phase("output"):
             updated = self.scheduler.update(output.sampled, self._requests)
+            self._note_first_tokens(scheduled.prefills)
         with self.timer.phase("detokenize"):
             self._process_tokens(updated)
+
+    def _note_first_tokens(self, prefills: Sequence[PrefillWork]) -> None:
+        """The time a request's first token came back: the step that ran the last chunk of
+        its first prefill (a few prefills per step, so no pass over the running requests)."""
+        now = time.monotonic()
+        for work in prefills:
+            sample = self._streams.get(work.request_id)
+            if work.is_last_chunk and sample is not None:
+                metrics = self._groups[sample.group_id].metrics
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
 
     def _release_deferred_samples(self) -> None:
         """Queue the remaining samples of groups whose first sample has been prefilled."""

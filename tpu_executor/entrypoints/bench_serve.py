@@ -51,6 +51,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     load.add_argument("--request-rate", nargs="+", default=["inf"], help="requests/s, one run each (inf: all at once)")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)")
     load.add_argument("--max-concurrency", type=int, default=None)
+    load.add_argument("--no-stream", dest="stream", action="store_false",
+                      help="ask for whole responses (TTFT is then the whole response's time; no TPOT or ITL)")
     load.add_argument("--goodput", nargs="*", default=[], metavar="METRIC:MS", help="SLOs, e.g. ttft:500 tpot:100")
     load.add_argument("--result-json", default=None, help="write every run's figures here")
     add_engine_arguments(parser)
@@ -97,15 +99,20 @@ class RequestResult:
     e2e: float = 0.0
     output_tokens: int = 0
     itls: List[float] = field(default_factory=list)
+    streamed: bool = True
 
     @property
     def tpot(self) -> Optional[float]:
-        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+        if not self.streamed or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-async def send(client, model: str, prompt: List[int], output_len: int) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def send(client, model: str, prompt: List[int], output_len: int, stream: bool = True) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True}
+    if not stream:
+        return await send_whole(client, body)
+    body.update(stream=True, stream_options={"include_usage": True})
     result, start, last = RequestResult(), time.perf_counter(), None
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -134,8 +141,26 @@ async def send(client, model: str, prompt: List[int], output_len: int) -> Reques
     return result
 
 
+async def send_whole(client, body: Dict) -> RequestResult:
+    """One request answered in one JSON body: the client sees its first token with the last."""
+    result, start = RequestResult(streamed=False), time.perf_counter()
+    try:
+        response = await client.post("/v1/completions", json=body)
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {response.text[:200]!r}"
+            return result
+        result.output_tokens = response.json()["usage"]["completion_tokens"]
+    except Exception as err:  # noqa: BLE001 - a failed request is a figure, not a crash
+        result.error = f"{type(err).__name__}: {err}"
+        return result
+    result.e2e = result.ttft = time.perf_counter() - start
+    result.ok = True
+    return result
+
+
 async def run_load(base_url: str, model: str, api_key: Optional[str], workload: Workload, rate: float,
-                   burstiness: float, max_concurrency: Optional[int], seed: int) -> Tuple[List[RequestResult], float]:
+                   burstiness: float, max_concurrency: Optional[int], seed: int,
+                   stream: bool = True) -> Tuple[List[RequestResult], float]:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -144,7 +169,7 @@ async def run_load(base_url: str, model: str, api_key: Optional[str], workload: 
 
     async def one(client, prompt, output_len):
         async with gate:
-            return await send(client, model, prompt, output_len)
+            return await send(client, model, prompt, output_len, stream)
 
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=3600, limits=limits) as client:
         tasks, start = [], time.perf_counter()
@@ -156,9 +181,10 @@ async def run_load(base_url: str, model: str, api_key: Optional[str], workload: 
 
 
 # ---- figures -------------------------------------------------------------------------------
-def percentiles(values: List[float]) -> Dict[str, float]:
+def percentiles(values: List[float]) -> Dict[str, Optional[float]]:
+    """Mean and percentiles; None for a figure the run has none of (ITL of whole responses)."""
     if not values:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
     ordered = sorted(values)
 
     def at(q: float) -> float:
@@ -182,6 +208,10 @@ def summarize(results: List[RequestResult], seconds: float, workload: Workload,
             **{f"{name}_ms": percentiles(values) for name, values in ms.items()}}
 
 
+def _ms(value: Optional[float], width: int, digits: int) -> str:
+    return f"{'n/a':>{width}}" if value is None else f"{value:{width}.{digits}f}"
+
+
 def print_summary(rate: str, summary: Dict) -> None:
     print(f"\nrequest rate {rate}: {summary['completed']} done, {summary['failed']} failed in "
           f"{summary['duration_s']:.1f} s; {summary['request_throughput']:.2f} req/s, "
@@ -189,8 +219,7 @@ def print_summary(rate: str, summary: Dict) -> None:
           + (f", goodput {summary['goodput']:.2f} req/s" if summary["goodput"] is not None else ""))
     for name in ("ttft", "tpot", "itl", "e2e"):
         p = summary[f"{name}_ms"]
-        print(f"  {name.upper():5s} ms  mean {p['mean']:8.1f}  p50 {p['p50']:8.1f}  p90 {p['p90']:8.1f}  "
-              f"p99 {p['p99']:8.1f}")
+        print(f"  {name.upper():5s} ms  " + "  ".join(f"{q} {_ms(p[q], 8, 1)}" for q in ("mean", "p50", "p90", "p99")))
     for error in summary["errors"]:
         print(f"  error: {error}")
 
@@ -224,7 +253,7 @@ def run_rates(args, base_url: str, model: str, workload: Workload) -> List[Dict]
     runs, slos = [], parse_slos(args.goodput)
     for rate in args.request_rate:
         results, seconds = asyncio.run(run_load(base_url, model, args.api_key, workload, float(rate),
-                                                args.burstiness, args.max_concurrency, args.seed))
+                                                args.burstiness, args.max_concurrency, args.seed, args.stream))
         summary = dict(summarize(results, seconds, workload, slos), request_rate=rate)
         print_summary(rate, summary)
         runs.append(summary)
@@ -293,6 +322,6 @@ def print_table(runs: List[Dict]) -> None:
     print("\n| request rate | req/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms | "
           "E2E p50 / p99 ms |\n|---|---|---|---|---|---|---|")
     for r in runs:
-        cells = " | ".join(f"{r[f'{m}_ms']['p50']:.0f} / {r[f'{m}_ms']['p99']:.0f}"
+        cells = " | ".join(f"{_ms(r[f'{m}_ms']['p50'], 0, 0)} / {_ms(r[f'{m}_ms']['p99'], 0, 0)}"
                            for m in ("ttft", "tpot", "itl", "e2e"))
         print(f"| {r['request_rate']} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} | {cells} |")

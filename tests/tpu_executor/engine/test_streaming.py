@@ -2,6 +2,7 @@
 advanced, and the deltas of every sample concatenate to exactly the final output (text, ids,
 log-probs), with stop strings (held back until they can no longer be cut), ``n > 1`` and
 log-probs; ``LLM.generate`` (which asks for ``FINAL_ONLY`` outputs) returns the same outputs."""
+import time
 from collections import defaultdict
 
 import pytest
@@ -100,6 +101,23 @@ def test_tokens_stream_one_per_step(llm):
     assert [len(d.outputs[0].token_ids) for d in deltas] == [1] * 10
     assert [d.finished for d in deltas] == [False] * 9 + [True]
     assert deltas[-1].outputs[0].finish_reason == "length"
+
+
+def test_a_final_only_output_carries_the_engines_first_token_time(llm):
+    """The server times a request that does not stream from its one output: the first token's
+    time must be when the engine read it back, several steps before that output."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    request_id = engine.add_request({"prompt_token_ids": PROMPTS[1]}, params)
+    step_ends, outputs = [], []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        step_ends.append(time.monotonic())
+    (final,) = [d for d in outputs if d.request_id == request_id]
+    metrics = final.metrics
+    assert metrics.arrival_time <= metrics.first_scheduled_time <= metrics.first_token_time
+    # Six tokens come back one per step: the first at least five steps before the last.
+    assert len(step_ends) >= 6 and metrics.first_token_time <= step_ends[-6]
 
 
 def test_abort_hands_out_a_last_delta(llm):

@@ -181,6 +181,31 @@ def test_metrics_count_tokens_and_requests(client, served):
     assert "tpu_executor:compilations_after_warmup" in after
 
 
+def test_metrics_time_streamed_and_whole_requests(client, served):
+    """A request that does not stream gets one output (FINAL_ONLY): it adds a first-token time
+    and a time per output token, and no inter-token gaps; a streamed one adds a gap per delta
+    after its first."""
+    def counts():
+        lines = httpx.get(served[0] + "/metrics").text.splitlines()
+        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in lines if not line.startswith("#")}
+        return {name: values.get(f"tpu_executor:{name}_seconds_count", 0.0)
+                for name in ("time_to_first_token", "inter_token_latency", "request_time_per_output_token")}
+
+    def added(before, after):
+        return {name: after[name] - before[name] for name in before}
+
+    start = counts()
+    text = completion_text(client, prompt=PROMPTS[2], max_tokens=5).choices[0].text
+    whole = counts()
+    pieces = completion_text(client, prompt=PROMPTS[2], max_tokens=5, stream=True)
+    assert "".join(p.choices[0].text for p in pieces if p.choices) == text
+    streamed = counts()
+    assert added(start, whole) == {"time_to_first_token": 1, "inter_token_latency": 0,
+                                   "request_time_per_output_token": 1}
+    assert added(whole, streamed) == {"time_to_first_token": 1, "inter_token_latency": 4,
+                                      "request_time_per_output_token": 1}
+
+
 def wait_until_idle(async_engine, timeout_s: float = 10.0) -> None:
     """Until the engine holds no request and no KV block (fails after ``timeout_s``)."""
     import asyncio

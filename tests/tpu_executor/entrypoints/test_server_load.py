@@ -128,3 +128,23 @@ def test_soak_1000_requests_with_cancellations(checkpoints):
         assert not engine.has_unfinished_requests()
     assert results.count("done") + results.count("cancelled") == 1000
     assert 150 <= results.count("cancelled") <= 250
+
+
+def test_bench_serve_reads_streamed_and_whole_responses(checkpoints):
+    """``bench serve``'s client against a live server: every request completes with the tokens
+    it asked for; a streamed one has its first token before its end and a time per output
+    token, a whole one (``--no-stream``) only its end-to-end time."""
+    from tpu_executor.entrypoints.bench_serve import random_workload, run_load, summarize
+
+    workload = random_workload(6, 12, 8, 0.5, 200, seed=1)
+    with live_server(tiny_engine(checkpoints)) as (url, async_engine):
+        streamed, seconds = asyncio.run(run_load(url, "tiny", None, workload, float("inf"), 1.0, None, 0))
+        whole, _ = asyncio.run(run_load(url, "tiny", None, workload, float("inf"), 1.0, None, 0, stream=False))
+        wait_until_idle(async_engine)
+    for results in (streamed, whole):
+        assert [r.error for r in results] == [""] * 6
+        assert [r.output_tokens for r in results] == [n for _, n in workload]
+    assert all(0 < r.ttft < r.e2e and r.tpot is not None for r in streamed if r.output_tokens > 1)
+    assert all(r.ttft == r.e2e and r.tpot is None and not r.itls for r in whole)
+    summary = summarize(whole, seconds, workload, {})
+    assert summary["completed"] == 6 and summary["tpot_ms"]["p50"] is None and summary["e2e_ms"]["p50"] > 0

@@ -2,14 +2,18 @@
 
 Two sources: the engine's own figures (``EngineStats``: running and waiting requests, KV-cache
 usage, preemptions, prefix-cache queries and hits, compiled graphs), read fresh at every
-scrape; and per-request timings the server observes as deltas stream out (time to first
-token, inter-token latency, end-to-end latency, queue time, token counts, finish reasons).
+scrape; and per-request timings the server observes as outputs come out (time to first
+token, inter-token latency, time per output token, end-to-end latency, queue time, token
+counts, finish reasons). A request that does not stream gets one output at its end (it asks
+the engine for ``FINAL_ONLY``, as in vLLM), so its first-token and queue times are the
+engine's (``RequestMetrics``), and it adds to the time per output token but not to the
+inter-token latency, which is the gap between two deltas of a streamed request.
 Each server has a registry of its own, so several servers in one process do not collide.
 """
 from __future__ import annotations
 
 import time
-from typing import Iterator, Optional
+from typing import Dict, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -67,7 +71,9 @@ class ServerMetrics:
         self.request_success = Counter(PREFIX + "request_success", "Finished sequences by finish reason.",
                                        ["finished_reason"], registry=self.registry)
         self.ttft = histogram("time_to_first_token_seconds", "Seconds from arrival to the first token.")
-        self.itl = histogram("inter_token_latency_seconds", "Seconds between two deltas of a request.")
+        self.itl = histogram("inter_token_latency_seconds", "Seconds between two deltas of a streamed request.")
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "Seconds per output token after the first, per request (its longest sample).")
         self.e2e = histogram("e2e_request_latency_seconds", "Seconds from arrival to the last token.")
         self.queue_time = histogram("request_queue_time_seconds", "Seconds from arrival to first scheduling.")
 
@@ -88,22 +94,35 @@ class RequestTracker:
     def __init__(self, metrics: ServerMetrics, arrival_time: float):
         self.metrics = metrics
         self.arrival_time = arrival_time
+        self.first_token_time: Optional[float] = None
         self.last_token_time: Optional[float] = None
+        self.sample_tokens: Dict[int, int] = {}  # tokens so far, by sample index
 
     def observe(self, delta: RequestOutput) -> None:
         m, now = self.metrics, time.monotonic()
+        for completion in delta.outputs:
+            self.sample_tokens[completion.index] = self.sample_tokens.get(completion.index, 0) + len(completion.token_ids)
+            if completion.finish_reason is not None:
+                m.request_success.labels(completion.finish_reason).inc()
         new_tokens = sum(len(c.token_ids) for c in delta.outputs)
         if new_tokens:
             m.generation_tokens.inc(new_tokens)
             if self.last_token_time is None:
-                m.ttft.observe(now - self.arrival_time)
+                # The engine's time when it has one: a final-only output comes at the end.
+                engine_time = delta.metrics.first_token_time if delta.metrics is not None else None
+                self.first_token_time = engine_time if engine_time is not None else now
+                m.ttft.observe(self.first_token_time - self.arrival_time)
             else:
                 m.itl.observe(now - self.last_token_time)
             self.last_token_time = now
-        for completion in delta.outputs:
-            if completion.finish_reason is not None:
-                m.request_success.labels(completion.finish_reason).inc()
         if delta.finished:
-            m.e2e.observe(now - self.arrival_time)
-            if delta.metrics is not None and delta.metrics.queue_time is not None:
-                m.queue_time.observe(delta.metrics.queue_time)
+            self._observe_finished(delta, now)
+
+    def _observe_finished(self, delta: RequestOutput, now: float) -> None:
+        m = self.metrics
+        m.e2e.observe(now - self.arrival_time)
+        if delta.metrics is not None and delta.metrics.queue_time is not None:
+            m.queue_time.observe(delta.metrics.queue_time)
+        longest = max(self.sample_tokens.values(), default=0)
+        if longest > 1 and self.first_token_time is not None:
+            m.tpot.observe((now - self.first_token_time) / (longest - 1))

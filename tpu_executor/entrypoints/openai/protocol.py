@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tpu_executor.core.sampling_params import SamplingParams
+from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams
 
 _INT64 = 2**63
 
@@ -84,7 +84,9 @@ class _GenerationRequest(BaseModel):
         return sorted(self.model_extra or {})
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
-        """The engine's sampling parameters (defaults as vLLM's: temperature 1, top_p 1)."""
+        """The engine's sampling parameters (defaults as vLLM's: temperature 1, top_p 1). A
+        request that does not stream asks for its final output only, as in vLLM: the engine
+        then makes no delta for it, and the event loop wakes for it once, not every step."""
         try:
             return SamplingParams(
                 n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
@@ -92,7 +94,8 @@ class _GenerationRequest(BaseModel):
                 min_p=self.min_p or 0.0, seed=None if self.seed is None else self.seed % _INT64,
                 max_tokens=max_tokens, stop=self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos, logprobs=logprobs,
-                include_stop_str_in_output=self.include_stop_str_in_output)
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
         except ValueError as err:
             raise bad_request(str(err), str(err).split(" ", 1)[0]) from None
 
