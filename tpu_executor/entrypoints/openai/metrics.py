@@ -4,10 +4,11 @@ Two sources: the engine's own figures (``EngineStats``: running and waiting requ
 usage, preemptions, prefix-cache queries and hits, compiled graphs), read fresh at every
 scrape; and per-request timings the server observes as outputs come out (time to first
 token, inter-token latency, time per output token, end-to-end latency, queue time, token
-counts, finish reasons). A request that does not stream gets one output at its end (it asks
-the engine for ``FINAL_ONLY``, as in vLLM), so its first-token and queue times are the
-engine's (``RequestMetrics``), and it adds to the time per output token but not to the
-inter-token latency, which is the gap between two deltas of a streamed request.
+counts, finish reasons). The time to first token is the engine's for every request (when the
+step that made the token was read back, ``RequestMetrics``): a request that does not stream
+gets one output at its end (it asks the engine for ``FINAL_ONLY``, as in vLLM). Such a request
+adds to the time per output token but not to the inter-token latency, which is the gap
+between two deltas of a streamed request.
 Each server has a registry of its own, so several servers in one process do not collide.
 """
 from __future__ import annotations
