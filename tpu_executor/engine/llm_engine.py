@@ -263,7 +263,7 @@ class LLMEngine:
         the end otherwise); None if it could not even start (its requests fail)."""
         now = time.monotonic()
         for work in scheduled.prefills:
-            metrics = self._groups[self._streams[work.request_id].group_id].metrics
+            metrics = self._group_metrics(work.request_id)
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         try:
@@ -302,11 +302,14 @@ class LLMEngine:
         its first prefill (a few prefills per step, so no pass over the running requests)."""
         now = time.monotonic()
         for work in prefills:
-            sample = self._streams.get(work.request_id)
-            if work.is_last_chunk and sample is not None:
-                metrics = self._groups[sample.group_id].metrics
-                if metrics.first_token_time is None:
-                    metrics.first_token_time = now
+            metrics = self._group_metrics(work.request_id) if work.is_last_chunk else None
+            if metrics is not None and metrics.first_token_time is None:
+                metrics.first_token_time = now
+
+    def _group_metrics(self, sample_id: str) -> Optional[RequestMetrics]:
+        """The metrics of the sample's request (None once the request is forgotten)."""
+        sample = self._streams.get(sample_id)
+        return None if sample is None else self._groups[sample.group_id].metrics
 
     def _release_deferred_samples(self) -> None:
         """Queue the remaining samples of groups whose first sample has been prefilled."""

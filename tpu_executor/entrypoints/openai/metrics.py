@@ -101,11 +101,12 @@ class RequestTracker:
 
     def observe(self, delta: RequestOutput) -> None:
         m, now = self.metrics, time.monotonic()
+        new_tokens = 0
         for completion in delta.outputs:
+            new_tokens += len(completion.token_ids)
             self.sample_tokens[completion.index] = self.sample_tokens.get(completion.index, 0) + len(completion.token_ids)
             if completion.finish_reason is not None:
                 m.request_success.labels(completion.finish_reason).inc()
-        new_tokens = sum(len(c.token_ids) for c in delta.outputs)
         if new_tokens:
             m.generation_tokens.inc(new_tokens)
             if self.last_token_time is None:
