@@ -8,6 +8,7 @@ the host does between two device steps, which on a TPU is time the chip waits.
     tpu-executor bench host                              # 32, 256 and 1,024 running sequences
     tpu-executor bench host --num-seqs 256 --steps 100
     tpu-executor bench host --device xla --num-seqs 32 256 --overlap   # + the real model, sync vs async
+    tpu-executor bench host --num-seqs 256 --overlap --device-ms 2 5    # + a device of 2 and 5 ms a step
 
 For each number of running sequences it measures a decode step (every sequence decodes) and a
 mixed step (``JOINING`` sequences leave and as many new prompts prefill in the same step), and
@@ -24,13 +25,14 @@ import os
 import random
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from tpu_executor.core.phase_timer import DEVICE_PHASES, HOST_PHASES, PHASES, PhaseTimer
-from tpu_executor.worker.model_runner import ModelRunner
-from tpu_executor.worker.token_feed import fed_input_ids
+from tpu_executor.worker.model_runner import LaunchedStep, ModelRunner
+from tpu_executor.worker.sampler import SamplerOutput
+from tpu_executor.worker.token_feed import fed_input_ids, write_slots
 from tpu_executor.worker.worker import Worker
 
 PROMPT_TOKENS = 32
@@ -38,11 +40,15 @@ JOINING = 8  # sequences that leave and join per mixed step
 VOCAB = 8192  # asked of the tokenizer trainer; it may learn fewer tokens
 
 
+def next_token_ids(input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The token the empty model step picks after each input token (skipping the special ones)."""
+    return (input_ids * 7919 + 13) % (vocab_size - 3) + 3
+
+
 def next_token_logits(input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """One-hot logits whose argmax is a fixed function of each input token (no model compute)."""
-    next_ids = (input_ids * 7919 + 13) % (vocab_size - 3) + 3  # skip the special tokens
+    """One-hot logits whose argmax is ``next_token_ids`` (no model compute)."""
     logits = torch.zeros(input_ids.shape[0], vocab_size, device=input_ids.device)
-    return logits.scatter(1, next_ids[:, None], 1.0)
+    return logits.scatter(1, next_token_ids(input_ids, vocab_size)[:, None], 1.0)
 
 
 class NullModelRunner(ModelRunner):
@@ -63,6 +69,63 @@ class NullModelWorker(Worker):
     runner_class = NullModelRunner
 
 
+class HeldDeviceRunner(NullModelRunner):
+    """A simulated accelerator that takes ``device_seconds`` per step. As on XLA, a launch only
+    queues the step (behind the steps queued before it) and reading its tokens back waits for
+    the device to finish it; the wait holds neither Python's lock nor the host's cores. The
+    model and sampler compute nothing on the host (the step hands the sampler the next ids
+    themselves, not a row of logits each), so the host's work is the engine's alone. On this
+    CPU a real model, and even the empty step's logits and sampler, run on the same two cores
+    as the host work they should hide behind; this shows what the engine overlaps when the
+    device is a device. Greedy tokens are the empty step's; it gives no log-probs."""
+
+    device_seconds = 0.0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.collects_late = True  # tokens stay "on the device" until collected, as on XLA
+        self._device_free_at = 0.0  # perf_counter() time the queued steps are done
+
+    def launch(self, step):
+        launched = super().launch(step)
+        self._device_free_at = max(time.perf_counter(), self._device_free_at) + self.device_seconds
+        return HeldStep(launched.calls, launched.timer, self._device_free_at)
+
+    def _prefill_step(self, input_ids, positions, slot_mapping, context_slots, key_positions,
+                      key_segments, query_segments, logits_indices, kv_caches):
+        return next_token_ids(input_ids[logits_indices], self.model.config.vocab_size)
+
+    def _decode_step(self, input_ids, feed_slots, feed_tokens, positions, slot_mapping, block_tables,
+                     context_lens, kv_caches):
+        return next_token_ids(fed_input_ids(input_ids, feed_slots, feed_tokens), self.model.config.vocab_size)
+
+    def _sample_step(self, logits, slots, feed_tokens, num_logprobs: int, all_greedy: bool, **sampling):
+        """``logits`` holds the next ids themselves: they are the sample."""
+        if num_logprobs:
+            raise ValueError("the held device gives no log-probs")
+        out = SamplerOutput(logits, torch.zeros(logits.shape, dtype=torch.float32), None, None)
+        return out, write_slots(feed_tokens, slots, logits)
+
+
+class HeldStep(LaunchedStep):
+    """A step on the simulated device: its tokens can be read once the device is done with it."""
+
+    def __init__(self, calls, timer, done_at: float):
+        super().__init__(calls, timer)
+        self.done_at = done_at
+
+    def collect(self):
+        with self.timer.phase("transfer"):  # where XLA's wait for the device lands too
+            time.sleep(max(0.0, self.done_at - time.perf_counter()))
+        return super().collect()
+
+
+def held_device_worker(device_ms: float) -> type:
+    """A worker class whose decode step holds a simulated device for ``device_ms`` milliseconds."""
+    runner = type("HeldDeviceRunner", (HeldDeviceRunner,), {"device_seconds": device_ms / 1e3})
+    return type("HeldDeviceWorker", (NullModelWorker,), {"runner_class": runner})
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("host", help="host work per engine step (model step replaced by nothing)",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -75,6 +138,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "or only the final output (LLM.generate)")
     parser.add_argument("--overlap", action="store_true",
                         help="also run the real model: step time sync vs async beside its host and device parts")
+    parser.add_argument("--device-ms", type=float, nargs="+", default=None,
+                        help="overlap figures (as --overlap) for a simulated device instead of the real model: "
+                             "its decode step lasts this many milliseconds without using the host's cores "
+                             "(cpu only)")
     parser.set_defaults(run=run)
     return parser
 
@@ -199,14 +266,17 @@ def measure(path: str, num_seqs: int, steps: int, device: str, output_kind: str 
     return {"decode": decode, "mixed": mixed}
 
 
-def overlap(path: str, num_seqs: int, steps: int, device: str) -> Dict[str, float]:
-    """Steady decode step time of the real model, synchronous and asynchronous, beside its
-    host part and its device part (milliseconds). Both parts come from the synchronous run's
-    phases: device = the model and sampler calls plus reading the tokens back (on XLA the
-    calls only dispatch; the wait for the device lands in the read-back), host = the rest."""
+def overlap(path: str, num_seqs: int, steps: int, device: str, device_ms: Optional[float] = None) -> Dict[str, float]:
+    """Steady decode step time of the real model (or of a device held ``device_ms`` a step),
+    synchronous and asynchronous, beside its host part and its device part (milliseconds).
+    With the real model both parts come from the synchronous run's phases: device = the model
+    and sampler calls plus reading the tokens back (on XLA the calls only dispatch; the wait
+    for the device lands in the read-back), host = the rest. With a held device, device =
+    ``device_ms`` and host = the rest of the synchronous step (nothing overlaps there)."""
+    worker_class = Worker if device_ms is None else held_device_worker(device_ms)
     figures: Dict[str, float] = {}
     for async_scheduling in (False, True):
-        engine = engine_for(path, num_seqs, steps, device, Worker, async_scheduling)
+        engine = engine_for(path, num_seqs, steps, device, worker_class, async_scheduling)
         timer = PhaseTimer()
         if not async_scheduling:  # phases add up only when nothing overlaps
             engine.timer = engine.executor.workers[0].runner.timer = timer
@@ -214,6 +284,8 @@ def overlap(path: str, num_seqs: int, steps: int, device: str) -> Dict[str, floa
         ms = _timed_steps(engine, timer, steps)
         if async_scheduling:
             figures["async"] = ms["median_step"]
+        elif device_ms is not None:
+            figures.update(sync=ms["median_step"], device=device_ms, host=ms["median_step"] - device_ms)
         else:
             figures.update(sync=ms["median_step"], device=ms["device"] + ms["transfer"],
                            host=ms["host"] - ms["transfer"])
@@ -221,15 +293,24 @@ def overlap(path: str, num_seqs: int, steps: int, device: str) -> Dict[str, floa
     return figures
 
 
-def print_overlap(results: Dict[int, Dict[str, float]], device: str) -> None:
-    print("\n| sequences | host | device | host + device | sync step | async step | "
-          "async / max(host, device) |\n|---|---|---|---|---|---|---|")
-    for num_seqs, f in results.items():
-        print(f"| {num_seqs} | {f['host']:.2f} | {f['device']:.2f} | {f['host'] + f['device']:.2f} | "
+def print_overlap(results: Dict[Tuple[int, str], Dict[str, float]], device: str) -> None:
+    print("\n| sequences | device step | host | device | host + device | sync step | async step | "
+          "async / max(host, device) |\n|---|---|---|---|---|---|---|---|")
+    for (num_seqs, label), f in results.items():
+        print(f"| {num_seqs} | {label} | {f['host']:.2f} | {f['device']:.2f} | {f['host'] + f['device']:.2f} | "
               f"{f['sync']:.2f} | {f['async']:.2f} | {f['async'] / max(f['host'], f['device']):.2f} |")
-    print(f"\nMilliseconds per decode step on {device} with the real model (the checkpoint's random weights): "
-          "sync and async steps are medians over the measured steps; host and device are the synchronous "
-          "run's phases (device: model and sampler calls and reading the tokens back; host: the rest).")
+    print(f"\nMilliseconds per decode step on {device}; sync and async steps are medians over the measured "
+          "steps. Device step `model`: the real model (the checkpoint's random weights); host and device are "
+          "the synchronous run's phases (device: model and sampler calls and reading the tokens back; host: "
+          "the rest). `N ms held`: a simulated device that takes N ms a step without the host's cores, "
+          "queued as on XLA; device = N, host = the rest of the synchronous step.")
+
+
+def _overlaps(args: argparse.Namespace, path: str) -> Dict[Tuple[int, str], Dict[str, float]]:
+    """The overlap figures ``--overlap`` asks for: the real model's, or each held device's."""
+    kinds = [(f"{ms:g} ms held", ms) for ms in args.device_ms or ()] or [("model", None)]
+    return {(num_seqs, label): overlap(path, num_seqs, args.steps, args.device, device_ms)
+            for num_seqs in args.num_seqs for label, device_ms in kinds}
 
 
 def print_table(results: Dict[int, Dict[str, Dict[str, float]]], vocab_size: int) -> None:
@@ -248,6 +329,9 @@ def print_table(results: Dict[int, Dict[str, Dict[str, float]]], vocab_size: int
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.device_ms is not None and (args.device != "cpu" or min(args.device_ms) <= 0):
+        raise SystemExit("--device-ms takes milliseconds > 0 and runs on --device cpu (a held step cannot "
+                         f"be compiled for XLA); got --device {args.device} --device-ms {args.device_ms}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     path = tiny_checkpoint()
     results = {}
@@ -259,5 +343,5 @@ def run(args: argparse.Namespace) -> None:
                   flush=True)
     with open(os.path.join(path, "config.json")) as config:
         print_table(results, json.load(config)["vocab_size"])
-    if args.overlap:
-        print_overlap({n: overlap(path, n, args.steps, args.device) for n in args.num_seqs}, args.device)
+    if args.overlap or args.device_ms:
+        print_overlap(_overlaps(args, path), args.device)

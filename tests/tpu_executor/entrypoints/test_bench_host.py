@@ -1,6 +1,7 @@
 """``bench host``: the empty model step drives the real engine, and every phase is measured."""
 import gc
 import random
+import time
 
 import pytest
 
@@ -56,3 +57,48 @@ def test_command_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert "| 8 | delta | decode |" in out and "| 8 | delta | mixed |" in out
     assert "| 8 | final_only | decode |" in out
+
+
+def _greedy_tokens(worker_class, async_scheduling: bool, max_tokens: int = 6):
+    engine = bench_host.engine_for(bench_host.tiny_checkpoint(), num_seqs=8, steps=4, device="cpu",
+                                   worker_class=worker_class, async_scheduling=async_scheduling)
+    try:
+        ids = bench_host._add_requests(engine, 3, random.Random(1), max_tokens=max_tokens)
+        tokens = {request_id: [] for request_id in ids}
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens[delta.request_id] += delta.outputs[0].token_ids
+        return [tokens[request_id] for request_id in ids], engine.executor.workers
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_held_device_gives_the_empty_steps_tokens(async_scheduling):
+    expected, _ = _greedy_tokens(bench_host.NullModelWorker, async_scheduling=False)
+    held, _ = _greedy_tokens(bench_host.held_device_worker(1.0), async_scheduling)
+    assert held == expected and all(len(tokens) == 6 for tokens in held)
+
+
+def test_held_device_queues_steps_and_collect_waits_for_each():
+    engine = bench_host.engine_for(bench_host.tiny_checkpoint(), num_seqs=8, steps=4, device="cpu",
+                                   worker_class=bench_host.held_device_worker(20.0))
+    try:
+        bench_host._add_requests(engine, 2, random.Random(2), max_tokens=8)
+        step = engine.scheduler.schedule()
+        runner = engine.executor.workers[0].runner
+        first, second = runner.launch(step), runner.launch(step)  # a queue: the second waits for the first
+        assert second.done_at - first.done_at == pytest.approx(0.020, abs=1e-6)
+        first.collect()
+        assert time.perf_counter() >= first.done_at
+        second.collect()
+        assert time.perf_counter() >= second.done_at
+    finally:
+        engine.shutdown()
+
+
+def test_device_ms_prints_the_overlap_table_and_rejects_bad_values(capsys):
+    main(["bench", "host", "--num-seqs", "8", "--steps", "3", "--device-ms", "1"])
+    assert "| 8 | 1 ms held |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--device-ms takes milliseconds > 0"):
+        main(["bench", "host", "--num-seqs", "8", "--device-ms", "0"])
