@@ -56,11 +56,15 @@ class NullModelRunner(ModelRunner):
 
     def _prefill_step(self, input_ids, positions, slot_mapping, context_slots, key_positions,
                       key_segments, query_segments, logits_indices, kv_caches):
-        return next_token_logits(input_ids[logits_indices], self.model.config.vocab_size)
+        return self._next_token_logits(input_ids[logits_indices])
 
     def _decode_step(self, input_ids, feed_slots, feed_tokens, positions, slot_mapping, block_tables,
                      context_lens, kv_caches):
-        return next_token_logits(fed_input_ids(input_ids, feed_slots, feed_tokens), self.model.config.vocab_size)
+        return self._next_token_logits(fed_input_ids(input_ids, feed_slots, feed_tokens))
+
+    def _next_token_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """What the empty step hands the sampler for the last tokens ``input_ids``."""
+        return next_token_logits(input_ids, self.model.config.vocab_size)
 
 
 class NullModelWorker(Worker):
@@ -91,13 +95,8 @@ class HeldDeviceRunner(NullModelRunner):
         self._device_free_at = max(time.perf_counter(), self._device_free_at) + self.device_seconds
         return HeldStep(launched.calls, launched.timer, self._device_free_at)
 
-    def _prefill_step(self, input_ids, positions, slot_mapping, context_slots, key_positions,
-                      key_segments, query_segments, logits_indices, kv_caches):
-        return next_token_ids(input_ids[logits_indices], self.model.config.vocab_size)
-
-    def _decode_step(self, input_ids, feed_slots, feed_tokens, positions, slot_mapping, block_tables,
-                     context_lens, kv_caches):
-        return next_token_ids(fed_input_ids(input_ids, feed_slots, feed_tokens), self.model.config.vocab_size)
+    def _next_token_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return next_token_ids(input_ids, self.model.config.vocab_size)  # the ids, not a row of logits each
 
     def _sample_step(self, logits, slots, feed_tokens, num_logprobs: int, all_greedy: bool, **sampling):
         """``logits`` holds the next ids themselves: they are the sample."""
