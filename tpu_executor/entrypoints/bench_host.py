@@ -120,7 +120,7 @@ class HeldStep(LaunchedStep):
 
 
 def held_device_worker(device_ms: float) -> type:
-    """A worker class whose decode step holds a simulated device for ``device_ms`` milliseconds."""
+    """A worker class on a simulated device that takes ``device_ms`` milliseconds a step."""
     runner = type("HeldDeviceRunner", (HeldDeviceRunner,), {"device_seconds": device_ms / 1e3})
     return type("HeldDeviceWorker", (NullModelWorker,), {"runner_class": runner})
 
