@@ -103,8 +103,9 @@ class RequestTracker:
         m, now = self.metrics, time.monotonic()
         new_tokens = 0
         for completion in delta.outputs:
-            new_tokens += len(completion.token_ids)
-            self.sample_tokens[completion.index] = self.sample_tokens.get(completion.index, 0) + len(completion.token_ids)
+            count = len(completion.token_ids)
+            new_tokens += count
+            self.sample_tokens[completion.index] = self.sample_tokens.get(completion.index, 0) + count
             if completion.finish_reason is not None:
                 m.request_success.labels(completion.finish_reason).inc()
         if new_tokens:
