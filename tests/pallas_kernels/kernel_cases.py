@@ -4,8 +4,8 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -26,21 +26,25 @@ def in_fresh_process(fn: Callable, *args):
     jaxlib's backend_compile_and_load. The binding test keeps the two in one process on
     purpose (that is the product path); the bulk kernel checks do not need to.
     """
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with _spawned_pool(1) as pool:
         return pool.submit(fn, *args).result()
+
+
+def _spawned_pool(num_processes: int) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(max_workers=num_processes, mp_context=multiprocessing.get_context("spawn"))
 
 
 def in_fresh_processes(fn: Callable, num_items: int) -> list:
     """``fn(indices)`` for interleaved parts of ``range(num_items)``, each part in a spawned
     interpreter of its own (see ``in_fresh_process``), all at once; the results in part order.
 
-    Why: a case in TPU interpret mode keeps one core busy for a fraction of a second, and the
-    hundred generated cases of a kernel are independent, so they finish in about half the time
-    on two cores. Interleaving keeps each part's mix of variants and dtypes.
+    Why: a case in TPU interpret mode spends 2-3 s compiling for its own shapes, mostly on one
+    core, and the generated cases of a kernel are independent; on two cores they finish in
+    about two thirds of the time. Interleaving keeps each part's mix of variants and dtypes.
     """
     num_processes = max(1, min(2, os.cpu_count() or 1, num_items))
     parts = [range(start, num_items, num_processes) for start in range(num_processes)]
-    with ProcessPoolExecutor(max_workers=num_processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with _spawned_pool(num_processes) as pool:
         futures = [pool.submit(fn, part) for part in parts]
         return [future.result() for future in futures]
 
@@ -75,7 +79,7 @@ def check_kernel_against_reference(spec: OpSpec, kernel: Callable, cases, varian
     """Every case (or those at ``indices``) within the spec's tolerance; case i runs with
     keyword ``variants[i % n]`` (tile sizes and the like). Returns how many cases of each
     dtype ran."""
-    seen = Counter(float32=0, bfloat16=0)
+    seen = _no_cases()
     for index in range(len(cases)) if indices is None else indices:
         case = cases[index]
         run = functools.partial(kernel, **variants[index % len(variants)])
@@ -85,9 +89,14 @@ def check_kernel_against_reference(spec: OpSpec, kernel: Callable, cases, varian
     return seen
 
 
+def _no_cases() -> Counter:
+    """Per-dtype counts with every dtype at 0 (so a dtype that never ran still shows)."""
+    return Counter(float32=0, bfloat16=0)
+
+
 def total_counts(parts: Sequence[Counter]) -> Counter:
     """The per-dtype counts of all parts added up (a dtype no part ran stays at 0)."""
-    total = Counter(float32=0, bfloat16=0)
+    total = _no_cases()
     for part in parts:
         total.update(part)
     return total

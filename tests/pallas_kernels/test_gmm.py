@@ -35,8 +35,8 @@ def test_kernel_matches_reference_on_generated_cases():
 
 def compare_with_megablox(indices):
     """Where megablox accepts the shapes (m a multiple of tm), both kernels give the same rows."""
-    cases = [CASES[i] for i in indices]
-    cases = [c for c in cases if not ops.shape_problem(*c.args, require_whole_tiles=True, **c.kwargs)]
+    cases = [CASES[i] for i in indices
+             if not ops.shape_problem(*CASES[i].args, require_whole_tiles=True, **CASES[i].kwargs)]
     return check_kernels_agree(ops.SPEC, kernel.gmm, ops._megablox_gmm, cases)
 
 
