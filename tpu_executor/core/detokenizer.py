@@ -1,4 +1,5 @@
-"""Incremental detokenization and stop conditions (pure Python; the tokenizer is passed in).
+"""Incremental detokenization and stop strings (pure Python; the tokenizer is passed in). Stop
+tokens and lengths need no text: the scheduler checks them (``Scheduler.update``).
 
 Text is decoded incrementally. A fast tokenizer (one backed by the ``tokenizers`` library)
 decodes through a ``DecodeStream`` per sample, primed with the prompt's last tokens: one call
@@ -33,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from tpu_executor.core.request import Request, RequestStatus
+from tpu_executor.core.sampling_params import SamplingParams
 
 # How many earlier tokens give the context that decides a token's text.
 _CONTEXT_TOKENS = 6
@@ -41,21 +42,17 @@ _CONTEXT_TOKENS = 6
 
 @dataclass(slots=True)
 class DetokenizerState:
-    """Per-sample decoding state: the text not handed out yet, the decode window offsets, and
-    the sample's stop conditions."""
+    """Per-sample decoding state: the text not handed out yet, the decode window, and the
+    sample's stop strings."""
 
     unsent: List[str] = field(default_factory=list)  # text pieces not in a delta yet, in order
+    # The window path's tokens (the prompt's last few, then the outputs) and its offsets.
+    token_ids: List[int] = field(default_factory=list)
     prefix_offset: int = 0
     read_offset: int = 0
     # A tokenizers DecodeStream: always, for a fast tokenizer without a piece table; with one,
     # only while the text is not whole.
     stream: Any = None
-    # The sample's stop conditions, settled once (``advance`` runs every step): the outputs
-    # it may make (max_tokens, or fewer where the context ends first), the ids that stop it
-    # (EOS unless ignored, and stop_token_ids), the EOS id if it stops, its stop strings.
-    max_outputs: int = 0
-    stop_token_ids: frozenset = frozenset()
-    eos_token_id: Optional[int] = None
     stops: Tuple[str, ...] = ()
     # Characters just before a token's text that can begin a stop string it completes
     # (len(longest stop) - 1): kept in ``tail``, and held back from deltas while the sample
@@ -66,25 +63,21 @@ class DetokenizerState:
 
 
 class Detokenizer:
-    """Turns output tokens into text and decides when a request is finished."""
+    """Turns output tokens into text, one token at a time."""
 
-    def __init__(self, tokenizer, max_model_len: int):
+    def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
         self._backend = _stream_backend(tokenizer)
         self._pieces = _whole_character_pieces(self._backend)  # empty: no piece table
 
-    def new_state(self, request: Request) -> DetokenizerState:
+    def new_state(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> DetokenizerState:
         """A sample's decoding state, after its prompt."""
-        prompt_token_ids, params = request.prompt_token_ids, request.sampling_params
-        eos = None if params.ignore_eos else request.eos_token_id
-        state = DetokenizerState(
-            prefix_offset=max(0, len(prompt_token_ids) - _CONTEXT_TOKENS), read_offset=len(prompt_token_ids),
-            max_outputs=min(params.max_tokens, self.max_model_len - len(prompt_token_ids)),
-            stop_token_ids=frozenset(params.stop_token_ids) | ({eos} if eos is not None else set()),
-            eos_token_id=eos, stops=params.stop, stop_overlap=max(map(len, params.stop), default=1) - 1,
-            include_stop=params.include_stop_str_in_output)
-        if self._backend is not None and not self._pieces:
+        state = DetokenizerState(stops=params.stop, stop_overlap=max(map(len, params.stop), default=1) - 1,
+                                 include_stop=params.include_stop_str_in_output)
+        if self._backend is None:
+            state.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+            state.read_offset = len(state.token_ids)
+        elif not self._pieces:
             from tokenizers.decoders import DecodeStream
 
             # Primed with the prompt's tail, so the first output token keeps its leading space.
@@ -104,28 +97,16 @@ class Detokenizer:
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def advance(self, request: Request, state: DetokenizerState) -> Optional[RequestStatus]:
-        """Add the text of the request's newest output token, then check its stop conditions:
-        the request's finish status, or None to go on. A stop string found in the text
-        truncates it there (and sets ``request.stop_reason``). Runs for every running sequence
-        on every step, so the common checks read plain attributes in one call."""
-        outputs = request.output_token_ids
-        last = outputs[-1]
-        if state.stream is None and (new_text := self._pieces.get(last)) is not None:
+    def add_token(self, state: DetokenizerState, token_id: int) -> str:
+        """Add the text of the sample's next output token to its unsent text; returns that text
+        (empty while a character is incomplete). Runs for every running sequence on every step:
+        the common case is one dictionary look-up."""
+        if state.stream is None and (new_text := self._pieces.get(token_id)) is not None:
             state.unsent.append(new_text)  # the text so far is whole: the token adds its own text
-        elif self._backend is not None:
-            new_text = self._stream_text(state, last)
-        else:
-            new_text = self._window_text(request, state)
-        if last in state.stop_token_ids:
-            if last != state.eos_token_id:
-                request.stop_reason = last
-            return RequestStatus.FINISHED_STOPPED
-        if new_text and state.stops and _truncate_at_stop(request, state, new_text):
-            return RequestStatus.FINISHED_STOPPED
-        if len(outputs) >= state.max_outputs:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+            return new_text
+        if self._backend is not None:
+            return self._stream_text(state, token_id)
+        return self._window_text(state, token_id)
 
     def _stream_text(self, state: DetokenizerState, token_id: int) -> str:
         """The new text of ``token_id`` through the sample's ``DecodeStream``. With a piece
@@ -142,24 +123,25 @@ class Detokenizer:
                 state.stream = None
         return new_text or ""
 
-    def _window_text(self, request: Request, state: DetokenizerState) -> str:
-        """The new characters of the newest token, by decoding a short window (no stream)."""
-        all_token_ids = request.all_token_ids
-        prefix = self._decode(all_token_ids[state.prefix_offset:state.read_offset])
-        full = self._decode(all_token_ids[state.prefix_offset:])
+    def _window_text(self, state: DetokenizerState, token_id: int) -> str:
+        """The new characters of ``token_id``, by decoding a short window (no stream)."""
+        token_ids = state.token_ids
+        token_ids.append(token_id)
+        prefix = self._decode(token_ids[state.prefix_offset:state.read_offset])
+        full = self._decode(token_ids[state.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""  # an incomplete character or a token with no text yet
         new_text = full[len(prefix):]
         state.unsent.append(new_text)
-        state.prefix_offset, state.read_offset = state.read_offset, len(all_token_ids)
+        state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)
         return new_text
 
 
-def _truncate_at_stop(request: Request, state: DetokenizerState, new_text: str) -> bool:
-    """Whether ``new_text`` completes one of the sample's stop strings; if so, the unsent text
-    is cut where it began (or ended, with include_stop_str_in_output). Only the new text and
-    the characters just before it can hold a stop string that was not there before; what the
-    cut drops is all unsent (the hold-back keeps it so)."""
+def truncate_at_stop(state: DetokenizerState, new_text: str) -> Optional[str]:
+    """The stop string ``new_text`` completes, if any; the unsent text is then cut where it
+    began (or ended, with include_stop_str_in_output). Only the new text and the characters
+    just before it can hold a stop string that was not there before; what the cut drops is all
+    unsent (the hold-back keeps it so)."""
     window = state.tail + new_text
     for stop in state.stops:
         at = window.find(stop)
@@ -168,11 +150,10 @@ def _truncate_at_stop(request: Request, state: DetokenizerState, new_text: str) 
             if dropped:
                 unsent = "".join(state.unsent)
                 state.unsent = [unsent[:len(unsent) - dropped]]
-            request.stop_reason = stop
-            return True
+            return stop
     keep = state.stop_overlap
     state.tail = window[-keep:] if keep else ""
-    return False
+    return None
 
 
 def _stream_backend(tokenizer) -> Optional[Any]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, FrozenSet, Iterable, List, Optional
 
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.core.step import SamplingMeta
@@ -42,23 +42,30 @@ class Request:
     seed: int
     eos_token_id: Optional[int] = None
     output_token_ids: List[int] = field(default_factory=list)
-    output_logprobs: List[Dict[int, float]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is computed or scheduled
     num_prefill_tokens: int = 0  # tokens the current prefill covers (set on admission)
     last_chunk_start: int = 0  # where the latest prefill chunk began (tokens before it are computed)
     num_preemptions: int = 0
     num_in_flight: int = 0  # tokens scheduled whose ids have not come back yet
-    cumulative_logprob: float = 0.0
-    stop_reason: Optional[object] = None
+    stop_reason: Optional[object] = None  # the stop token id that finished it (not the EOS)
     error: Optional[str] = None
     _token_ids: List[int] = field(default_factory=list, init=False, repr=False)
     sampling: SamplingMeta = field(init=False, repr=False)  # the sampler's view, built once
+    # The ids that finish it (EOS unless ignored, and stop_token_ids), settled once: the
+    # scheduler checks every recorded token against them.
+    stop_token_ids: FrozenSet[int] = field(init=False, repr=False)
+    # The outputs it may make: max_tokens, or fewer where the context ends first (the
+    # scheduler, which knows max_model_len, lowers it when the request is added).
+    max_outputs: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         params = self.sampling_params
         self.sampling = SamplingMeta(params.temperature, params.top_k, params.top_p, params.min_p, self.seed,
                                      len(self.prompt_token_ids), -1 if params.logprobs is None else params.logprobs)
+        eos = () if params.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
+        self.stop_token_ids = frozenset((*params.stop_token_ids, *eos))
+        self.max_outputs = params.max_tokens
 
     @property
     def all_token_ids(self) -> List[int]:

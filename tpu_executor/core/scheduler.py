@@ -26,7 +26,6 @@ until the token is back (the prefill must include it).
 """
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from typing import Collection, Deque, Dict, List, Tuple
 
@@ -54,6 +53,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        request.max_outputs = min(request.max_outputs, self.max_model_len - len(request.prompt_token_ids))
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -163,10 +163,10 @@ class Scheduler:
             request.num_in_flight += 1  # the prompt's sampled token
         return work
 
-    def _reaches_limit(self, request: Request, num_tokens: int) -> bool:
+    @staticmethod
+    def _reaches_limit(request: Request, num_tokens: int) -> bool:
         """Whether a request with ``num_tokens`` (in-flight included) has no token left to make."""
-        num_outputs = num_tokens - len(request.prompt_token_ids)
-        return num_outputs >= request.sampling_params.max_tokens or num_tokens >= self.max_model_len
+        return num_tokens - len(request.prompt_token_ids) >= request.max_outputs
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -204,17 +204,23 @@ class Scheduler:
             prefills.append(self._chunk(request, num_new))
         return prefills
 
-    def update(self, sampled: SampledTokens, requests: Dict[str, Request]) -> List[Request]:
-        """Record each sampled token; returns the requests that got one (not finished; a
-        request preempted while its token was in flight keeps the token and waits)."""
-        updated = []
+    def update(self, sampled: SampledTokens, requests: Dict[str, Request]) -> Tuple[SampledTokens, List[Request]]:
+        """Record each sampled token and finish the requests it ends: a stop token (EOS unless
+        ignored, or one of ``stop_token_ids``), ``max_tokens`` or the end of the context. As in
+        vLLM, the scheduler checks these; stop strings need text and are the engine's.
+
+        Returns the rows recorded, in order (the token of a request aborted or finished by the
+        token before it is discarded; a request preempted while its token was in flight keeps
+        it and waits), and the requests finished here.
+        """
+        dropped, finished = [], []
         kv_cache = self.kv_cache
         running = RequestStatus.RUNNING  # looked up once: reading an enum class attribute is slow
-        tops = sampled.top_logprobs if sampled.top_logprobs is not None else itertools.repeat(None)
-        for request_id, token_id, logprob, top in zip(sampled.request_ids, sampled.token_ids, sampled.logprobs, tops):
+        for row, (request_id, token_id) in enumerate(zip(sampled.request_ids, sampled.token_ids)):
             request = requests.get(request_id)
             if request is None or request.status.is_finished:
-                continue  # aborted, or finished by the token before this one: discarded
+                dropped.append(row)
+                continue
             request.num_in_flight -= 1
             outputs = request.output_token_ids
             if request.status is running:
@@ -222,11 +228,17 @@ class Scheduler:
                 if kv_cache.has_blocks_to_cache(request_id, num_computed):
                     kv_cache.cache_computed_blocks(request_id, request.all_token_ids, num_computed)
             outputs.append(token_id)
-            request.cumulative_logprob += logprob
-            if top is not None:
-                request.output_logprobs.append({token_id: logprob, **top})
-            updated.append(request)
-        return updated
+            if token_id in request.stop_token_ids:
+                if token_id != request.eos_token_id or request.sampling_params.ignore_eos:
+                    request.stop_reason = token_id
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+                finished.append(request)
+            elif len(outputs) >= request.max_outputs:
+                self.finish(request, RequestStatus.FINISHED_LENGTH)
+                finished.append(request)
+        if dropped:
+            sampled = sampled.rows(sorted(set(range(len(sampled))).difference(dropped)))
+        return sampled, finished
 
 
 class _LazyIds:

@@ -277,4 +277,4 @@ class AsyncLLMEngine:
 
     def _publish_waiting(self) -> None:
         with self._lock:
-            self._engine_waiting = self.engine.scheduler.num_waiting
+            self._engine_waiting = self.engine.num_waiting

@@ -1,51 +1,58 @@
-"""The engine: validates requests, runs scheduler -> executor -> detokenizer steps, and hands
-out what each step produced as deltas.
+"""The engine's front-end: validates requests, runs the core's steps (``engine/core.py``),
+turns their token ids into text, applies stop strings, and hands out what each step produced
+as deltas.
 
-One bad request never takes the engine down: invalid input is rejected in ``add_request``
-before anything is queued, and an error while a step runs fails only the requests of that
-step (their blocks come back); the engine keeps serving the rest. A lost or unresponsive
-worker (``WorkerFailure``) is different: the tensor-parallel group cannot go on, so the engine
-fails every in-flight request, shuts the workers down and raises ``EngineDeadError``.
+The core schedules and runs the model on token ids; everything a user reads (text, log-probs,
+finish reasons) is built here, from what the core reports. A stop string found in the text
+ends the sample here and in the core at once. One bad request never takes the engine down:
+invalid input is rejected in ``add_request`` before anything is queued, and an error while a
+step runs fails only the requests of that step. A lost worker ends the engine
+(``EngineDeadError``, carrying the last deltas of every request it failed).
 """
 from __future__ import annotations
 
 import itertools
-import logging
 import random
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Union
 
-from tpu_executor.core.buckets import BucketPlan
-from tpu_executor.core.config import EngineConfig
-from tpu_executor.core.detokenizer import Detokenizer, DetokenizerState, take_text_delta
+from tpu_executor.core.detokenizer import Detokenizer, DetokenizerState, take_text_delta, truncate_at_stop
 from tpu_executor.core.heap import freeze_startup_heap, unfreeze_heap
-from tpu_executor.core.kv_cache_manager import KVCacheManager
 from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
 from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams
-from tpu_executor.core.scheduler import Scheduler
-from tpu_executor.core.step import ModelRunnerOutput, PrefillWork, SchedulerOutput, WorkerStats
+from tpu_executor.core.step import SampledTokens
+from tpu_executor.core.config import EngineConfig
+from tpu_executor.engine.core import CoreOutput, EngineCore, EngineDeadError, Finished
 from tpu_executor.engine.options import build_engine_config
 from tpu_executor.engine.stats import EngineStats
-from tpu_executor.executor import Executor, WorkerFailure, executor_class_for
-from tpu_executor.executor.base import completed_future
+from tpu_executor.executor import Executor, executor_class_for
 
-logger = logging.getLogger(__name__)
+__all__ = ["EngineDeadError", "LLMEngine", "PromptType"]
 
 PromptType = Union[str, Dict[str, List[int]]]
+_STOP = RequestStatus.FINISHED_STOPPED.finish_reason
+_ABORT = RequestStatus.FINISHED_ABORTED.finish_reason
+_ERROR = RequestStatus.FINISHED_ERROR.finish_reason
 
 
 @dataclass(slots=True)
 class SampleStream:
-    """What one sample has produced and how much of it has gone out in deltas."""
+    """What one sample has produced, as the front-end knows it from the core's reports, and
+    how much of it has gone out in deltas."""
 
-    request: Request
+    sample_id: str
     detok: DetokenizerState
     group_id: str
     index: int  # among the group's samples
     final_only: bool  # the request wants one output when it finishes (RequestOutputKind.FINAL_ONLY)
+    token_ids: List[int] = field(default_factory=list)
+    logprobs: Optional[List[Dict[int, float]]] = None  # None: the request asked for none
+    cumulative_logprob: float = 0.0
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[object] = None
+    error: Optional[str] = None
     sent_tokens: int = 0
     advanced: bool = False  # has news for the next delta
 
@@ -60,66 +67,41 @@ class RequestGroup:
     samples: List[SampleStream]
     metrics: RequestMetrics
 
-    # Both are read for every request on every step; a loop instead of a generator keeps the
-    # common one-sample group cheap.
     @property
     def finished(self) -> bool:
-        for sample in self.samples:
-            if not sample.request.status.is_finished:
-                return False
-        return True
+        return all(sample.finish_reason is not None for sample in self.samples)
 
     @property
     def error(self) -> Optional[str]:
-        for sample in self.samples:
-            if sample.request.error:
-                return sample.request.error
-        return None
-
-
-class EngineDeadError(RuntimeError):
-    """The engine lost a worker and shut down; ``outputs`` are the last deltas of the requests
-    it failed."""
-
-    def __init__(self, message: str, outputs: Optional[List[RequestOutput]] = None):
-        super().__init__(message)
-        self.outputs = outputs or []
+        return next((sample.error for sample in self.samples if sample.error), None)
 
 
 class LLMEngine:
     """Continuous-batching generation engine over one executor.
 
     ``executor`` defaults to the one the config asks for (in-process, or Ray actors for
-    tensor parallelism); the engine owns it and shuts it down.
+    tensor parallelism); the engine's core owns it and shuts it down. ``core`` replaces the
+    core itself: anything with ``EngineCore``'s methods, since the front-end knows requests
+    only from what the core reports.
     """
 
     def __init__(self, config: EngineConfig, tokenizer, executor: Optional[Executor] = None,
-                 show_progress: bool = True):
+                 show_progress: bool = True, core: Optional[EngineCore] = None):
         self.config = config
         self.tokenizer = tokenizer
+        if core is None:
+            core = EngineCore(config, executor if executor is not None else executor_class_for(config)(config),
+                              show_progress)
+        self.core = core
+        self.vocab_size = self.core.vocab_size
         self.dead_reason: Optional[str] = None
-        self.executor = executor if executor is not None else executor_class_for(config)(config)
-        self._startup_seconds: Dict[str, float] = {}
-        try:
-            num_blocks = self._start_workers(show_progress)
-        except BaseException:
-            self.executor.shutdown()
-            raise
-        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.max_model_len,
-                                   BucketPlan.from_config(config).max_prefill_tokens)
-        self.detokenizer = Detokenizer(tokenizer, config.max_model_len)
+        self.detokenizer = Detokenizer(tokenizer)
         self._groups: Dict[str, RequestGroup] = {}
         self._streams: Dict[str, SampleStream] = {}  # sample id -> its stream
-        self._requests: Dict[str, Request] = {}  # sample id -> its request
-        self._deferred: List[RequestGroup] = []
         self._advanced: Dict[str, RequestGroup] = {}  # groups with samples that have news, by id
-        self._worker_stats = WorkerStats()
         self._seed_rng = random.Random(config.model.seed)
         self._counter = itertools.count()
         self.timer = NullPhaseTimer()  # bench host swaps in a PhaseTimer
-        # The step started but not yet read back (asynchronous scheduling).
-        self._in_flight: Optional[Tuple[SchedulerOutput, "Future[ModelRunnerOutput]"]] = None
         # Ready to serve: later collections skip what start-up built (see core/heap.py).
         freeze_startup_heap()
 
@@ -134,22 +116,6 @@ class LLMEngine:
         config = build_engine_config(model, **options)
         executor = executor_class_for(config)(config, worker_class=worker_class)
         return cls(config, AutoTokenizer.from_pretrained(model), executor=executor, show_progress=show_progress)
-
-    def _timed(self, phase: str, call, *args):
-        start = time.perf_counter()
-        result = call(*args)
-        self._startup_seconds[phase] = time.perf_counter() - start
-        return result
-
-    def _start_workers(self, show_progress: bool) -> int:
-        """Bring every worker up; returns the number of KV blocks they all hold."""
-        executor = self.executor
-        self._timed("init_device", executor.init_device)
-        self.vocab_size = self._timed("load_model", executor.load_model)
-        num_blocks = self._timed("profile", executor.determine_num_blocks)
-        self._timed("init_cache", executor.init_cache, num_blocks)
-        self._timed("warmup", executor.warmup, show_progress)
-        return num_blocks
 
     # ---- requests -----------------------------------------------------------------------
     def prepare_prompt(self, prompt: PromptType, params: SamplingParams) -> List[int]:
@@ -196,37 +162,37 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._counter))
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        token_ids = prompt_token_ids if prompt_token_ids is not None else self.prepare_prompt(prompt, params)
-        group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, list(token_ids),
-                             [self._new_sample(request_id, token_ids, params, index) for index in range(params.n)],
+        token_ids = list(prompt_token_ids if prompt_token_ids is not None else self.prepare_prompt(prompt, params))
+        samples = [self._new_sample(request_id, token_ids, params, index) for index in range(params.n)]
+        group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, token_ids,
+                             [stream for stream, _ in samples],
                              RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()))
         self._groups[request_id] = group
-        for sample in group.samples:
-            self._streams[sample.request.request_id] = sample
-            self._requests[sample.request.request_id] = sample.request
-        # The other samples wait until the first has prefilled the prompt, so their prefill
-        # takes its full blocks from the prefix cache instead of computing them again.
-        self.scheduler.add(group.samples[0].request)
-        if params.n > 1:
-            self._deferred.append(group)
+        for stream in group.samples:
+            self._streams[stream.sample_id] = stream
+        self.core.add([request for _, request in samples])
         return request_id
 
-    def _new_sample(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
-                    index: int) -> SampleStream:
+    def _new_sample(self, request_id: str, token_ids: List[int], params: SamplingParams,
+                    index: int) -> "tuple[SampleStream, Request]":
+        """A sample's stream (the front-end's) and its request (the core's)."""
         seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(62)
         sample_id = request_id if params.n == 1 else f"{request_id}#{index}"
         request = Request(sample_id, list(token_ids), params, seed, eos_token_id=self.tokenizer.eos_token_id)
-        return SampleStream(request, self.detokenizer.new_state(request), request_id, index,
-                            params.output_kind is RequestOutputKind.FINAL_ONLY)
+        stream = SampleStream(sample_id, self.detokenizer.new_state(token_ids, params), request_id, index,
+                              params.output_kind is RequestOutputKind.FINAL_ONLY,
+                              logprobs=None if params.logprobs is None else [])
+        return stream, request
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request wherever it is; its blocks return to the pool at once, and the next
         ``step()`` hands out its last delta (finish reason ``abort``)."""
         group = self._groups.get(request_id)
-        for sample in group.samples if group else ():
-            if not sample.request.is_finished:
-                self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED)
-                self._mark_advanced(sample)
+        aborted = [sample for sample in group.samples if sample.finish_reason is None] if group else []
+        for sample in aborted:
+            sample.finish_reason = _ABORT
+            self._mark_advanced(sample)
+        self.core.finish([sample.sample_id for sample in aborted], RequestStatus.FINISHED_ABORTED)
 
     def abort_all_requests(self) -> None:
         """Abort every request in the engine (shutdown)."""
@@ -235,135 +201,111 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request still runs, waits, or has a delta not yet handed out."""
-        # A deferred sample's group always has its first sample in the scheduler.
-        return self.scheduler.has_unfinished() or bool(self._advanced) or self._in_flight is not None
+        return self.core.has_unfinished() or bool(self._advanced)
+
+    @property
+    def num_waiting(self) -> int:
+        """Samples queued but not running yet."""
+        return self.core.num_waiting
 
     # ---- stepping -----------------------------------------------------------------------
     def step(self) -> List[RequestOutput]:
-        """One scheduling + model step; returns a delta per request that advanced.
+        """One step of the core; returns a delta per request that advanced.
 
-        With asynchronous scheduling the step just scheduled is started and left running while
-        the previous one's tokens are read, detokenized and checked for stops: each call
-        returns the previous step's deltas, and the device never waits for that host work.
+        With asynchronous scheduling the core starts the step it just scheduled and reports
+        the previous one's tokens, so each call returns the previous step's deltas.
         """
-        with self.timer.phase("schedule"):
-            scheduled = self.scheduler.schedule()
-        started = self._start(scheduled) if not scheduled.is_empty else None
-        if self.config.scheduler.async_scheduling:
-            started, self._in_flight = self._in_flight, started  # finish the previous step instead
-        if started is not None:
-            self._finish(*started)
-        with self.timer.phase("schedule"):
-            self._release_deferred_samples()
+        try:
+            output = self.core.step()
+        except EngineDeadError as err:
+            self._die(err)
+        with self.timer.phase("detokenize"):
+            self._note_times(output)
+            stopped = self._add_tokens(output.tokens, output.finished)
+            if stopped:  # in the core too, before it schedules them again
+                self.core.finish(stopped, RequestStatus.FINISHED_STOPPED)
+            self._apply_finished(output.finished)
         with self.timer.phase("output"):
             return self._take_deltas()
 
-    def _start(self, scheduled: SchedulerOutput) -> Optional[Tuple[SchedulerOutput, "Future[ModelRunnerOutput]"]]:
-        """Hand the step to the executor (left running when scheduling is asynchronous, run to
-        the end otherwise); None if it could not even start (its requests fail)."""
-        now = time.monotonic()
-        for work in scheduled.prefills:
-            metrics = self._group_metrics(work.request_id)
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-        try:
-            if self.config.scheduler.async_scheduling:
-                return scheduled, self.executor.execute_model_async(scheduled)
-            return scheduled, completed_future(lambda: self.executor.execute_model(scheduled))
-        except WorkerFailure as err:
-            self._shut_down_after(err)
-        except Exception as err:  # noqa: BLE001 - a failed step fails its requests, not the engine
-            logger.exception("engine step failed to start")
-            self._fail(scheduled.request_ids, f"{type(err).__name__}: {err}")
-        return None
-
-    def _finish(self, scheduled: SchedulerOutput, running: "Future[ModelRunnerOutput]") -> None:
-        """Wait for a started step; record its tokens, detokenize, apply stop conditions."""
-        try:
-            output = running.result()
-        except WorkerFailure as err:
-            self._shut_down_after(err)
-        except Exception as err:  # noqa: BLE001 - a failed step fails its requests, not the engine
-            logger.exception("engine step failed")
-            self._fail(scheduled.request_ids, f"{type(err).__name__}: {err}")
-            return
-        if output.error is not None:
-            logger.error("engine step failed: %s", output.error)
-            self._fail(scheduled.request_ids, output.error)
-            return
-        with self.timer.phase("output"):
-            updated = self.scheduler.update(output.sampled, self._requests)
-            self._note_first_tokens(scheduled.prefills)
-        with self.timer.phase("detokenize"):
-            self._process_tokens(updated)
-
-    def _note_first_tokens(self, prefills: Sequence[PrefillWork]) -> None:
-        """The time a request's first token came back: the step that ran the last chunk of
-        its first prefill (a few prefills per step, so no pass over the running requests)."""
-        now = time.monotonic()
-        for work in prefills:
-            metrics = self._group_metrics(work.request_id) if work.is_last_chunk else None
+    def _note_times(self, output: CoreOutput) -> None:
+        """A request's first scheduling and first token: the first report of either counts
+        (a few prefills per step, so no pass over the running requests)."""
+        for sample_id, at in output.scheduled_at:
+            metrics = self._group_metrics(sample_id)
+            if metrics is not None and metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = at
+        for sample_id, at in output.first_token_at:
+            metrics = self._group_metrics(sample_id)
             if metrics is not None and metrics.first_token_time is None:
-                metrics.first_token_time = now
+                metrics.first_token_time = at
 
     def _group_metrics(self, sample_id: str) -> Optional[RequestMetrics]:
         """The metrics of the sample's request (None once the request is forgotten)."""
         sample = self._streams.get(sample_id)
         return None if sample is None else self._groups[sample.group_id].metrics
 
-    def _release_deferred_samples(self) -> None:
-        """Queue the remaining samples of groups whose first sample has been prefilled."""
-        still_waiting = []
-        for group in self._deferred:
-            first = group.samples[0].request
-            if first.output_token_ids or first.is_finished:
-                for sample in group.samples[1:]:
-                    if not sample.request.is_finished:
-                        self.scheduler.add(sample.request)
-            else:
-                still_waiting.append(group)
-        self._deferred = still_waiting
-
-    def _process_tokens(self, updated: List[Request]) -> None:
-        """Detokenize each request's new token and apply its stop conditions. This loop runs
-        for every running sequence on every step: ``_mark_advanced`` is inlined."""
+    def _add_tokens(self, tokens: SampledTokens, finished: Dict[str, Finished]) -> List[str]:
+        """Add each sample's new token, its log-probs and its text, and look for its stop
+        strings; returns the samples a stop string ended. This loop runs for every running
+        sequence on every step: ``_mark_advanced`` is inlined."""
         streams, groups, advanced = self._streams, self._groups, self._advanced
-        advance, finish = self.detokenizer.advance, self.scheduler.finish
-        for request in updated:
-            sample = streams[request.request_id]
-            status = advance(request, sample.detok)
-            if status is not None:
-                finish(request, status)
+        add_token = self.detokenizer.add_token
+        stopped = []
+        tops = tokens.top_logprobs if tokens.top_logprobs is not None else itertools.repeat(None)
+        for sample_id, token_id, logprob, top in zip(tokens.request_ids, tokens.token_ids, tokens.logprobs, tops):
+            sample = streams.get(sample_id)
+            if sample is None or sample.finish_reason is not None:
+                continue  # ended here (abort, a stop string) while its token was on the way
+            sample.token_ids.append(token_id)
+            if sample.logprobs is not None:
+                sample.cumulative_logprob += logprob
+                sample.logprobs.append({token_id: logprob, **(top or {})})
+            new_text = add_token(sample.detok, token_id)
+            if new_text and sample.detok.stops and self._stop_string_ends(sample, new_text, finished.get(sample_id)):
+                stopped.append(sample_id)
             elif sample.final_only:
                 continue  # nothing goes out before the end
             sample.advanced = True
             advanced[sample.group_id] = groups[sample.group_id]
+        return stopped
+
+    @staticmethod
+    def _stop_string_ends(sample: SampleStream, new_text: str, ended: Optional[Finished]) -> bool:
+        """Whether ``new_text`` completes a stop string of the sample (which ends it, cut
+        there). A stop token is checked first, as the text of a token that ends the sample on
+        its own is never searched; a length limit reached by the same token gives way."""
+        if ended is not None and ended.finish_reason == _STOP:
+            return False
+        stop = truncate_at_stop(sample.detok, new_text)
+        if stop is None:
+            return False
+        sample.finish_reason, sample.stop_reason = _STOP, stop
+        return True
+
+    def _apply_finished(self, finished: Dict[str, Finished]) -> None:
+        """The samples the core finished (a stop token, a length limit, an error), unless the
+        front-end ended them first."""
+        for sample_id, ended in finished.items():
+            sample = self._streams.get(sample_id)
+            if sample is not None and sample.finish_reason is None:
+                sample.finish_reason, sample.stop_reason, sample.error = ended
+                self._mark_advanced(sample)
 
     def _mark_advanced(self, sample: SampleStream) -> None:
         """The sample has news for the next delta."""
         sample.advanced = True
         self._advanced[sample.group_id] = self._groups[sample.group_id]
 
-    def _fail(self, sample_ids: Sequence[str], message: str) -> None:
-        """Finish the given samples with an error (their blocks come back)."""
-        for sample_id in sample_ids:
-            sample = self._streams[sample_id]
-            request = sample.request
-            if not request.is_finished:
-                request.error = message
-                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+    def _die(self, err: EngineDeadError) -> None:
+        """Fail every unfinished sample with the core's message and raise EngineDeadError with
+        their last deltas."""
+        self.dead_reason = self.core.dead_reason
+        for sample in self._streams.values():
+            if sample.finish_reason is None:
+                sample.finish_reason, sample.error = _ERROR, str(err)
                 self._mark_advanced(sample)
-
-    def _shut_down_after(self, failure: WorkerFailure) -> None:
-        """Fail every in-flight request, stop the workers, raise EngineDeadError."""
-        message = f"engine shut down: {failure}"
-        logger.error(message)
-        self.dead_reason = str(failure)
-        self._fail(list(self._streams), message)
-        self._deferred = []
-        self._in_flight = None
-        self.shutdown()
-        raise EngineDeadError(message, self._take_deltas()) from failure
+        raise EngineDeadError(str(err), self._take_deltas()) from err
 
     # ---- deltas -------------------------------------------------------------------------
     def _take_deltas(self) -> List[RequestOutput]:
@@ -373,8 +315,8 @@ class LLMEngine:
         for group in self._advanced.values():
             samples = group.samples
             if len(samples) == 1:  # the common group: no comprehension or property per request
-                request = samples[0].request
-                outputs, finished, error = [sample_delta(samples[0])], request.status.is_finished, request.error
+                sample = samples[0]
+                outputs, finished, error = [sample_delta(sample)], sample.finish_reason is not None, sample.error
             else:
                 outputs = [sample_delta(sample) for sample in samples if sample.advanced]
                 finished, error = group.finished, group.error
@@ -388,40 +330,25 @@ class LLMEngine:
     @staticmethod
     def _sample_delta(sample: SampleStream) -> CompletionOutput:
         sample.advanced = False
-        request = sample.request
-        finish_reason = request.status.finish_reason
-        outputs = request.output_token_ids
-        sent, sample.sent_tokens = sample.sent_tokens, len(outputs)
-        params = request.sampling_params
+        finish_reason = sample.finish_reason
+        tokens = sample.token_ids
+        sent, sample.sent_tokens = sample.sent_tokens, len(tokens)
         text = take_text_delta(sample.detok, finish_reason is not None)
-        if params.logprobs is None:
-            return CompletionOutput(sample.index, text, outputs[sent:], None, None, finish_reason, request.stop_reason)
-        return CompletionOutput(sample.index, text, outputs[sent:], request.cumulative_logprob,
-                                request.output_logprobs[sent:], finish_reason, request.stop_reason)
+        if sample.logprobs is None:
+            return CompletionOutput(sample.index, text, tokens[sent:], None, None, finish_reason, sample.stop_reason)
+        return CompletionOutput(sample.index, text, tokens[sent:], sample.cumulative_logprob,
+                                sample.logprobs[sent:], finish_reason, sample.stop_reason)
 
     def _forget(self, group: RequestGroup) -> None:
         del self._groups[group.request_id]
         for sample in group.samples:
-            self._streams.pop(sample.request.request_id, None)
-            self._requests.pop(sample.request.request_id, None)
+            self._streams.pop(sample.sample_id, None)
 
     # ---- figures and shutdown -----------------------------------------------------------
     def stats(self) -> EngineStats:
         """A snapshot of the engine's figures (see ``EngineStats``)."""
-        if self.dead_reason is None:
-            self._worker_stats = self.executor.stats()
-        worker, kv = self._worker_stats, self.kv_cache
-        deferred = sum(1 for g in self._deferred for s in g.samples[1:] if not s.request.is_finished)
-        return EngineStats(
-            startup_seconds=dict(self._startup_seconds),
-            graphs_compiled_at_warmup=worker.graphs_compiled_at_warmup,
-            graphs_compiled_after_warmup=worker.graphs_compiled_after_warmup,
-            padding=worker.padding, num_preemptions=self.scheduler.num_preemptions,
-            prefix_cache_queries=kv.prefix_query_tokens, prefix_cache_hits=kv.prefix_hit_tokens,
-            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting + deferred,
-            kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_usable_blocks,
-            kv_cache_bytes=worker.kv_cache_bytes)
+        return self.core.stats()
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        self.core.shutdown()
         unfreeze_heap()

@@ -209,12 +209,37 @@ class GcClock:
         gc.callbacks.remove(self._on_gc)
 
 
+class CoreClock:
+    """Seconds the engine spent in its core's ``step`` (scheduling, the executor, recording
+    tokens) while active; the rest of an engine step is the front-end's (text, stop strings,
+    deltas), which a core in its own process would not wait for."""
+
+    def __init__(self, engine):
+        self.seconds = 0.0
+        self._core = engine.core
+
+    def _step(self):
+        start = time.perf_counter()
+        try:
+            return type(self._core).step(self._core)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def __enter__(self) -> "CoreClock":
+        self._core.step = self._step  # an instance attribute: the class's method is left alone
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self._core.step
+
+
 def _timed_steps(engine, timer: PhaseTimer, steps: int, before_step=None) -> Dict[str, float]:
-    """Milliseconds per step of each phase over ``steps`` steps (median wall time too, and the
-    garbage collector's share, which is inside the phases)."""
+    """Milliseconds per step of each phase over ``steps`` steps (median wall time too, the
+    core's and the front-end's shares of the host time, and the garbage collector's share,
+    which is inside the phases)."""
     timer.reset()
     walls = []
-    with GcClock() as gc_clock:
+    with GcClock() as gc_clock, CoreClock(engine) as core_clock:
         for _ in range(steps):
             if before_step is not None:
                 before_step()
@@ -225,6 +250,8 @@ def _timed_steps(engine, timer: PhaseTimer, steps: int, before_step=None) -> Dic
     ms["device"] = sum(ms.pop(p) for p in DEVICE_PHASES)
     ms["other"] = 1e3 * sum(walls) / steps - sum(ms.values())
     ms["host"] = sum(ms[p] for p in HOST_PHASES) + ms["other"]
+    ms["core"] = 1e3 * core_clock.seconds / steps - ms["device"]
+    ms["front-end"] = ms["host"] - ms["core"]
     ms["median_step"] = 1e3 * statistics.median(walls)
     ms["gc"] = 1e3 * gc_clock.seconds / steps
     ms["gc max"] = 1e3 * gc_clock.longest
@@ -234,7 +261,7 @@ def _timed_steps(engine, timer: PhaseTimer, steps: int, before_step=None) -> Dic
 def _fill(engine, num_seqs: int, rng: random.Random, output_kind: str = "delta") -> List[str]:
     """Queue ``num_seqs`` endless requests and step until all decode; their ids."""
     running = _add_requests(engine, num_seqs, rng, 10 ** 6, output_kind)
-    while engine.scheduler.num_waiting or engine.scheduler.num_running < num_seqs:
+    while engine.num_waiting or engine.core.scheduler.num_running < num_seqs:
         engine.step()
     for _ in range(3):
         engine.step()
@@ -247,7 +274,7 @@ def measure(path: str, num_seqs: int, steps: int, device: str, output_kind: str 
     ``final_only``: one output at the end, as ``LLM.generate`` asks)."""
     engine = engine_for(path, num_seqs, steps, device)
     timer = PhaseTimer()
-    engine.timer = engine.executor.workers[0].runner.timer = timer
+    engine.timer = engine.core.timer = engine.core.executor.workers[0].runner.timer = timer
     rng = random.Random(0)
     running = _fill(engine, num_seqs, rng, output_kind)
     decode = _timed_steps(engine, timer, steps)
@@ -279,7 +306,7 @@ def overlap(path: str, num_seqs: int, steps: int, device: str, device_ms: Option
         timer = PhaseTimer()
         # Phases add up only when nothing overlaps; a held device's host part needs none.
         if not async_scheduling and device_ms is None:
-            engine.timer = engine.executor.workers[0].runner.timer = timer
+            engine.timer = engine.core.timer = engine.core.executor.workers[0].runner.timer = timer
         _fill(engine, num_seqs, random.Random(0))
         ms = _timed_steps(engine, timer, steps)
         if async_scheduling:
@@ -314,14 +341,16 @@ def _overlaps(args: argparse.Namespace, path: str) -> Dict[Tuple[int, str], Dict
 
 
 def print_table(results: Dict[int, Dict[str, Dict[str, float]]], vocab_size: int) -> None:
-    columns = HOST_PHASES + ("other", "host", "device", "gc", "gc max")
+    columns = HOST_PHASES + ("other", "host", "core", "front-end", "device", "gc", "gc max")
     print("\n| sequences | outputs | step | " + " | ".join(columns) + " | host us/seq |")
     print("|---|---|---|" + "---|" * (len(columns) + 1))
     for (num_seqs, output_kind), kinds in results.items():
         for kind, ms in kinds.items():
             cells = " | ".join(f"{ms[c]:.2f}" for c in columns)
             print(f"| {num_seqs} | {output_kind} | {kind} | {cells} | {1e3 * ms['host'] / num_seqs:.1f} |")
-    print("\nMilliseconds per step (mean over the measured steps); host = every column but device and gc; "
+    print("\nMilliseconds per step (mean over the measured steps); host = the phase columns and other; "
+          "core + front-end = host: the engine core's step (scheduling, inputs, the executor, recording tokens) "
+          "and the front-end's work on its output (text, stop strings, deltas); "
           "gc = garbage collection, already counted in whichever phase it interrupted; "
           "gc max = the longest single collection (ms, not per step). "
           f"Prompts of {PROMPT_TOKENS} tokens, greedy, vocabulary {vocab_size:,}; a mixed step has {JOINING} "
@@ -338,7 +367,8 @@ def run(args: argparse.Namespace) -> None:
     for num_seqs in args.num_seqs:
         for output_kind in args.output_kind:
             kinds = results[num_seqs, output_kind] = measure(path, num_seqs, args.steps, args.device, output_kind)
-            print(f"{num_seqs} sequences, {output_kind} outputs: decode step host {kinds['decode']['host']:.2f} ms, "
+            print(f"{num_seqs} sequences, {output_kind} outputs: decode step host {kinds['decode']['host']:.2f} ms "
+                  f"(core {kinds['decode']['core']:.2f}), "
                   f"device {kinds['decode']['device']:.2f} ms; mixed step host {kinds['mixed']['host']:.2f} ms",
                   flush=True)
     with open(os.path.join(path, "config.json")) as config:

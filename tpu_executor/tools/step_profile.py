@@ -107,10 +107,10 @@ class StepProfile:
     """Phase times of an in-process engine (its one worker), and the model's parts on CPU."""
 
     def __init__(self, engine):
-        runner = engine.executor.workers[0].runner
+        runner = engine.core.executor.workers[0].runner
         self.overlapped = engine.config.scheduler.async_scheduling
         self.timer = PhaseTimer(device_synchronize(runner.device))
-        engine.timer = runner.timer = self.timer
+        engine.timer = engine.core.timer = runner.timer = self.timer
         self._model = runner.model
         self.parts: Optional[ModelPartClock] = None
         if runner.device.type == "cpu":

@@ -1,12 +1,12 @@
-"""Incremental detokenization equals a full decode; stop strings, EOS, stop ids, max_tokens; the
-byte-level piece table equals a DecodeStream token by token."""
+"""Incremental detokenization equals a full decode; stop strings cut the text; the byte-level
+piece table equals a DecodeStream token by token. (Stop tokens and lengths are the scheduler's:
+tests/tpu_executor/core/test_scheduler.py.)"""
 import random
 
 import pytest
 from transformers import AutoTokenizer
 
-from tpu_executor.core.detokenizer import Detokenizer, take_text_delta
-from tpu_executor.core.request import Request, RequestStatus
+from tpu_executor.core.detokenizer import Detokenizer, take_text_delta, truncate_at_stop
 from tpu_executor.core.sampling_params import SamplingParams
 
 
@@ -20,34 +20,32 @@ def unsent_text(state) -> str:
     return "".join(state.unsent)
 
 
-def feed(detok, tokenizer, prompt, output_ids, params):
-    request = Request("r", list(prompt), params, seed=0, eos_token_id=tokenizer.eos_token_id)
-    state = detok.new_state(request)
-    status = None
+def feed(detok, prompt, output_ids, params):
+    """Add ``output_ids`` one by one until one completes a stop string; the state and that stop."""
+    state = detok.new_state(list(prompt), params)
     for token in output_ids:
-        request.output_token_ids.append(token)
-        status = detok.advance(request, state)
-        if status is not None:
-            break
-    return request, state, status
+        new_text = detok.add_token(state, token)
+        if new_text and state.stops and (stop := truncate_at_stop(state, new_text)) is not None:
+            return state, stop
+    return state, None
 
 
 @pytest.mark.parametrize("text", ["Hello world, ça va? 東京は晴れ 🙂 done", "  spaced   out\n\nlines"])
 def test_incremental_text_equals_full_decode(tokenizer, text):
-    detok = Detokenizer(tokenizer, max_model_len=1000)
+    detok = Detokenizer(tokenizer)
     prompt = tokenizer("Say:")["input_ids"]
     output = tokenizer(text)["input_ids"]
-    _, state, _ = feed(detok, tokenizer, prompt, output, SamplingParams(max_tokens=500))
+    state, _ = feed(detok, prompt, output, SamplingParams(max_tokens=500))
     assert unsent_text(state) == tokenizer.decode(output, skip_special_tokens=True)
 
 
 def test_stop_string_truncates_and_stops(tokenizer):
-    detok = Detokenizer(tokenizer, max_model_len=1000)
+    detok = Detokenizer(tokenizer)
     output = tokenizer("one two three STOP four five")["input_ids"]
-    request, state, status = feed(detok, tokenizer, [1], output, SamplingParams(stop=["STOP"], max_tokens=100))
-    assert status is RequestStatus.FINISHED_STOPPED and request.stop_reason == "STOP"
+    state, stop = feed(detok, [1], output, SamplingParams(stop=["STOP"], max_tokens=100))
+    assert stop == "STOP"
     assert unsent_text(state) == "one two three "
-    _, state, _ = feed(detok, tokenizer, [1], output, SamplingParams(stop="STOP", include_stop_str_in_output=True))
+    state, _ = feed(detok, [1], output, SamplingParams(stop="STOP", include_stop_str_in_output=True))
     assert unsent_text(state) == "one two three STOP"
 
 
@@ -57,7 +55,7 @@ def test_deltas_add_up_to_the_text_cut_at_its_stop_string(tokenizer, include_sto
     one: deltas taken at random moments, then a last one, add up to the text cut where the
     stop string first occurs (after it, with include_stop_str_in_output), or the whole text.
     A delta is never taken back, so this also shows the hold-back kept every cut unsent."""
-    detok = Detokenizer(tokenizer, max_model_len=100_000)
+    detok = Detokenizer(tokenizer)
     words = ["alpha", " beta", "gamma ", "STOP", "東京", "🙂", "\n", "x", "ST", "OP", "é"]
     rng = random.Random(1)
     for _ in range(80):
@@ -67,12 +65,10 @@ def test_deltas_add_up_to_the_text_cut_at_its_stop_string(tokenizer, include_sto
         stop = full[start:start + rng.randrange(1, 6)] if rng.random() < 0.8 else "absent"
         stops = [stop, "QQQQQQQQ"] if rng.random() < 0.5 else ["QQQQQQQQ", stop]
         params = SamplingParams(max_tokens=len(ids), stop=stops, include_stop_str_in_output=include_stop)
-        request = Request("r", [1], params, seed=0, eos_token_id=tokenizer.eos_token_id)
-        state, handed_out, status = detok.new_state(request), "", None
+        state, handed_out, found = detok.new_state([1], params), "", None
         for token in ids:
-            request.output_token_ids.append(token)
-            status = detok.advance(request, state)
-            if status is not None:
+            new_text = detok.add_token(state, token)
+            if new_text and (found := truncate_at_stop(state, new_text)) is not None:
                 break
             if rng.random() < 0.6:
                 handed_out += take_text_delta(state, finished=False)
@@ -80,44 +76,23 @@ def test_deltas_add_up_to_the_text_cut_at_its_stop_string(tokenizer, include_sto
         at = full.find(stop)
         expected = full if at == -1 else full[:at + (len(stop) if include_stop else 0)]
         assert handed_out == expected, (full, stops)
-        assert (request.stop_reason == stop) == (at != -1)
-
-
-def test_eos_stop_ids_and_length(tokenizer):
-    detok = Detokenizer(tokenizer, max_model_len=1000)
-    ids = tokenizer("a b c d e f")["input_ids"]
-    _, _, status = feed(detok, tokenizer, [1], ids[:2] + [tokenizer.eos_token_id], SamplingParams(max_tokens=50))
-    assert status is RequestStatus.FINISHED_STOPPED
-    request, _, status = feed(detok, tokenizer, [1], ids[:2] + [tokenizer.eos_token_id] + ids,
-                              SamplingParams(max_tokens=50, ignore_eos=True))
-    assert status is None and len(request.output_token_ids) == 3 + len(ids)
-    request, _, status = feed(detok, tokenizer, [1], ids, SamplingParams(stop_token_ids=[ids[1]]))
-    assert status is RequestStatus.FINISHED_STOPPED and request.stop_reason == ids[1]
-    request, _, status = feed(detok, tokenizer, [1], ids, SamplingParams(max_tokens=3))
-    assert status is RequestStatus.FINISHED_LENGTH and len(request.output_token_ids) == 3
-    eos = tokenizer.eos_token_id  # ignored as EOS, asked for as a stop id: it stops, and says so
-    request, _, status = feed(detok, tokenizer, [1], ids[:2] + [eos],
-                              SamplingParams(ignore_eos=True, stop_token_ids=[eos]))
-    assert status is RequestStatus.FINISHED_STOPPED and request.stop_reason == eos
-    short = Detokenizer(tokenizer, max_model_len=6)  # the context ends before max_tokens
-    request, _, status = feed(short, tokenizer, [1, 2], ids, SamplingParams(max_tokens=50))
-    assert status is RequestStatus.FINISHED_LENGTH and len(request.output_token_ids) == 4
+        assert (found == stop) == (at != -1)
 
 
 def test_table_stream_and_window_paths_give_the_same_text(tokenizer):
     """The piece table (byte-level BPE), a DecodeStream per sample primed with the prompt (any
     fast tokenizer) and the two-decode window (any tokenizer) agree on a prompt of text."""
-    table = Detokenizer(tokenizer, max_model_len=10_000)
-    stream = Detokenizer(tokenizer, max_model_len=10_000)
+    table = Detokenizer(tokenizer)
+    stream = Detokenizer(tokenizer)
     stream._pieces = {}
-    window = Detokenizer(tokenizer, max_model_len=10_000)
+    window = Detokenizer(tokenizer)
     window._backend, window._pieces = None, {}
     assert table._pieces and stream._backend is not None
     prompt = tokenizer("Once upon a time")["input_ids"]
     output = tokenizer("there was a café in Zürich, 東京 too 🙂, and\n  a   space")["input_ids"] + [tokenizer.eos_token_id] + \
         tokenizer(" after the end")["input_ids"]
     params = SamplingParams(max_tokens=500, ignore_eos=True)
-    states = [feed(detok, tokenizer, prompt, output, params)[1] for detok in (table, stream, window)]
+    states = [feed(detok, prompt, output, params)[0] for detok in (table, stream, window)]
     assert states[1].stream is not None and states[2].stream is None
     texts = [unsent_text(state) for state in states]
     assert texts[0] == texts[1] == texts[2] == tokenizer.decode(output, skip_special_tokens=True)
@@ -129,7 +104,7 @@ def test_piece_table_gives_a_streams_text_token_by_token(tokenizer):
     characters, specials and U+FFFD pieces, the text handed out compared after every token."""
     from tokenizers.decoders import DecodeStream
 
-    detok = Detokenizer(tokenizer, max_model_len=100_000)
+    detok = Detokenizer(tokenizer)
     backend = tokenizer.backend_tokenizer
     vocab_size = backend.get_vocab_size(with_added_tokens=True)
     partial = [i for i in range(vocab_size) if i not in detok._pieces]
@@ -139,13 +114,11 @@ def test_piece_table_gives_a_streams_text_token_by_token(tokenizer):
     streamed_through = 0
     for _ in range(40):
         prompt = [rng.choice(partial) for _ in range(rng.randrange(1, 4))]  # ends inside a character
-        request = Request("r", prompt, params, seed=0, eos_token_id=tokenizer.eos_token_id)
-        state, reference = detok.new_state(request), DecodeStream(skip_special_tokens=True)
+        state, reference = detok.new_state(prompt, params), DecodeStream(skip_special_tokens=True)
         text = handed_out = ""
         for _ in range(60):
             token = rng.choice([rng.randrange(vocab_size), rng.choice(partial), rng.choice(specials)])
-            request.output_token_ids.append(token)
-            assert detok.advance(request, state) is None
+            detok.add_token(state, token)
             text += reference.step(backend, token) or ""
             handed_out += take_text_delta(state, finished=False)
             assert handed_out == text
@@ -173,11 +146,11 @@ def test_a_prompt_ending_inside_a_character_lends_no_text_to_the_output():
     """A DecodeStream primed with text that ends in U+FFFD would hand the prompt's tail out
     with the first delta ("rld " here); the primed context stops before the split character."""
     tokenizer = sentencepiece_style_tokenizer()
-    detok = Detokenizer(tokenizer, max_model_len=1000)
+    detok = Detokenizer(tokenizer)
     assert not detok._pieces and detok._backend is not None
     ids = tokenizer("Hello world 東")["input_ids"]  # 東 is three byte-fallback tokens
     prompt, a = ids[:-1], tokenizer.convert_tokens_to_ids("\u2581a")
-    _, state, _ = feed(detok, tokenizer, prompt, [ids[-1], a], SamplingParams(max_tokens=10))
+    state, _ = feed(detok, prompt, [ids[-1], a], SamplingParams(max_tokens=10))
     assert unsent_text(state) == "\ufffd a"
-    _, state, _ = feed(detok, tokenizer, ids, [a, a], SamplingParams(max_tokens=10))  # a whole prompt
+    state, _ = feed(detok, ids, [a, a], SamplingParams(max_tokens=10))  # a whole prompt
     assert unsent_text(state) == " a a"

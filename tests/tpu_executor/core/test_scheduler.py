@@ -13,10 +13,11 @@ from tpu_executor.core.step import SampledTokens
 BLOCK = 4
 
 
-def make_scheduler(num_blocks, max_num_seqs=8, max_tokens_per_step=64, chunked=True, prefix_caching=True):
+def make_scheduler(num_blocks, max_num_seqs=8, max_tokens_per_step=64, chunked=True, prefix_caching=True,
+                   max_model_len=10_000):
     kv = KVCacheManager(num_blocks, BLOCK, prefix_caching)
     config = SchedulerConfig(max_num_seqs, max_tokens_per_step, enable_chunked_prefill=chunked)
-    return Scheduler(config, kv, max_model_len=10_000, max_chunk_tokens=max_tokens_per_step), kv
+    return Scheduler(config, kv, max_model_len=max_model_len, max_chunk_tokens=max_tokens_per_step), kv
 
 
 def make_request(rid, prompt_len, max_tokens, first=1):
@@ -41,9 +42,9 @@ def run_to_completion(scheduler, kv, requests, max_steps=2000, running=()):
         over = 0 if scheduler.config.enable_chunked_prefill else 1
         assert sum(len(p.token_ids) for p in out.prefills[over:]) + len(out.decodes) <= scheduler.config.max_num_batched_tokens
         assert len({w.request_id for w in out.prefills + out.decodes}) == len(out.prefills) + len(out.decodes)
-        for request in scheduler.update(fake_model_tokens(out, table), table):
-            if len(request.output_token_ids) >= request.sampling_params.max_tokens:
-                scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+        _, finished = scheduler.update(fake_model_tokens(out, table), table)
+        assert all(r.status is RequestStatus.FINISHED_LENGTH and len(r.output_token_ids) == r.max_outputs
+                   for r in finished)
         kv.check_invariants()
     raise AssertionError("scheduler did not finish")
 
@@ -124,6 +125,36 @@ def test_prefix_cache_hit_skips_computed_tokens():
     scheduler.add(second)
     out = scheduler.schedule()
     assert out.prefills[0].start_pos == 8 and len(out.prefills[0].token_ids) == 2
+
+
+EOS = 2
+
+
+@pytest.mark.parametrize("outputs,params,max_model_len,expected", [
+    ([5, 6, EOS, 7], dict(max_tokens=50), 10_000, ("stop", None, 3)),
+    ([5, 6, EOS, 7], dict(max_tokens=50, ignore_eos=True), 10_000, (None, None, 4)),
+    ([5, 6, 7], dict(stop_token_ids=[6]), 10_000, ("stop", 6, 2)),
+    ([5, 6, 7, 8], dict(max_tokens=3), 10_000, ("length", None, 3)),
+    ([5, EOS, 7], dict(ignore_eos=True, stop_token_ids=[EOS]), 10_000, ("stop", EOS, 2)),  # asked for: named
+    ([5, 6, 7, 8, 9], dict(max_tokens=50), 6, ("length", None, 4)),  # the context ends before max_tokens
+])
+def test_update_finishes_on_eos_stop_ids_and_length(outputs, params, max_model_len, expected):
+    """The scheduler ends a request on its EOS (unless ignored), a stop id (named as the stop
+    reason), max_tokens, or the end of the context; a token after the end is discarded."""
+    scheduler, kv = make_scheduler(num_blocks=16, max_model_len=max_model_len)
+    request = Request("r", [1, 1], SamplingParams(**params), seed=0, eos_token_id=EOS)
+    scheduler.add(request)
+    for token in outputs:
+        scheduler.schedule()
+        kept, finished = scheduler.update(SampledTokens(["r"], [token], [0.0]), {"r": request})
+        assert len(kept) == 1 and finished == ([request] if request.is_finished else [])
+        if request.is_finished:
+            break
+    assert (request.status.finish_reason, request.stop_reason, len(request.output_token_ids)) == expected
+    kept, finished = scheduler.update(SampledTokens(["r"], [9], [0.0]), {"r": request})
+    assert (len(kept), finished) == ((0, []) if request.is_finished else (1, []))
+    if request.is_finished:
+        assert kv.num_free_blocks == kv.num_usable_blocks
 
 
 def step_sync(scheduler, table):

@@ -80,7 +80,7 @@ def test_tokens_read_back_a_step_late_change_nothing(checkpoints, llm):
     """On XLA the worker queues step N+1 before it reads step N's tokens back (its pending
     inputs come from the device's token feed); outputs equal the synchronous engine's, with
     preemption, chunks, stops, n = 2, seeds and log-probs."""
-    worker = llm.engine.executor.workers[0]
+    worker = llm.engine.core.executor.workers[0]
     queued_at_collect = []
     collect = worker.collect_step
     worker.collect_step = lambda: queued_at_collect.append(len(worker._launched)) or collect()
@@ -148,7 +148,7 @@ def test_abort_mid_generation_returns_blocks(llm):
 def test_prefix_cache_hit_gives_the_same_tokens(llm):
     prefix = list(range(100, 164))  # four full blocks
     first = llm.generate({"prompt_token_ids": prefix + [5, 6, 7]}, greedy(16), use_tqdm=False)
-    hits_before = llm.engine.kv_cache.find_cached_prefix(prefix + [9])[1]
+    hits_before = llm.engine.core.kv_cache.find_cached_prefix(prefix + [9])[1]
     assert hits_before == 64
     second = llm.generate({"prompt_token_ids": prefix + [5, 6, 7]}, greedy(16), use_tqdm=False)
     assert second[0].outputs[0].token_ids == first[0].outputs[0].token_ids

@@ -35,11 +35,14 @@ def test_measure_reports_every_phase_for_decode_and_mixed_steps(output_kind):
                                  output_kind=output_kind)
     for kind in ("decode", "mixed"):
         ms = results[kind]
-        assert set(HOST_PHASES) | {"other", "host", "device", "median_step", "gc", "gc max"} <= set(ms)
+        assert set(HOST_PHASES) | {"other", "host", "core", "front-end", "device", "median_step", "gc", "gc max"} <= set(ms)
         assert 0 <= ms["gc"] < sum(ms[p] for p in HOST_PHASES) + ms["other"] + ms["device"]
         assert 0 <= ms["gc max"] <= 3 * ms["gc"] + 1e-9  # one collection is at most all 3 steps' worth
         assert ms["schedule"] > 0 and ms["inputs"] > 0 and ms["detokenize"] > 0 and ms["device"] > 0
         assert abs(ms["host"] - sum(ms[p] for p in HOST_PHASES) - ms["other"]) < 1e-9
+        # The core's step holds scheduling, inputs and recording tokens; the front-end the text.
+        assert ms["schedule"] + ms["inputs"] < ms["core"] < ms["host"] - ms["detokenize"]
+        assert abs(ms["core"] + ms["front-end"] - ms["host"]) < 1e-9
 
 
 def test_gc_clock_counts_collections_only_while_active():
@@ -86,8 +89,8 @@ def test_held_device_queues_steps_and_collect_waits_for_each():
                                    worker_class=bench_host.held_device_worker(20.0))
     try:
         bench_host._add_requests(engine, 2, random.Random(2), max_tokens=8)
-        step = engine.scheduler.schedule()
-        runner = engine.executor.workers[0].runner
+        step = engine.core.scheduler.schedule()
+        runner = engine.core.executor.workers[0].runner
         first, second = runner.launch(step), runner.launch(step)  # a queue: the second waits for the first
         assert second.done_at - first.done_at == pytest.approx(0.020, abs=1e-6)
         first.collect()

@@ -28,7 +28,7 @@ def two_hosts(tmp_path_factory):
 def test_serving_over_two_hosts_then_losing_a_worker(two_hosts, checkpoints):
     engine = LLMEngine.from_options(checkpoints["llama"], device="cpu", tensor_parallel_size=2,
                                     ray_address=two_hosts.address, **tensor_parallel_options())
-    nodes = engine.executor.node_ids()
+    nodes = engine.core.executor.node_ids()
     assert nodes[0] != nodes[1]
     prompts = mixed_prompts(4, 5, 40, vocab=512, seed=5)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -44,7 +44,7 @@ def test_serving_over_two_hosts_then_losing_a_worker(two_hosts, checkpoints):
             long = {"model": "tiny", "prompt": prompts[0], "max_tokens": 88, "ignore_eos": True}
             streams = [asyncio.ensure_future(stream_completion(client, long)) for _ in range(2)]
             await asyncio.sleep(0.5)
-            ray.kill(engine.executor.actors[1])
+            ray.kill(engine.core.executor.actors[1])
             killed = time.monotonic()
             ended = await asyncio.gather(*streams)
             while (await client.get("/health")).status_code != 503:

@@ -23,7 +23,7 @@ def test_tp4_over_two_hosts_places_ranks_per_host_and_matches_transformers(two_h
     llm = LLM(checkpoints["llama"], tensor_parallel_size=4, ray_address=two_hosts.address,
               **tensor_parallel_options())
     try:
-        executor = llm.engine.executor
+        executor = llm.engine.core.executor
         nodes = executor.node_ids()
         driver_node = ray.get_runtime_context().get_node_id()
         assert nodes[0] == nodes[1] == driver_node

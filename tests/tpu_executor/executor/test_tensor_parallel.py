@@ -50,7 +50,7 @@ def test_greedy_tokens_match_tp1_and_transformers(cluster, checkpoints, referenc
     assert tp1_tokens == hf_tokens
     llm = LLM(checkpoints[arch], tensor_parallel_size=tp, **tensor_parallel_options())
     try:
-        assert len(llm.engine.executor.actors) == tp
+        assert len(llm.engine.core.executor.actors) == tp
         assert greedy_tokens(llm, prompts, NEW_TOKENS) == hf_tokens
         if tp == 2:
             # Fresh random lengths after warm-up: strict mode would raise on a compilation.
@@ -91,7 +91,7 @@ def test_impossible_split_fails_before_any_worker_starts(cluster, checkpoints):
 def test_a_lost_worker_fails_in_flight_requests_and_shuts_down(cluster, checkpoints, prompts):
     llm = LLM(checkpoints["llama"], device="cpu", tensor_parallel_size=2, **tensor_parallel_options())
     engine = llm.engine
-    actors = list(engine.executor.actors)
+    actors = list(engine.core.executor.actors)
     ids = [engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=64)) for p in prompts]
     engine.step()
     engine.step()
@@ -103,7 +103,7 @@ def test_a_lost_worker_fails_in_flight_requests_and_shuts_down(cluster, checkpoi
     assert time.monotonic() - start < 60
     assert sorted(o.request_id for o in failure.value.outputs) == sorted(ids)
     assert all(o.error and "worker rank 1" in o.error for o in failure.value.outputs)
-    assert engine.executor.actors == [] and not engine.has_unfinished_requests()
+    assert engine.core.executor.actors == [] and not engine.has_unfinished_requests()
     with pytest.raises(EngineDeadError, match="shut down"):
         engine.add_request({"prompt_token_ids": prompts[0]}, SamplingParams())
     deadline = time.monotonic() + 20  # the placement group's chips come back (asynchronously)
@@ -134,7 +134,7 @@ def test_a_worker_exception_fails_only_its_step(cluster, checkpoints, references
     engine.add_request({"prompt_token_ids": [5, POISON_RANK_1, 7]}, greedy)
     with pytest.raises(EngineDeadError, match="fell out of step .*rank 1: RuntimeError: device fell over"):
         run_to_end(engine)
-    assert engine.executor.actors == []
+    assert engine.core.executor.actors == []
 
 
 def test_mixtral_experts_split_over_four_ranks(cluster, checkpoints, prompts):

@@ -20,7 +20,7 @@ def test_profile_splits_prefill_and_decode_into_model_parts(checkpoints, capsys,
                      SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         wall = time.perf_counter() - start
         profile.detach()
-        model = llm.engine.executor.workers[0].runner.model
+        model = llm.engine.core.executor.workers[0].runner.model
         assert "compute_logits" not in vars(model) and not model.model.layers[0].self_attn._forward_pre_hooks
     finally:
         llm.shutdown()

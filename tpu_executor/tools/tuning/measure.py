@@ -59,7 +59,7 @@ def replayed_model_seconds(engine: LLMEngine, result: ReplayResult) -> float:
     would run it on: the whole trace's model time here, without serving all of it."""
     calls = result.graphs_under(BucketPlan.from_config(engine.config))
     graphs = sorted({graph for _, graph in calls}, key=repr)
-    seconds = dict(zip(graphs, engine.executor.time_graphs(graphs, repeats=3)))
+    seconds = dict(zip(graphs, engine.core.executor.time_graphs(graphs, repeats=3)))
     return sum(seconds[graph] for _, graph in calls)
 
 
@@ -124,7 +124,7 @@ def check_cost_model(engine: LLMEngine, shape: ModelShape, chip: Chip, graphs: L
     full context width)."""
     cost = CostModel(shape, chip, tp=1, weight_bytes=4, act_bytes=4,
                      max_logit_rows=engine.config.compile.max_prefill_seqs)
-    measured = engine.executor.time_graphs(graphs)
+    measured = engine.core.executor.time_graphs(graphs)
     bs = engine.config.cache.block_size
     estimates = [cost.prefill_seconds(g) if isinstance(g, PrefillGraph) else cost.decode_seconds(g, bs)
                  for g in graphs]

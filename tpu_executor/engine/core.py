@@ -1,0 +1,253 @@
+"""The engine core: scheduler, KV-cache manager and executor, stepping on token ids alone.
+
+It knows requests as ``Request`` objects and hands back, per step, the tokens it recorded and
+the samples that finished (a stop token, a length limit, an error). Text is not its business:
+detokenizing, stop strings and the deltas users read are the front-end's
+(``engine/llm_engine.py``), which tells the core when a stop string ended a sample. So the
+core's work per step is what keeps the device fed, and nothing else (vLLM v1 splits its engine
+the same way, and runs the two parts in separate processes).
+
+One bad request never takes the core down: an error while a step runs fails only the
+requests of that step (their blocks come back). A lost or unresponsive worker
+(``WorkerFailure``) is different: the tensor-parallel group cannot go on, so the core shuts
+the workers down and raises ``EngineDeadError``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from tpu_executor.core.buckets import BucketPlan
+from tpu_executor.core.config import EngineConfig
+from tpu_executor.core.kv_cache_manager import KVCacheManager
+from tpu_executor.core.phase_timer import NullPhaseTimer
+from tpu_executor.core.request import Request, RequestStatus
+from tpu_executor.core.scheduler import Scheduler
+from tpu_executor.core.step import ModelRunnerOutput, SampledTokens, SchedulerOutput, WorkerStats
+from tpu_executor.engine.stats import EngineStats
+from tpu_executor.executor import Executor, WorkerFailure
+from tpu_executor.executor.base import completed_future
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine lost a worker and shut down; ``outputs`` are the last deltas of the requests
+    it failed."""
+
+    def __init__(self, message: str, outputs: Optional[List] = None):
+        super().__init__(message)
+        self.outputs = outputs or []
+
+
+class Finished(NamedTuple):
+    """How the core finished a sample: ``finish_reason`` as in vLLM (``stop``, ``length``,
+    ``error``), the stop token id that ended it (None for the EOS), the error's message."""
+
+    finish_reason: str
+    stop_reason: Optional[int] = None
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class CoreOutput:
+    """What one core step produced, by sample id: the tokens recorded (a row each, in the
+    order sampled), the samples that finished, and the times the metrics need (a sample's
+    prefill first scheduled; a prompt's last chunk read back, so its first token)."""
+
+    tokens: SampledTokens = field(default_factory=SampledTokens)
+    finished: Dict[str, Finished] = field(default_factory=dict)
+    scheduled_at: Tuple[Tuple[str, float], ...] = ()
+    first_token_at: Tuple[Tuple[str, float], ...] = ()
+
+
+class EngineCore:
+    """Continuous batching over one executor, in token ids.
+
+    It starts the executor's workers, sizes the KV cache from what they can hold, and owns the
+    executor from then on (``shutdown`` stops it).
+    """
+
+    def __init__(self, config: EngineConfig, executor: Executor, show_progress: bool = True):
+        self.config = config
+        self.executor = executor
+        self.dead_reason: Optional[str] = None
+        self.startup_seconds: Dict[str, float] = {}
+        try:
+            num_blocks = self._start_workers(show_progress)
+        except BaseException:
+            executor.shutdown()
+            raise
+        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.max_model_len,
+                                   BucketPlan.from_config(config).max_prefill_tokens)
+        self._requests: Dict[str, Request] = {}  # sample id -> its request, until it finishes
+        # Groups whose first sample still prefills: that sample, and the others waiting for it.
+        self._deferred: List[Tuple[Request, List[Request]]] = []
+        self._worker_stats = WorkerStats()
+        self.timer = NullPhaseTimer()  # bench host swaps in a PhaseTimer
+        # The step started but not yet read back (asynchronous scheduling).
+        self._in_flight: Optional[Tuple[SchedulerOutput, "Future[ModelRunnerOutput]"]] = None
+
+    def _timed(self, phase: str, call, *args):
+        start = time.perf_counter()
+        result = call(*args)
+        self.startup_seconds[phase] = time.perf_counter() - start
+        return result
+
+    def _start_workers(self, show_progress: bool) -> int:
+        """Bring every worker up; returns the number of KV blocks they all hold."""
+        executor = self.executor
+        self._timed("init_device", executor.init_device)
+        self.vocab_size = self._timed("load_model", executor.load_model)
+        num_blocks = self._timed("profile", executor.determine_num_blocks)
+        self._timed("init_cache", executor.init_cache, num_blocks)
+        self._timed("warmup", executor.warmup, show_progress)
+        return num_blocks
+
+    # ---- requests -----------------------------------------------------------------------
+    def add(self, samples: Sequence[Request]) -> None:
+        """Queue the samples of one request. The others wait until the first has prefilled the
+        prompt, so their prefill takes its full blocks from the prefix cache instead of
+        computing them again."""
+        for sample in samples:
+            self._requests[sample.request_id] = sample
+        self.scheduler.add(samples[0])
+        if len(samples) > 1:
+            self._deferred.append((samples[0], list(samples[1:])))
+
+    def finish(self, sample_ids: Sequence[str], status: RequestStatus) -> None:
+        """Finish samples the front-end ended (abort, a stop string); their blocks return to
+        the pool at once, and tokens still in flight for them are discarded."""
+        for sample_id in sample_ids:
+            request = self._requests.pop(sample_id, None)
+            if request is not None and not request.is_finished:
+                self.scheduler.finish(request, status)
+
+    def has_unfinished(self) -> bool:
+        """Whether a sample still runs or waits, or a step is still in flight."""
+        # A deferred sample's group always has its first sample in the scheduler.
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    @property
+    def num_waiting(self) -> int:
+        """Samples queued but not running (deferred samples of a group included)."""
+        deferred = sum(1 for _, samples in self._deferred for sample in samples if not sample.is_finished)
+        return self.scheduler.num_waiting + deferred
+
+    # ---- stepping -----------------------------------------------------------------------
+    def step(self) -> CoreOutput:
+        """One scheduling + model step. With asynchronous scheduling the step just scheduled
+        is started and left running while the previous one's tokens are recorded: the output
+        is the previous step's, and the device never waits for the host's work on it."""
+        with self.timer.phase("schedule"):
+            scheduled = self.scheduler.schedule()
+        finished: Dict[str, Finished] = {}
+        scheduled_at = self._scheduled_at(scheduled)
+        started = self._start(scheduled, finished) if not scheduled.is_empty else None
+        if self.config.scheduler.async_scheduling:
+            started, self._in_flight = self._in_flight, started  # finish the previous step instead
+        output = self._finish(*started, finished) if started is not None else CoreOutput(finished=finished)
+        with self.timer.phase("schedule"):
+            self._release_deferred_samples()
+        if scheduled_at:
+            output = CoreOutput(output.tokens, output.finished, scheduled_at, output.first_token_at)
+        return output
+
+    @staticmethod
+    def _scheduled_at(scheduled: SchedulerOutput) -> Tuple[Tuple[str, float], ...]:
+        """Each prefill's sample and the time (a few prefills a step, so no pass over all)."""
+        now = time.monotonic()
+        return tuple((work.request_id, now) for work in scheduled.prefills)
+
+    def _start(self, scheduled: SchedulerOutput,
+               finished: Dict[str, Finished]) -> Optional[Tuple[SchedulerOutput, "Future[ModelRunnerOutput]"]]:
+        """Hand the step to the executor (left running when scheduling is asynchronous, run to
+        the end otherwise); None if it could not even start (its requests fail)."""
+        try:
+            if self.config.scheduler.async_scheduling:
+                return scheduled, self.executor.execute_model_async(scheduled)
+            return scheduled, completed_future(lambda: self.executor.execute_model(scheduled))
+        except WorkerFailure as err:
+            self._shut_down_after(err)
+        except Exception as err:  # noqa: BLE001 - a failed step fails its requests, not the engine
+            logger.exception("engine step failed to start")
+            self._fail(scheduled.request_ids, f"{type(err).__name__}: {err}", finished)
+        return None
+
+    def _finish(self, scheduled: SchedulerOutput, running: "Future[ModelRunnerOutput]",
+                finished: Dict[str, Finished]) -> CoreOutput:
+        """Wait for a started step and record its tokens; samples they end are finished."""
+        try:
+            output = running.result()
+        except WorkerFailure as err:
+            self._shut_down_after(err)
+        except Exception as err:  # noqa: BLE001 - a failed step fails its requests, not the engine
+            logger.exception("engine step failed")
+            self._fail(scheduled.request_ids, f"{type(err).__name__}: {err}", finished)
+            return CoreOutput(finished=finished)
+        if output.error is not None:
+            logger.error("engine step failed: %s", output.error)
+            self._fail(scheduled.request_ids, output.error, finished)
+            return CoreOutput(finished=finished)
+        with self.timer.phase("output"):
+            tokens, ended = self.scheduler.update(output.sampled, self._requests)
+            for request in ended:
+                finished[request.request_id] = Finished(request.status.finish_reason, request.stop_reason)
+                del self._requests[request.request_id]
+        now = time.monotonic()
+        first_tokens = tuple((work.request_id, now) for work in scheduled.prefills if work.is_last_chunk)
+        return CoreOutput(tokens, finished, (), first_tokens)
+
+    def _release_deferred_samples(self) -> None:
+        """Queue the remaining samples of groups whose first sample has been prefilled."""
+        still_waiting = []
+        for first, samples in self._deferred:
+            if first.output_token_ids or first.is_finished:
+                for sample in samples:
+                    if not sample.is_finished:
+                        self.scheduler.add(sample)
+            else:
+                still_waiting.append((first, samples))
+        self._deferred = still_waiting
+
+    def _fail(self, sample_ids: Sequence[str], message: str, finished: Dict[str, Finished]) -> None:
+        """Finish the given samples with an error (their blocks come back)."""
+        for sample_id in sample_ids:
+            request = self._requests.pop(sample_id, None)
+            if request is not None and not request.is_finished:
+                request.error = message
+                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+                finished[sample_id] = Finished(RequestStatus.FINISHED_ERROR.finish_reason, None, message)
+
+    def _shut_down_after(self, failure: WorkerFailure) -> None:
+        """Stop the workers and raise EngineDeadError (the front-end fails what was running)."""
+        message = f"engine shut down: {failure}"
+        logger.error(message)
+        self.dead_reason = str(failure)
+        self._deferred = []
+        self._in_flight = None
+        self.shutdown()
+        raise EngineDeadError(message) from failure
+
+    # ---- figures and shutdown -----------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """A snapshot of the core's figures (see ``EngineStats``)."""
+        if self.dead_reason is None:
+            self._worker_stats = self.executor.stats()
+        worker, kv = self._worker_stats, self.kv_cache
+        return EngineStats(
+            startup_seconds=dict(self.startup_seconds),
+            graphs_compiled_at_warmup=worker.graphs_compiled_at_warmup,
+            graphs_compiled_after_warmup=worker.graphs_compiled_after_warmup,
+            padding=worker.padding, num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=kv.prefix_query_tokens, prefix_cache_hits=kv.prefix_hit_tokens,
+            num_running=self.scheduler.num_running, num_waiting=self.num_waiting,
+            kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_usable_blocks,
+            kv_cache_bytes=worker.kv_cache_bytes)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
