@@ -50,6 +50,35 @@ def random_requests(count: int, seed: int = 1):
     return prompts, params
 
 
+@contextlib.contextmanager
+def preempting_llm_pair(path: str, option: str):
+    """(off, on) native LLMs over ``path`` for a boolean engine ``option``, with a small KV
+    cache, so requests get preempted, and a token budget of 64, so most prompts run as chunks;
+    both shut down afterwards."""
+    from tpu_executor import LLM
+
+    options = tiny_engine_options(device="cpu", num_blocks=60, block_size=16, max_num_batched_tokens=64)
+    pair = [LLM(model=path, **{option: flag}, **options) for flag in (False, True)]
+    try:
+        yield pair
+    finally:
+        for llm in pair:
+            llm.shutdown()
+
+
+def assert_same_outputs_over_random_requests(reference, candidate, count: int = 200):
+    """Two LLMs give the same outputs over ``count`` random requests (ids, text, finish and stop
+    reasons; log-probs within 1e-4), and neither holds a block or a request afterwards."""
+    prompts, params = random_requests(count)
+    expected = reference.generate(prompts, params, use_tqdm=False)
+    got = candidate.generate(prompts, params, use_tqdm=False)
+    assert output_summary(got) == output_summary(expected)
+    torch.testing.assert_close(logprob_values(got), logprob_values(expected), rtol=1e-4, atol=1e-4)
+    for llm in (reference, candidate):
+        stats = llm.stats()
+        assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+
+
 def output_summary(outputs):
     """What a user sees of each sample: token ids, text, finish and stop reasons."""
     return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs]

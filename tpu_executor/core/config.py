@@ -101,6 +101,8 @@ class SchedulerConfig:
                                                 "(decodes go first each step; prefill buckets stop at the budget)")
     async_scheduling: bool = option(True, "schedule and prepare step N+1 while step N runs (identical "
                                           "outputs; a finished request may compute one discarded token)")
+    core_process: bool = option(False, "run the engine core (scheduling, the executor, recording tokens) in a "
+                                       "process of its own, beside the front-end's text, stop strings and deltas")
 
     def __post_init__(self):
         _require(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")

@@ -55,8 +55,9 @@ class Finished(NamedTuple):
 @dataclass(frozen=True)
 class CoreOutput:
     """What one core step produced, by sample id: the tokens recorded (a row each, in the
-    order sampled), the samples that finished, and the times the metrics need (a sample's
-    prefill first scheduled; a prompt's last chunk read back, so its first token)."""
+    order sampled), the samples that finished (those the front-end finished too, once the core
+    has let them go), and the times the metrics need (a sample's prefill first scheduled; a
+    prompt's last chunk read back, so its first token)."""
 
     tokens: SampledTokens = field(default_factory=SampledTokens)
     finished: Dict[str, Finished] = field(default_factory=dict)
@@ -85,6 +86,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.max_model_len,
                                    BucketPlan.from_config(config).max_prefill_tokens)
         self._requests: Dict[str, Request] = {}  # sample id -> its request, until it finishes
+        # Samples the front-end finished since the last step: the next output confirms them, so
+        # a front-end in another process knows when no token of theirs can come any more.
+        self._confirmed: Dict[str, Finished] = {}
         # Groups whose first sample still prefills: that sample, and the others waiting for it.
         self._deferred: List[Tuple[Request, List[Request]]] = []
         self._worker_stats = WorkerStats()
@@ -124,8 +128,14 @@ class EngineCore:
         the pool at once, and tokens still in flight for them are discarded."""
         for sample_id in sample_ids:
             request = self._requests.pop(sample_id, None)
-            if request is not None and not request.is_finished:
-                self.scheduler.finish(request, status)
+            if request is not None:
+                self._confirmed[sample_id] = Finished(status.finish_reason)
+                if not request.is_finished:
+                    self.scheduler.finish(request, status)
+
+    def has_sample(self, sample_id: str) -> bool:
+        """Whether the core still holds the sample (its id is not free for a new request)."""
+        return sample_id in self._requests
 
     def has_unfinished(self) -> bool:
         """Whether a sample still runs or waits, or a step is still in flight."""
@@ -145,7 +155,7 @@ class EngineCore:
         is the previous step's, and the device never waits for the host's work on it."""
         with self.timer.phase("schedule"):
             scheduled = self.scheduler.schedule()
-        finished: Dict[str, Finished] = {}
+        finished, self._confirmed = self._confirmed, {}
         scheduled_at = self._scheduled_at(scheduled)
         started = self._start(scheduled, finished) if not scheduled.is_empty else None
         if self.config.scheduler.async_scheduling:
@@ -228,6 +238,7 @@ class EngineCore:
         message = f"engine shut down: {failure}"
         logger.error(message)
         self.dead_reason = str(failure)
+        self._fail(list(self._requests), message, {})  # the scheduler lets every request go
         self._deferred = []
         self._in_flight = None
         self.shutdown()

@@ -15,7 +15,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Union
 
 from tpu_executor.core.detokenizer import Detokenizer, DetokenizerState, take_text_delta, truncate_at_stop
 from tpu_executor.core.heap import freeze_startup_heap, unfreeze_heap
@@ -25,6 +25,7 @@ from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams
 from tpu_executor.core.step import SampledTokens
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.engine.core import CoreOutput, EngineCore, EngineDeadError, Finished
+from tpu_executor.engine.core_process import CoreProcess
 from tpu_executor.engine.options import build_engine_config
 from tpu_executor.engine.stats import EngineStats
 from tpu_executor.executor import Executor, executor_class_for
@@ -76,23 +77,33 @@ class RequestGroup:
         return next((sample.error for sample in self.samples if sample.error), None)
 
 
+def start_core(config: EngineConfig, executor: Optional[Executor] = None, worker_class: Optional[type] = None,
+               show_progress: bool = True) -> Union[EngineCore, CoreProcess]:
+    """The engine core the config asks for: in this process over ``executor`` (default: the
+    config's, with ``worker_class`` if given), or in a process of its own (``core_process``)."""
+    if config.scheduler.core_process:
+        if executor is not None:
+            raise ValueError("core_process runs the executor in the core's own process; do not pass one")
+        return CoreProcess(config, worker_class, show_progress)
+    if executor is None:
+        executor = executor_class_for(config)(config, worker_class=worker_class)
+    return EngineCore(config, executor, show_progress)
+
+
 class LLMEngine:
     """Continuous-batching generation engine over one executor.
 
     ``executor`` defaults to the one the config asks for (in-process, or Ray actors for
     tensor parallelism); the engine's core owns it and shuts it down. ``core`` replaces the
-    core itself: anything with ``EngineCore``'s methods, since the front-end knows requests
-    only from what the core reports.
+    core itself (``start_core``'s choice by default): anything with ``EngineCore``'s methods,
+    since the front-end knows requests only from what the core reports.
     """
 
     def __init__(self, config: EngineConfig, tokenizer, executor: Optional[Executor] = None,
                  show_progress: bool = True, core: Optional[EngineCore] = None):
         self.config = config
         self.tokenizer = tokenizer
-        if core is None:
-            core = EngineCore(config, executor if executor is not None else executor_class_for(config)(config),
-                              show_progress)
-        self.core = core
+        self.core = core if core is not None else start_core(config, executor, show_progress=show_progress)
         self.vocab_size = self.core.vocab_size
         self.dead_reason: Optional[str] = None
         self.detokenizer = Detokenizer(tokenizer)
@@ -114,8 +125,13 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         config = build_engine_config(model, **options)
-        executor = executor_class_for(config)(config, worker_class=worker_class)
-        return cls(config, AutoTokenizer.from_pretrained(model), executor=executor, show_progress=show_progress)
+        core = start_core(config, worker_class=worker_class, show_progress=show_progress)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model)
+        except BaseException:
+            core.shutdown()
+            raise
+        return cls(config, tokenizer, core=core)
 
     # ---- requests -----------------------------------------------------------------------
     def prepare_prompt(self, prompt: PromptType, params: SamplingParams) -> List[int]:
@@ -160,10 +176,11 @@ class LLMEngine:
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine has shut down: {self.dead_reason}")
         request_id = request_id if request_id is not None else str(next(self._counter))
-        if request_id in self._groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         token_ids = list(prompt_token_ids if prompt_token_ids is not None else self.prepare_prompt(prompt, params))
         samples = [self._new_sample(request_id, token_ids, params, index) for index in range(params.n)]
+        # A core in another process may still be finishing an ended request of the same id.
+        if request_id in self._groups or any(self.core.has_sample(s.sample_id) for s, _ in samples):
+            raise ValueError(f"request_id {request_id!r} is already in use")
         group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, token_ids,
                              [stream for stream, _ in samples],
                              RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()))

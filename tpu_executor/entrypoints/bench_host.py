@@ -19,6 +19,7 @@ and not counted as host work.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -119,10 +120,22 @@ class HeldStep(LaunchedStep):
         return super().collect()
 
 
-def held_device_worker(device_ms: float) -> type:
-    """A worker class on a simulated device that takes ``device_ms`` milliseconds a step."""
-    runner = type("HeldDeviceRunner", (HeldDeviceRunner,), {"device_seconds": device_ms / 1e3})
-    return type("HeldDeviceWorker", (NullModelWorker,), {"runner_class": runner})
+@dataclasses.dataclass(frozen=True)
+class HeldDeviceWorker:
+    """Makes workers on a simulated device that takes ``device_ms`` milliseconds a step; the
+    executor calls it as it would a worker class. A record of one number, so it pickles to a
+    core in another process, where it builds the worker class itself."""
+
+    device_ms: float
+
+    def __call__(self, *args, **kwargs) -> Worker:
+        runner = type("HeldDeviceRunner", (HeldDeviceRunner,), {"device_seconds": self.device_ms / 1e3})
+        return type("HeldDeviceWorker", (NullModelWorker,), {"runner_class": runner})(*args, **kwargs)
+
+
+def held_device_worker(device_ms: float) -> HeldDeviceWorker:
+    """What to pass as ``worker_class`` for a device that takes ``device_ms`` a step."""
+    return HeldDeviceWorker(device_ms)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -155,9 +168,9 @@ def tiny_checkpoint() -> str:
 
 
 def engine_for(path: str, num_seqs: int, steps: int, device: str, worker_class: type = NullModelWorker,
-               async_scheduling: bool = False):
+               async_scheduling: bool = False, core_process: bool = False):
     """An engine sized for ``num_seqs`` sequences of the benchmark (by default with the empty
-    model step, synchronous, so the phases add up to the step)."""
+    model step, synchronous and in one process, so the phases add up to the step)."""
     from tpu_executor.engine.llm_engine import LLMEngine
 
     max_model_len = PROMPT_TOKENS + 2 * steps + 32
@@ -166,7 +179,7 @@ def engine_for(path: str, num_seqs: int, steps: int, device: str, worker_class: 
     blocks_per_seq = context_bucket // 16
     return LLMEngine.from_options(
         path, show_progress=False, worker_class=worker_class, device=device, max_num_seqs=num_seqs,
-        async_scheduling=async_scheduling,
+        async_scheduling=async_scheduling, core_process=core_process,
         max_model_len=max_model_len, max_num_batched_tokens=num_seqs + JOINING * PROMPT_TOKENS,
         prefill_buckets=(JOINING * PROMPT_TOKENS, context_bucket), decode_buckets=rows,
         decode_context_buckets=(context_bucket,), num_blocks=num_seqs * (blocks_per_seq + 1) + 1,
@@ -261,7 +274,7 @@ def _timed_steps(engine, timer: PhaseTimer, steps: int, before_step=None) -> Dic
 def _fill(engine, num_seqs: int, rng: random.Random, output_kind: str = "delta") -> List[str]:
     """Queue ``num_seqs`` endless requests and step until all decode; their ids."""
     running = _add_requests(engine, num_seqs, rng, 10 ** 6, output_kind)
-    while engine.num_waiting or engine.core.scheduler.num_running < num_seqs:
+    while (stats := engine.stats()).num_waiting or stats.num_running < num_seqs:
         engine.step()
     for _ in range(3):
         engine.step()
@@ -293,44 +306,52 @@ def measure(path: str, num_seqs: int, steps: int, device: str, output_kind: str 
 
 
 def overlap(path: str, num_seqs: int, steps: int, device: str, device_ms: Optional[float] = None) -> Dict[str, float]:
-    """Steady decode step time of the real model (or of a device held ``device_ms`` a step),
-    synchronous and asynchronous, beside its host part and its device part (milliseconds).
-    With the real model both parts come from the synchronous run's phases: device = the model
-    and sampler calls plus reading the tokens back (on XLA the calls only dispatch; the wait
-    for the device lands in the read-back), host = the rest. With a held device, device =
+    """Steady decode step time of the real model (or of a device held ``device_ms`` a step):
+    synchronous, asynchronous, and asynchronous with the engine core in its own process,
+    beside the host part, the core's share of it, and the device part (milliseconds). With the
+    real model the parts come from the synchronous run's phases: device = the model and
+    sampler calls plus reading the tokens back (on XLA the calls only dispatch; the wait for
+    the device lands in the read-back), host = the rest. With a held device, device =
     ``device_ms`` and host = the rest of the synchronous step (nothing overlaps there)."""
     worker_class = Worker if device_ms is None else held_device_worker(device_ms)
     figures: Dict[str, float] = {}
-    for async_scheduling in (False, True):
-        engine = engine_for(path, num_seqs, steps, device, worker_class, async_scheduling)
+    for mode, async_scheduling, core_process in (("sync", False, False), ("async", True, False),
+                                                 ("core process", True, True)):
+        engine = engine_for(path, num_seqs, steps, device, worker_class, async_scheduling, core_process)
         timer = PhaseTimer()
         # Phases add up only when nothing overlaps; a held device's host part needs none.
-        if not async_scheduling and device_ms is None:
+        if mode == "sync" and device_ms is None:
             engine.timer = engine.core.timer = engine.core.executor.workers[0].runner.timer = timer
         _fill(engine, num_seqs, random.Random(0))
         ms = _timed_steps(engine, timer, steps)
-        if async_scheduling:
-            figures["async"] = ms["median_step"]
+        if mode != "sync":
+            figures[mode] = ms["median_step"]
         elif device_ms is not None:
-            figures.update(sync=ms["median_step"], device=device_ms, host=ms["median_step"] - device_ms)
+            figures.update(sync=ms["median_step"], device=device_ms, host=ms["median_step"] - device_ms,
+                           core=ms["core"] - device_ms)
         else:
             figures.update(sync=ms["median_step"], device=ms["device"] + ms["transfer"],
-                           host=ms["host"] - ms["transfer"])
+                           host=ms["host"] - ms["transfer"], core=ms["core"] - ms["transfer"])
         engine.shutdown()
     return figures
 
 
 def print_overlap(results: Dict[Tuple[int, str], Dict[str, float]], device: str) -> None:
-    print("\n| sequences | device step | host | device | host + device | sync step | async step | "
-          "async / max(host, device) |\n|---|---|---|---|---|---|---|---|")
+    print("\n| sequences | device step | host | core | device | host + device | sync step | async step | "
+          "async, core process | async / max(host, device) | core process / max(core, device) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
     for (num_seqs, label), f in results.items():
-        print(f"| {num_seqs} | {label} | {f['host']:.2f} | {f['device']:.2f} | {f['host'] + f['device']:.2f} | "
-              f"{f['sync']:.2f} | {f['async']:.2f} | {f['async'] / max(f['host'], f['device']):.2f} |")
+        print(f"| {num_seqs} | {label} | {f['host']:.2f} | {f['core']:.2f} | {f['device']:.2f} | "
+              f"{f['host'] + f['device']:.2f} | {f['sync']:.2f} | {f['async']:.2f} | {f['core process']:.2f} | "
+              f"{f['async'] / max(f['host'], f['device']):.2f} | "
+              f"{f['core process'] / max(f['core'], f['device']):.2f} |")
     print(f"\nMilliseconds per decode step on {device}; sync and async steps are medians over the measured "
           "steps. Device step `model`: the real model (the checkpoint's random weights); host and device are "
           "the synchronous run's phases (device: model and sampler calls and reading the tokens back; host: "
           "the rest). `N ms held`: a simulated device that takes N ms a step without the host's cores, "
-          "queued as on XLA; device = N, host = the rest of the synchronous step.")
+          "queued as on XLA; device = N, host = the rest of the synchronous step. core: the engine core's "
+          "share of host (the rest is the front-end's text, stop strings and deltas); `async, core process`: "
+          "the core in a process of its own, so only its share stands between two device steps.")
 
 
 def _overlaps(args: argparse.Namespace, path: str) -> Dict[Tuple[int, str], Dict[str, float]]:

@@ -2,34 +2,22 @@
 finish reasons as the synchronous engine, through chunked prefill, preemption, stops, n > 1 and
 abort."""
 import pytest
-import torch
 
-from tests.common import logprob_values, output_summary, random_requests, run_to_end, tiny_engine_options
-from tpu_executor import LLM, SamplingParams
+from tests.common import assert_same_outputs_over_random_requests, preempting_llm_pair, run_to_end
+from tpu_executor import SamplingParams
 from tpu_executor.core.request import accumulate_deltas
 
 
 @pytest.fixture(scope="module")
 def engines(checkpoints):
-    """(synchronous, asynchronous) native engines with a small KV cache, so requests get
-    preempted, and a token budget of 64, so most prompts run as chunks."""
-    options = tiny_engine_options(device="cpu", num_blocks=60, block_size=16, max_num_batched_tokens=64)
-    pair = [LLM(model=checkpoints["llama"], async_scheduling=flag, **options) for flag in (False, True)]
-    yield pair
-    for llm in pair:
-        llm.shutdown()
+    """(synchronous, asynchronous) native engines that preempt and chunk prompts."""
+    with preempting_llm_pair(checkpoints["llama"], "async_scheduling") as pair:
+        yield pair
 
 
 def test_async_outputs_equal_sync_outputs_over_200_random_requests(engines):
     sync, asynchronous = engines
-    prompts, params = random_requests(200)
-    expected = sync.generate(prompts, params, use_tqdm=False)
-    got = asynchronous.generate(prompts, params, use_tqdm=False)
-    assert output_summary(got) == output_summary(expected)
-    torch.testing.assert_close(logprob_values(got), logprob_values(expected), rtol=1e-4, atol=1e-4)
-    for llm in engines:
-        stats = llm.stats()
-        assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+    assert_same_outputs_over_random_requests(sync, asynchronous)
     assert sync.stats().num_preemptions > 0 and asynchronous.stats().num_preemptions > 0
 
 
