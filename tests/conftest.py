@@ -6,7 +6,8 @@ import pytest
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "tpu: needs a real TPU (skipped elsewhere)")
-    config.addinivalue_line("markers", "slow: XLA compilation, Ray actors, TPU interpret mode or a real model "
+    config.addinivalue_line("markers", "slow: XLA compilation, Ray actors, an engine core process, TPU interpret mode "
+                                       "or a real model "
                                        "(the fast tier is `pytest -m \"not slow\"`)")
 
 

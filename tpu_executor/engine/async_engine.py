@@ -6,7 +6,8 @@ The engine thread is the only one that touches the engine (scheduler, KV cache, 
 nothing in it needs a lock; the event loop only sees deltas, which the thread hands over with
 one ``call_soon_threadsafe`` per step. A model step blocks its thread for its whole duration
 (the device, or XLA's CPU backend, releases the GIL), while the event loop goes on accepting
-and streaming.
+and streaming. With ``core_process`` the engine's core steps in a process of its own and this
+thread only turns its outputs into deltas, waiting on a pipe (without the GIL) in between.
 """
 from __future__ import annotations
 

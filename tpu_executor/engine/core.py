@@ -160,12 +160,10 @@ class EngineCore:
         started = self._start(scheduled, finished) if not scheduled.is_empty else None
         if self.config.scheduler.async_scheduling:
             started, self._in_flight = self._in_flight, started  # finish the previous step instead
-        output = self._finish(*started, finished) if started is not None else CoreOutput(finished=finished)
+        tokens, first_token_at = self._finish(*started, finished) if started is not None else (SampledTokens(), ())
         with self.timer.phase("schedule"):
             self._release_deferred_samples()
-        if scheduled_at:
-            output = CoreOutput(output.tokens, output.finished, scheduled_at, output.first_token_at)
-        return output
+        return CoreOutput(tokens, finished, scheduled_at, first_token_at)
 
     @staticmethod
     def _scheduled_at(scheduled: SchedulerOutput) -> Tuple[Tuple[str, float], ...]:
@@ -189,8 +187,9 @@ class EngineCore:
         return None
 
     def _finish(self, scheduled: SchedulerOutput, running: "Future[ModelRunnerOutput]",
-                finished: Dict[str, Finished]) -> CoreOutput:
-        """Wait for a started step and record its tokens; samples they end are finished."""
+                finished: Dict[str, Finished]) -> Tuple[SampledTokens, Tuple[Tuple[str, float], ...]]:
+        """Wait for a started step and record its tokens (samples they end go to
+        ``finished``); returns the tokens recorded and the prompts whose first token came."""
         try:
             output = running.result()
         except WorkerFailure as err:
@@ -198,19 +197,18 @@ class EngineCore:
         except Exception as err:  # noqa: BLE001 - a failed step fails its requests, not the engine
             logger.exception("engine step failed")
             self._fail(scheduled.request_ids, f"{type(err).__name__}: {err}", finished)
-            return CoreOutput(finished=finished)
+            return SampledTokens(), ()
         if output.error is not None:
             logger.error("engine step failed: %s", output.error)
             self._fail(scheduled.request_ids, output.error, finished)
-            return CoreOutput(finished=finished)
+            return SampledTokens(), ()
         with self.timer.phase("output"):
             tokens, ended = self.scheduler.update(output.sampled, self._requests)
             for request in ended:
                 finished[request.request_id] = Finished(request.status.finish_reason, request.stop_reason)
                 del self._requests[request.request_id]
         now = time.monotonic()
-        first_tokens = tuple((work.request_id, now) for work in scheduled.prefills if work.is_last_chunk)
-        return CoreOutput(tokens, finished, (), first_tokens)
+        return tokens, tuple((work.request_id, now) for work in scheduled.prefills if work.is_last_chunk)
 
     def _release_deferred_samples(self) -> None:
         """Queue the remaining samples of groups whose first sample has been prefilled."""

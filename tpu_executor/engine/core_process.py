@@ -56,7 +56,12 @@ class CoreProcess:
         kind, *answer = self._receive()
         if kind != "ready":
             self._process.join(_SHUTDOWN_WAIT_S)
-            raise RuntimeError(f"the engine core failed to start: {answer[0]}")
+            self._conn.close()
+            # A process that exits before it can report is most often a script without a
+            # __main__ guard: the spawned core imports the main module again.
+            hint = "" if kind == "failed" else (" (its output above says why; a script that starts it must guard "
+                                                "its entry point with `if __name__ == \"__main__\":`)")
+            raise RuntimeError(f"the engine core failed to start: {answer[0]}{hint}")
         self.vocab_size, self.startup_seconds = answer
 
     # ---- EngineCore's methods -----------------------------------------------------------
@@ -66,8 +71,8 @@ class CoreProcess:
 
     def finish(self, sample_ids: Sequence[str], status: RequestStatus) -> None:
         """The samples stay live until the core's output confirms them: tokens of theirs may
-        still be on the way."""
-        if sample_ids:
+        still be on the way. Once the core is gone there is nothing to tell it."""
+        if sample_ids and self.dead_reason is None:
             self._send("finish", list(sample_ids), status)
 
     def has_sample(self, sample_id: str) -> bool:
@@ -75,7 +80,9 @@ class CoreProcess:
 
     def has_unfinished(self) -> bool:
         """Whether a sample is still live in the core, or an output waits to be read."""
-        return bool(self._live or self._outputs) or (self.dead_reason is None and self._conn.poll())
+        if self._live or self._outputs:
+            return True
+        return self.dead_reason is None and not self._conn.closed and self._conn.poll()
 
     @property
     def num_waiting(self) -> int:

@@ -12,6 +12,8 @@ from tpu_executor import LLM, EngineDeadError, SamplingParams
 from tpu_executor.core.request import accumulate_deltas
 from tpu_executor.engine.llm_engine import LLMEngine
 
+pytestmark = pytest.mark.slow  # each engine spawns its core (imports, model load: ~10 s)
+
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 
 
