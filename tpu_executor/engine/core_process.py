@@ -18,8 +18,10 @@ asynchronous scheduling already does for one token.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import multiprocessing
+import sys
 from typing import Deque, Optional, Sequence, Set
 
 from tpu_executor.core.config import EngineConfig
@@ -42,7 +44,7 @@ class CoreProcess:
     def __init__(self, config: EngineConfig, worker_class: Optional[type] = None, show_progress: bool = True):
         context = multiprocessing.get_context("spawn")  # never fork a process holding a device or Ray
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=run_core, args=(child, config, worker_class, show_progress),
+        self._process = context.Process(target=run_core, args=(child, core_config(config), worker_class, show_progress),
                                         name="engine-core", daemon=True)
         self._process.start()
         child.close()
@@ -152,6 +154,18 @@ class CoreProcess:
         output, self._num_waiting = answer
         self._live.difference_update(output.finished)
         return output
+
+
+def core_config(config: EngineConfig) -> EngineConfig:
+    """The config the core process starts from. Without a ``ray_address`` the Ray executor
+    joins the cluster its process is connected to: for a spawned core that is the cluster the
+    front-end's process is connected to, so it is named by address."""
+    ray = sys.modules.get("ray")  # connected only if already imported: never import Ray for this
+    if not config.parallel.uses_ray or config.parallel.ray_address is not None or ray is None \
+            or not ray.is_initialized():
+        return config
+    parallel = dataclasses.replace(config.parallel, ray_address=ray.get_runtime_context().gcs_address)
+    return dataclasses.replace(config, parallel=parallel)
 
 
 def run_core(conn, config: EngineConfig, worker_class: Optional[type], show_progress: bool) -> None:

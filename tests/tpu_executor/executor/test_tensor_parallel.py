@@ -60,6 +60,23 @@ def test_greedy_tokens_match_tp1_and_transformers(cluster, checkpoints, referenc
         llm.shutdown()
 
 
+def test_core_process_drives_the_ray_workers(cluster, checkpoints, references, prompts):
+    """The core in a process of its own joins the front-end's Ray cluster (no address given)
+    and drives tp=2 actors there: the same tokens, and no compilation after warm-up."""
+    llm = LLM(checkpoints["llama"], tensor_parallel_size=2, core_process=True, **tensor_parallel_options())
+    try:
+        assert greedy_tokens(llm, prompts, NEW_TOKENS) == references["llama"][0]
+        greedy_tokens(llm, mixed_prompts(6, 2, 60, vocab=512, seed=11), 8)
+        assert llm.engine.stats().graphs_compiled_after_warmup == 0
+        assert ray.available_resources().get("TPU", 0) == 2  # the core's actors hold two chips
+    finally:
+        llm.shutdown()
+    deadline = time.monotonic() + 20  # the core gave its chips back
+    while ray.available_resources().get("TPU") != 4 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("TPU") == 4
+
+
 def test_native_path_at_tp4_matches_transformers(cluster, checkpoints, references, prompts):
     llm = LLM(checkpoints["gemma"], device="cpu", tensor_parallel_size=4, **tensor_parallel_options())
     try:
