@@ -30,6 +30,7 @@ import itertools
 import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List
 
 from tpu_executor.engine.options import add_engine_arguments, engine_options_from_args
@@ -135,6 +136,14 @@ def run_transformers(path: str, prompts: List[List[int]]) -> Dict:
     return {"tokens_per_s": tokens / elapsed, "seconds": elapsed}
 
 
+def on_own_thread(fn, *args):
+    """``fn(*args)`` on a thread that ends with it. Torch's CPU ops run on an OpenMP team per
+    calling thread; this one's team goes with the thread, so it does not stay alive beside
+    the engine's step thread and slow it (see ``UniprocExecutor``)."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def run(args: argparse.Namespace) -> None:
     from transformers import AutoConfig
 
@@ -143,13 +152,13 @@ def run(args: argparse.Namespace) -> None:
     if max(args.tensor_parallel_sizes) > 1:
         start_local_ray(max(args.tensor_parallel_sizes))
     base = engine_options_from_args(args, ENGINE_DEFAULTS)
-    gflops, rows = [matmul_gflops()], []
+    gflops, rows = [on_own_thread(matmul_gflops)], []
     for name in args.models:
         path = model_path(name)
         vocab_size = AutoConfig.from_pretrained(path).vocab_size
         prompts = workload(vocab_size)
         profile_prompts = shifted(prompts, vocab_size) if args.profile else None
-        theirs = None if args.skip_transformers else run_transformers(path, prompts)
+        theirs = None if args.skip_transformers else on_own_thread(run_transformers, path, prompts)
         if theirs:
             print(f"{name}: transformers generate {theirs['tokens_per_s']:.1f} tok/s ({theirs['seconds']:.1f} s)")
         for device in args.devices:
@@ -162,7 +171,7 @@ def run(args: argparse.Namespace) -> None:
                 first = first or ours
                 print_run(name, device, ours, first)
                 rows.append((name, device, ours, theirs))
-    gflops.append(matmul_gflops())
+    gflops.append(on_own_thread(matmul_gflops))
     print_table(rows, gflops)
 
 

@@ -64,7 +64,7 @@ def test_a_full_waiting_queue_answers_503_at_once(checkpoints):
 
 def test_a_dead_engine_ends_open_streams_and_answers_503(checkpoints):
     engine = tiny_engine(checkpoints)
-    real_call = engine.core.executor._call_workers
+    real_call = engine.core.executor._run_on_workers
     calls = {"n": 0}
 
     def failing_after_a_while(method, *args, **kwargs):
@@ -73,7 +73,7 @@ def test_a_dead_engine_ends_open_streams_and_answers_503(checkpoints):
             raise WorkerFailure("rank 0 is gone (simulated)")
         return real_call(method, *args, **kwargs)
 
-    engine.core.executor._call_workers = failing_after_a_while
+    engine.core.executor._run_on_workers = failing_after_a_while
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 250, "ignore_eos": True}
 
     async def run(url):
