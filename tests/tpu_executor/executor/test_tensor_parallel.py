@@ -44,6 +44,15 @@ def references(checkpoints, prompts):
     return refs
 
 
+def assert_all_chips_come_back(timeout_s: float = 20.0) -> None:
+    """The cluster's 4 chips are free again within ``timeout_s`` (a placement group is
+    released asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("TPU") != 4 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("TPU") == 4
+
+
 @pytest.mark.parametrize("arch,tp", [("llama", 2), ("gemma", 2), ("llama", 4), ("gemma", 4)])
 def test_greedy_tokens_match_tp1_and_transformers(cluster, checkpoints, references, prompts, arch, tp):
     hf_tokens, tp1_tokens = references[arch]
@@ -71,10 +80,7 @@ def test_core_process_drives_the_ray_workers(cluster, checkpoints, references, p
         assert ray.available_resources().get("TPU", 0) == 2  # the core's actors hold two chips
     finally:
         llm.shutdown()
-    deadline = time.monotonic() + 20  # the core gave its chips back
-    while ray.available_resources().get("TPU") != 4 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert ray.available_resources().get("TPU") == 4
+    assert_all_chips_come_back()  # the core gave its chips back
 
 
 def test_native_path_at_tp4_matches_transformers(cluster, checkpoints, references, prompts):
@@ -123,10 +129,7 @@ def test_a_lost_worker_fails_in_flight_requests_and_shuts_down(cluster, checkpoi
     assert engine.core.executor.actors == [] and not engine.has_unfinished_requests()
     with pytest.raises(EngineDeadError, match="shut down"):
         engine.add_request({"prompt_token_ids": prompts[0]}, SamplingParams())
-    deadline = time.monotonic() + 20  # the placement group's chips come back (asynchronously)
-    while ray.available_resources().get("TPU") != 4 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert ray.available_resources().get("TPU") == 4
+    assert_all_chips_come_back()
 
 
 def test_a_worker_exception_fails_only_its_step(cluster, checkpoints, references, prompts):
