@@ -1,14 +1,26 @@
 """tpu_executor: TPU-first LLM inference on PyTorch/XLA (CPU XLA for development)."""
 from setuptools import find_packages, setup
 
+MAPPED_FOLDERS = {"models": "tpu_executor.models", "pallas_kernels": "tpu_executor.kernels"}
+
+
+def mapped_packages():
+    """The packages under each mapped folder, named under their installed prefix."""
+    return [prefixed + name[len(folder):] for folder, prefixed in MAPPED_FOLDERS.items()
+            for name in [folder] + [f"{folder}.{sub}" for sub in find_packages(folder)]]
+
 setup(
     name="tpu_executor",
     version="0.1.0",
     description="TPU-first LLM inference backend on PyTorch/XLA with paged KV cache and bucketed compilation",
     python_requires=">=3.10,<3.13",
-    packages=find_packages(include=["tpu_executor*", "models*", "pallas_kernels*"]),
+    # The repository's top-level models/ and pallas_kernels/ install as tpu_executor.models and
+    # tpu_executor.kernels: import names of the project's own, which a user's models/ folder
+    # beside a script cannot shadow.
+    packages=find_packages(include=["tpu_executor*"]) + mapped_packages(),
+    package_dir={prefixed: folder for folder, prefixed in MAPPED_FOLDERS.items()},
     # The native path's C kernel is compiled from source on the machine that runs it.
-    package_data={"pallas_kernels.paged_attention": ["*.c"]},
+    package_data={"tpu_executor.kernels.paged_attention": ["*.c"]},
     install_requires=[
         # torch_xla 2.9 is the last release; it needs exactly torch 2.9.0 and jax 0.7.1.
         "torch==2.9.0",

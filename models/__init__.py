@@ -1,10 +1,10 @@
 """Model files, selected by the ``architectures`` entry of a checkpoint's config.json."""
 from __future__ import annotations
 
-from models.gemma import GemmaForCausalLM
-from models.gemma2 import Gemma2ForCausalLM
-from models.llama import LlamaForCausalLM
-from models.mixtral import MixtralForCausalLM
+from tpu_executor.models.gemma import GemmaForCausalLM
+from tpu_executor.models.gemma2 import Gemma2ForCausalLM
+from tpu_executor.models.llama import LlamaForCausalLM
+from tpu_executor.models.mixtral import MixtralForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,

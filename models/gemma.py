@@ -1,7 +1,7 @@
 """Gemma: the Llama block with (1 + w) RMSNorm, GeLU-tanh MLP and sqrt(hidden)-scaled embeddings."""
 from __future__ import annotations
 
-from models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from tpu_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from models.gemma import GemmaDecoderLayer, GemmaForCausalLM, GemmaModel
-from models.layers.norm import RMSNorm
+from tpu_executor.models.gemma import GemmaDecoderLayer, GemmaForCausalLM, GemmaModel
+from tpu_executor.models.layers.norm import RMSNorm
 
 
 def sliding_layers(cfg) -> list:

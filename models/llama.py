@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.attention import AttentionMetadata, paged_attention_forward
-from models.layers.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+from tpu_executor.models.layers.attention import AttentionMetadata, paged_attention_forward
+from tpu_executor.models.layers.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                   RowParallelLinear, VocabParallelEmbedding)
-from models.layers.norm import RMSNorm
-from models.layers.parallel import SingleRank, TensorParallelGroup
-from models.layers.rotary import rope_from_config
+from tpu_executor.models.layers.norm import RMSNorm
+from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup
+from tpu_executor.models.layers.rotary import rope_from_config
 
 ACTIVATIONS = {
     "silu": F.silu,

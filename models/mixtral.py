@@ -13,10 +13,10 @@ from typing import Tuple
 import torch
 from torch import nn
 
-from models.layers.linear import ColumnParallelLinear
-from models.layers.moe import ExpertWeights, sparse_moe
-from models.layers.parallel import SingleRank, TensorParallelGroup
-from models.llama import ACTIVATIONS, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from tpu_executor.models.layers.linear import ColumnParallelLinear
+from tpu_executor.models.layers.moe import ExpertWeights, sparse_moe
+from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup
+from tpu_executor.models.llama import ACTIVATIONS, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 _EXPERT_TENSOR = re.compile(r"^(.*)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 

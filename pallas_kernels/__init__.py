@@ -2,15 +2,15 @@
 
 ``register_all()`` fills the shared registry; it runs when an engine starts, not on import.
 """
-from pallas_kernels.registry import REGISTRY, OpRegistry, Provider
+from tpu_executor.kernels.registry import REGISTRY, OpRegistry, Provider
 
 
 def register_all(registry: OpRegistry = REGISTRY) -> OpRegistry:
     """Register every op's providers once (later calls only re-run their static checks)."""
-    from pallas_kernels.gmm import ops as gmm_ops
-    from pallas_kernels.paged_attention import ops as paged_ops
-    from pallas_kernels.prefill_attention import ops as prefill_ops
-    from pallas_kernels.w8a16_matmul import ops as w8a16_ops
+    from tpu_executor.kernels.gmm import ops as gmm_ops
+    from tpu_executor.kernels.paged_attention import ops as paged_ops
+    from tpu_executor.kernels.prefill_attention import ops as prefill_ops
+    from tpu_executor.kernels.w8a16_matmul import ops as w8a16_ops
 
     for module in (gmm_ops, paged_ops, prefill_ops, w8a16_ops):
         if module.OP_NAME not in registry.ops():

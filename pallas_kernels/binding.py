@@ -15,7 +15,7 @@ from typing import Callable, Optional, Tuple
 import numpy as np
 import torch
 
-from pallas_kernels.registry import Provider
+from tpu_executor.kernels.registry import Provider
 
 
 def on_tpu() -> bool:
@@ -74,7 +74,7 @@ def tpu_provider(name: str, priority: int, op_factory: Callable, problem_fn: Cal
 
 @functools.lru_cache(maxsize=None)
 def jax_backed_op(name: str, schema: str, jax_fn: Callable, fake: Callable):
-    """Define ``torch.ops.pallas_kernels.<name>`` once: XLA impl via call_jax, plus a fake.
+    """Define ``torch.ops.tpu_executor.<name>`` once: XLA impl via call_jax, plus a fake.
 
     ``schema`` is the argument list in torch's schema language, e.g.
     ``"(Tensor lhs, Tensor rhs, Tensor group_sizes, *, bool transpose_rhs) -> Tensor"``.
@@ -82,7 +82,7 @@ def jax_backed_op(name: str, schema: str, jax_fn: Callable, fake: Callable):
     CPU). Keyword arguments reach ``jax_fn`` as static values; ``jax_fn`` must be a module-level
     function because call_jax caches its lowering by the function's identity.
     """
-    qualname = f"pallas_kernels::{name}"
+    qualname = f"tpu_executor::{name}"
     torch.library.define(qualname, schema)
 
     def xla_impl(*args, **kwargs):
@@ -95,7 +95,7 @@ def jax_backed_op(name: str, schema: str, jax_fn: Callable, fake: Callable):
 
     torch.library.impl(qualname, "XLA", xla_impl)
     torch.library.register_fake(qualname, fake_impl)
-    return getattr(torch.ops.pallas_kernels, name)
+    return getattr(torch.ops.tpu_executor, name)
 
 
 def with_int32_indices(op_factory: Callable) -> Callable:

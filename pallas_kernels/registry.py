@@ -107,7 +107,7 @@ class OpRegistry:
 
     def _usable(self, op: str) -> List[Provider]:
         if op not in self._usable_cache:
-            raise KeyError(f"unknown op {op!r}; known ops: {self.ops()} (call pallas_kernels.register_all())")
+            raise KeyError(f"unknown op {op!r}; known ops: {self.ops()} (call tpu_executor.kernels.register_all())")
         return self._usable_cache[op]
 
     def select(self, op: str, *args, **kwargs) -> Provider:

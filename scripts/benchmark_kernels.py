@@ -18,12 +18,12 @@ from typing import Callable, Dict, List
 import numpy as np
 import torch
 
-from pallas_kernels.binding import torch_to_jax
-from pallas_kernels.spec import OpCase
+from tpu_executor.kernels.binding import torch_to_jax
+from tpu_executor.kernels.spec import OpCase
 
 
 def paged_case(dtype, batch=8, context=512, kv_heads=2, group=4, head_dim=128, block=16) -> OpCase:
-    from pallas_kernels.paged_attention.ops import random_block_tables
+    from tpu_executor.kernels.paged_attention.ops import random_block_tables
 
     rng = np.random.default_rng(0)
     lens = np.full(batch, context)
@@ -74,9 +74,9 @@ def jax_timer(kernel: Callable, case: OpCase, on_tpu: bool) -> Callable:
 
 def providers() -> Dict[str, tuple]:
     """op -> (spec, case builder, {provider name: JAX function})."""
-    from pallas_kernels.gmm import kernel as gmm_kernel, ops as gmm_ops
-    from pallas_kernels.paged_attention import kernel as paged_kernel, ops as paged_ops
-    from pallas_kernels.prefill_attention import kernel as prefill_kernel, ops as prefill_ops
+    from tpu_executor.kernels.gmm import kernel as gmm_kernel, ops as gmm_ops
+    from tpu_executor.kernels.paged_attention import kernel as paged_kernel, ops as paged_ops
+    from tpu_executor.kernels.prefill_attention import kernel as prefill_kernel, ops as prefill_ops
 
     return {
         "paged_attention": (paged_ops.SPEC, paged_case, {
@@ -91,8 +91,8 @@ def providers() -> Dict[str, tuple]:
 
 def dispatch_microseconds(repeats: int = 2000) -> float:
     """Registry dispatch overhead (selecting the provider) per call."""
-    from pallas_kernels import REGISTRY, register_all
-    from pallas_kernels.gmm.ops import OP_NAME
+    from tpu_executor.kernels import REGISTRY, register_all
+    from tpu_executor.kernels.gmm.ops import OP_NAME
 
     register_all()
     case = gmm_case(torch.float32, m=8, k=128, n=128)

@@ -1,8 +1,41 @@
-"""tpu_executor: a TPU-first LLM inference engine on PyTorch/XLA."""
-from tpu_executor.core.request import CompletionOutput, RequestOutput
-from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams
-from tpu_executor.engine.llm_engine import EngineDeadError
-from tpu_executor.engine.stats import EngineStats
-from tpu_executor.entrypoints.llm import LLM
+"""tpu_executor: a TPU-first LLM inference engine on PyTorch/XLA.
 
-__all__ = ["LLM", "EngineDeadError", "EngineStats", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput"]
+The public names below load on first use, so ``import tpu_executor.core`` (the pure-Python
+scheduler, KV-cache manager and sampling parameters) needs neither torch nor the engine.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, Dict, List
+
+_EXPORTS: Dict[str, str] = {
+    "LLM": "tpu_executor.entrypoints.llm",
+    "SamplingParams": "tpu_executor.core.sampling_params",
+    "RequestOutputKind": "tpu_executor.core.sampling_params",
+    "RequestOutput": "tpu_executor.core.request",
+    "CompletionOutput": "tpu_executor.core.request",
+    "EngineDeadError": "tpu_executor.engine.core",
+    "EngineStats": "tpu_executor.engine.stats",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from tpu_executor.core.request import CompletionOutput, RequestOutput
+    from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams
+    from tpu_executor.engine.core import EngineDeadError
+    from tpu_executor.engine.stats import EngineStats
+    from tpu_executor.entrypoints.llm import LLM
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tpu_executor' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

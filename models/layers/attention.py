@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from pallas_kernels.paged_attention.ops import paged_attention
-from pallas_kernels.prefill_attention.ops import prefill_attention
+from tpu_executor.kernels.paged_attention.ops import paged_attention
+from tpu_executor.kernels.prefill_attention.ops import prefill_attention
 
 
 @dataclass

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.parallel import TensorParallelGroup, divide, kv_heads_of_rank
-from pallas_kernels.w8a16_matmul.ops import w8a16_matmul
-from pallas_kernels.w8a16_matmul.reference import quantize_per_channel
+from tpu_executor.models.layers.parallel import TensorParallelGroup, divide, kv_heads_of_rank
+from tpu_executor.kernels.w8a16_matmul.ops import w8a16_matmul
+from tpu_executor.kernels.w8a16_matmul.reference import quantize_per_channel
 
 
 def copy_weight(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:

@@ -17,10 +17,10 @@ from typing import Callable, Tuple
 import torch
 from torch import nn
 
-from models.layers.linear import copy_from_hf, narrow_checked, quantize_parameter
-from models.layers.parallel import TensorParallelGroup, divide
-from pallas_kernels.gmm.ops import gmm, padded_rows
-from pallas_kernels.w8a16_matmul.reference import dequantize
+from tpu_executor.models.layers.linear import copy_from_hf, narrow_checked, quantize_parameter
+from tpu_executor.models.layers.parallel import TensorParallelGroup, divide
+from tpu_executor.kernels.gmm.ops import gmm, padded_rows
+from tpu_executor.kernels.w8a16_matmul.reference import dequantize
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu_layout import LANES, check_dtype, check_vmem, gmm_row_tile, itemsize, sublanes
+from tpu_executor.kernels.tpu_layout import LANES, check_dtype, check_vmem, gmm_row_tile, itemsize, sublanes
 
 
 def _largest_tile(dim: int, preferred: Tuple[int, ...] = (512, 256, 128)) -> int:

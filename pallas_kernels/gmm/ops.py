@@ -4,14 +4,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pallas_kernels.binding import eager_only, first_problem, jax_backed_op, tpu_provider
-from pallas_kernels.gmm import reference
-from pallas_kernels.registry import REGISTRY, Provider
-from pallas_kernels.spec import OpCase, OpSpec, Tolerance
-from pallas_kernels.tpu_layout import gmm_row_tile, torch_dtype_name
+from tpu_executor.kernels.binding import eager_only, first_problem, jax_backed_op, tpu_provider
+from tpu_executor.kernels.gmm import reference
+from tpu_executor.kernels.registry import REGISTRY, Provider
+from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
+from tpu_executor.kernels.tpu_layout import gmm_row_tile, torch_dtype_name
 
 OP_NAME = "gmm"
-KERNEL_MODULE = "pallas_kernels.gmm.kernel"
+KERNEL_MODULE = "tpu_executor.kernels.gmm.kernel"
 SCHEMA = ("(Tensor lhs, Tensor rhs, Tensor group_sizes, *, bool transpose_rhs=False, "
           "bool interpret=False) -> Tensor")
 
@@ -51,7 +51,7 @@ SPEC = OpSpec(
 
 def shape_problem(lhs, rhs, group_sizes, *, transpose_rhs=False, require_whole_tiles=False):
     """Why our kernel's TPU constraints reject these tensors, or None when they fit."""
-    from pallas_kernels.gmm import kernel
+    from tpu_executor.kernels.gmm import kernel
 
     if lhs.dim() != 2 or rhs.dim() != 3 or group_sizes.dim() != 1:
         return f"gmm wants lhs [m, k], rhs 3-D and group_sizes 1-D, got {lhs.dim()}/{rhs.dim()}/{group_sizes.dim()}"
@@ -69,7 +69,7 @@ def shape_problem(lhs, rhs, group_sizes, *, transpose_rhs=False, require_whole_t
 
 
 def _pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, interpret=False):
-    from pallas_kernels.gmm import kernel
+    from tpu_executor.kernels.gmm import kernel
 
     return kernel.gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, interpret=interpret)
 
@@ -80,7 +80,7 @@ def _megablox_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, interpret=False
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
 
-    from pallas_kernels.gmm import kernel
+    from tpu_executor.kernels.gmm import kernel
 
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -107,12 +107,12 @@ def _eager_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False):
 
 
 def pallas_op():
-    """``torch.ops.pallas_kernels.gmm_pallas``: our kernel bound through call_jax."""
+    """``torch.ops.tpu_executor.gmm_pallas``: our kernel bound through call_jax."""
     return jax_backed_op("gmm_pallas", SCHEMA, _pallas_gmm, fake)
 
 
 def megablox_op():
-    """``torch.ops.pallas_kernels.gmm_megablox``: JAX's shipped kernel through call_jax."""
+    """``torch.ops.tpu_executor.gmm_megablox``: JAX's shipped kernel through call_jax."""
     return jax_backed_op("gmm_megablox", SCHEMA, _megablox_gmm, fake)
 
 

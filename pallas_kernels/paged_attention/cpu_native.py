@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from pallas_kernels.binding import eager_only
+from tpu_executor.kernels.binding import eager_only
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from pallas_kernels.paged_attention import reference
+from tpu_executor.kernels.paged_attention import reference
 
 # Split the rows in two groups only when that reads at most this share of the pages one group
 # would: a second group costs a few small ops (argsort, row gathers) per layer.

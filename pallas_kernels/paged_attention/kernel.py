@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu_layout import (LANES, check_attention_operands, check_attention_shapes,
+from tpu_executor.kernels.tpu_layout import (LANES, check_attention_operands, check_attention_shapes,
                                       check_vmem, itemsize, sublanes)
 
 SMEM_TABLE_BUDGET_BYTES = 512 * 1024

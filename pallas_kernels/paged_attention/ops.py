@@ -4,16 +4,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pallas_kernels.binding import eager_only, first_problem, jax_backed_op, tpu_provider
-from pallas_kernels.paged_attention import cpu_native, eager, reference
-from pallas_kernels.registry import REGISTRY, Provider
-from pallas_kernels.spec import OpCase, OpSpec, Tolerance
-from pallas_kernels.tpu_layout import check_attention_operands, torch_dtype_name
+from tpu_executor.kernels.binding import eager_only, first_problem, jax_backed_op, tpu_provider
+from tpu_executor.kernels.paged_attention import cpu_native, eager, reference
+from tpu_executor.kernels.registry import REGISTRY, Provider
+from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
+from tpu_executor.kernels.tpu_layout import check_attention_operands, torch_dtype_name
 
 OP_NAME = "paged_attention"
 SCHEMA = ("(Tensor q, Tensor k_pages, Tensor v_pages, Tensor context_lens, Tensor block_tables, *, "
           "float scale, float? soft_cap=None, int? sliding_window=None, bool interpret=False) -> Tensor")
-KERNEL_MODULE = "pallas_kernels.paged_attention.kernel"
+KERNEL_MODULE = "tpu_executor.kernels.paged_attention.kernel"
 
 
 def fake(q, k_pages, v_pages, context_lens, block_tables, *, scale, soft_cap=None,
@@ -65,7 +65,7 @@ SPEC = OpSpec(
 
 def shape_problem(q, k_pages, v_pages, context_lens, block_tables, **_):
     """Why our kernel's TPU constraints reject these tensors, or None when they fit."""
-    from pallas_kernels.paged_attention import kernel
+    from tpu_executor.kernels.paged_attention import kernel
 
     def fits_kernel():  # runs after the operand check, so the shapes below exist
         ppc = kernel.default_pages_per_chunk(k_pages.shape[2], block_tables.shape[1])
@@ -86,7 +86,7 @@ def shipped_kernel_problem(q, *args, sliding_window=None, **kwargs):
 
 def _pallas_paged_attention(q, k_pages, v_pages, context_lens, block_tables, *, scale,
                             soft_cap=None, sliding_window=None, interpret=False):
-    from pallas_kernels.paged_attention import kernel
+    from tpu_executor.kernels.paged_attention import kernel
 
     return kernel.paged_attention(q, k_pages, v_pages, context_lens, block_tables, scale=scale,
                                   soft_cap=soft_cap, sliding_window=sliding_window,
@@ -100,7 +100,7 @@ def _jax_paged_attention(q, k_pages, v_pages, context_lens, block_tables, *, sca
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as jax_kernel
 
-    from pallas_kernels.paged_attention import kernel
+    from tpu_executor.kernels.paged_attention import kernel
 
     if sliding_window is not None:
         raise ValueError("jax's paged_attention has no sliding window")
@@ -113,12 +113,12 @@ def _jax_paged_attention(q, k_pages, v_pages, context_lens, block_tables, *, sca
 
 
 def pallas_op():
-    """``torch.ops.pallas_kernels.paged_attention_pallas``: our kernel through call_jax."""
+    """``torch.ops.tpu_executor.paged_attention_pallas``: our kernel through call_jax."""
     return jax_backed_op("paged_attention_pallas", SCHEMA, _pallas_paged_attention, fake)
 
 
 def jax_shipped_op():
-    """``torch.ops.pallas_kernels.paged_attention_jax``: JAX's kernel through call_jax."""
+    """``torch.ops.tpu_executor.paged_attention_jax``: JAX's kernel through call_jax."""
     return jax_backed_op("paged_attention_jax", SCHEMA, _jax_paged_attention, fake)
 
 

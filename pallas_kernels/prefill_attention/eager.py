@@ -16,7 +16,7 @@ from typing import Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
-from pallas_kernels.prefill_attention import reference
+from tpu_executor.kernels.prefill_attention import reference
 
 Runs = List[Tuple[int, int, int]]  # (segment id, start, end) of each run of equal ids
 

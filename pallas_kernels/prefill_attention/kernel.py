@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu_layout import (LANES, SUBLANES, check_attention_operands,
+from tpu_executor.kernels.tpu_layout import (LANES, SUBLANES, check_attention_operands,
                                       check_attention_shapes, check_vmem,
                                       itemsize, sublanes)
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pallas_kernels.binding import eager_only, first_problem, jax_backed_op, tpu_provider
-from pallas_kernels.paged_attention.ops import random_block_tables
-from pallas_kernels.prefill_attention import eager, reference
-from pallas_kernels.registry import REGISTRY, Provider
-from pallas_kernels.spec import OpCase, OpSpec, Tolerance
-from pallas_kernels.tpu_layout import check_attention_operands, torch_dtype_name
+from tpu_executor.kernels.binding import eager_only, first_problem, jax_backed_op, tpu_provider
+from tpu_executor.kernels.paged_attention.ops import random_block_tables
+from tpu_executor.kernels.prefill_attention import eager, reference
+from tpu_executor.kernels.registry import REGISTRY, Provider
+from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
+from tpu_executor.kernels.tpu_layout import check_attention_operands, torch_dtype_name
 
 OP_NAME = "prefill_attention"
 SCHEMA = ("(Tensor q, Tensor k_pages, Tensor v_pages, Tensor context_slots, Tensor key_positions, "
@@ -77,7 +77,7 @@ SPEC = OpSpec(
 
 def shape_problem(q, k_pages, v_pages, context_slots, *args, **kwargs):
     """Why our kernel's TPU constraints reject these tensors, or None when they fit."""
-    from pallas_kernels.prefill_attention import kernel
+    from tpu_executor.kernels.prefill_attention import kernel
 
     def fits_kernel():  # runs after the operand check, so the shapes below exist
         dtype_name = torch_dtype_name(q)
@@ -88,14 +88,14 @@ def shape_problem(q, k_pages, v_pages, context_slots, *args, **kwargs):
 
 
 def _pallas_prefill_attention(*args, scale, soft_cap=None, sliding_window=None, interpret=False):
-    from pallas_kernels.prefill_attention import kernel
+    from tpu_executor.kernels.prefill_attention import kernel
 
     return kernel.prefill_attention(*args, scale=scale, soft_cap=soft_cap,
                                     sliding_window=sliding_window, interpret=interpret)
 
 
 def pallas_op():
-    """``torch.ops.pallas_kernels.prefill_attention_pallas``: our kernel through call_jax."""
+    """``torch.ops.tpu_executor.prefill_attention_pallas``: our kernel through call_jax."""
     return jax_backed_op("prefill_attention_pallas", SCHEMA, _pallas_prefill_attention, fake)
 
 
@@ -104,7 +104,7 @@ def register(registry=REGISTRY) -> None:
     native path), then the reference. JAX ships no kernel with this contract (its flash
     attention knows neither pages, packed positions, soft-cap nor windows)."""
     registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem,
-                                            sources=("pallas_kernels.prefill_attention.kernel",)))
+                                            sources=("tpu_executor.kernels.prefill_attention.kernel",)))
     registry.register(OP_NAME, Provider("eager_segments", eager.prefill_attention, priority=5,
                                         supports_args=eager_only))
     registry.register(OP_NAME, Provider("reference", reference.prefill_attention, priority=0,

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from pallas_kernels.paged_attention.reference import soft_cap_scores
+from tpu_executor.kernels.paged_attention.reference import soft_cap_scores
 
 
 def gather_slots(pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

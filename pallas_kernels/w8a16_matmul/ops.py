@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pallas_kernels.registry import REGISTRY, Provider
-from pallas_kernels.spec import OpCase, OpSpec, Tolerance
-from pallas_kernels.w8a16_matmul import reference
+from tpu_executor.kernels.registry import REGISTRY, Provider
+from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
+from tpu_executor.kernels.w8a16_matmul import reference
 
 OP_NAME = "w8a16_matmul"
 

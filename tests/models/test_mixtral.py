@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.layers.moe import moe_reference, route, sparse_moe
+from tpu_executor.models.layers.moe import moe_reference, route, sparse_moe
 from tests.common import tiny_engine_options
 from tpu_executor import LLM, SamplingParams
 from tpu_executor.worker.model_loader import load_model
@@ -17,7 +17,7 @@ from tpu_executor.worker.model_loader import load_model
 
 @pytest.fixture(autouse=True, scope="module")
 def registered_ops():
-    from pallas_kernels import register_all
+    from tpu_executor.kernels import register_all
 
     register_all()
 

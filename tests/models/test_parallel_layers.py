@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.layers.parallel import TensorParallelGroup, check_tensor_parallel, kv_heads_of_rank
+from tpu_executor.models.layers.parallel import TensorParallelGroup, check_tensor_parallel, kv_heads_of_rank
 from tpu_executor.worker.model_loader import load_model
 
 
@@ -64,7 +64,7 @@ def test_vocab_shards_rebuild_embeddings_and_logits(checkpoints, arch):
 
 
 def test_vocab_not_divisible_is_padded_and_cut():
-    from models.layers.linear import VocabParallelEmbedding
+    from tpu_executor.models.layers.linear import VocabParallelEmbedding
 
     table = torch.randn(10, 4, generator=torch.Generator().manual_seed(3))  # HF layout [vocab, hidden]
     shards = []

@@ -7,8 +7,8 @@ from typing import List
 import pytest
 import torch
 
-from pallas_kernels.w8a16_matmul import ops as w8a16_ops
-from pallas_kernels.w8a16_matmul.reference import dequantize, quantize_per_channel
+from tpu_executor.kernels.w8a16_matmul import ops as w8a16_ops
+from tpu_executor.kernels.w8a16_matmul.reference import dequantize, quantize_per_channel
 from tests.common import greedy_tokens
 from tpu_executor import LLM
 from tpu_executor.worker.model_loader import load_model, quantizable_bytes
@@ -48,7 +48,7 @@ def test_w8a16_matmul_is_within_quantization_error_of_the_fp32_matmul(dtype, rou
     matmul of the original weight: output j may differ by at most sum_i |x_i| * scale_j / 2
     (each weight is off by at most half a step), plus the activation dtype's rounding. A scale
     on the wrong axis, a wrong sign or a missing scale breaks the bound."""
-    from pallas_kernels import register_all
+    from tpu_executor.kernels import register_all
 
     register_all()
     gen = torch.Generator().manual_seed(0)

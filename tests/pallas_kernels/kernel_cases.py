@@ -11,8 +11,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from pallas_kernels.binding import jax_to_torch, torch_to_jax
-from pallas_kernels.spec import OpCase, OpSpec
+from tpu_executor.kernels.binding import jax_to_torch, torch_to_jax
+from tpu_executor.kernels.spec import OpCase, OpSpec
 
 NUM_CASES = 100
 
@@ -118,7 +118,7 @@ def case_kinds(cases) -> set:
 def engine_like_decode_batch(kv_heads: int, heads: int, width: int) -> tuple:
     """Paged-attention arguments shaped like the engine's decode batch: 32 rows with contexts
     of 1-320 tokens over random 16-token pages, head size 64."""
-    from pallas_kernels.paged_attention.ops import random_block_tables
+    from tpu_executor.kernels.paged_attention.ops import random_block_tables
 
     rng = np.random.default_rng(3)
     lens = rng.integers(1, 321, size=32)

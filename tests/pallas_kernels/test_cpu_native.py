@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from pallas_kernels import OpRegistry, register_all
-from pallas_kernels.paged_attention import cpu_native
-from pallas_kernels.paged_attention.ops import SPEC
+from tpu_executor.kernels import OpRegistry, register_all
+from tpu_executor.kernels.paged_attention import cpu_native
+from tpu_executor.kernels.paged_attention.ops import SPEC
 from tests.pallas_kernels.kernel_cases import case_kinds, engine_like_decode_batch, generated_cases
 
 pytestmark = pytest.mark.skipif(not cpu_native.supported(), reason="no C compiler to build the kernel")

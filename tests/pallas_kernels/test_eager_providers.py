@@ -6,15 +6,15 @@ import importlib
 import pytest
 import torch
 
-from pallas_kernels.paged_attention import eager as paged_eager
-from pallas_kernels.prefill_attention import eager as prefill_eager
+from tpu_executor.kernels.paged_attention import eager as paged_eager
+from tpu_executor.kernels.prefill_attention import eager as prefill_eager
 from tests.pallas_kernels.kernel_cases import NUM_CASES, case_kinds, engine_like_decode_batch, generated_cases
 
 
 @pytest.mark.parametrize("op", ["paged_attention", "prefill_attention"])
 def test_eager_provider_matches_the_reference_on_generated_cases(op):
-    spec = importlib.import_module(f"pallas_kernels.{op}.ops").SPEC
-    provider = importlib.import_module(f"pallas_kernels.{op}.eager")
+    spec = importlib.import_module(f"tpu_executor.kernels.{op}.ops").SPEC
+    provider = importlib.import_module(f"tpu_executor.kernels.{op}.eager")
     cases = generated_cases(spec, seed=5)
     for case in cases:
         spec.assert_close(case.run(getattr(provider, op)), case.run(spec.reference), case.label)
@@ -28,7 +28,7 @@ def test_segment_runs_and_split_segments():
 
 def test_a_split_segment_falls_back_to_the_whole_reference():
     """Queries of one prompt on both sides of another's: not the runner's packing, still exact."""
-    from pallas_kernels.prefill_attention.reference import prefill_attention as reference
+    from tpu_executor.kernels.prefill_attention.reference import prefill_attention as reference
 
     gen = torch.Generator().manual_seed(0)
     pages = [torch.randn(2, 4, 8, 16, generator=gen) for _ in range(2)]
@@ -57,7 +57,7 @@ def test_rows_of_spread_contexts_split_in_two_groups_by_length():
 @pytest.mark.parametrize("window", [None, 40])
 def test_grouped_rows_match_the_reference(window):
     """32 decode rows with contexts of 1-320 tokens, as the engine's batch has them."""
-    from pallas_kernels.paged_attention.ops import SPEC
+    from tpu_executor.kernels.paged_attention.ops import SPEC
 
     args = engine_like_decode_batch(kv_heads=2, heads=6, width=20)
     assert paged_eager.length_groups(args[3], 16) is not None

@@ -3,8 +3,8 @@ call_jax binding inside a torch_xla graph."""
 import pytest
 import torch
 
-from pallas_kernels import OpRegistry, Provider
-from pallas_kernels.gmm import kernel, ops, reference
+from tpu_executor.kernels import OpRegistry, Provider
+from tpu_executor.kernels.gmm import kernel, ops, reference
 from tests.pallas_kernels.kernel_cases import (NUM_CASES, check_kernel_against_reference,
                                                check_kernels_agree, generated_cases, in_fresh_process,
                                                in_fresh_processes, total_counts, value_error_of)

@@ -6,7 +6,7 @@ import functools
 import pytest
 import torch
 
-from pallas_kernels.paged_attention import kernel, ops
+from tpu_executor.kernels.paged_attention import kernel, ops
 from tests.pallas_kernels.kernel_cases import (NUM_CASES, case_kinds, check_kernel_against_reference,
                                                check_kernels_agree, generated_cases, in_fresh_process,
                                                in_fresh_processes, total_counts,
@@ -106,7 +106,7 @@ def test_shipped_provider_declines_sliding_window_and_fp32():
 
 def test_int64_metadata_reaches_kernels_as_int32():
     """The engine builds lengths and tables as int64; TPU providers cast them to int32."""
-    from pallas_kernels.binding import with_int32_indices
+    from tpu_executor.kernels.binding import with_int32_indices
 
     seen = []
     call = with_int32_indices(lambda: lambda *args, **kw: seen.extend(a.dtype for a in args))

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from pallas_kernels import OpRegistry, Provider
-from pallas_kernels.paged_attention.reference import paged_attention
-from pallas_kernels.prefill_attention.reference import prefill_attention
+from tpu_executor.kernels import OpRegistry, Provider
+from tpu_executor.kernels.paged_attention.reference import paged_attention
+from tpu_executor.kernels.prefill_attention.reference import prefill_attention
 
 
 def make_registry():
@@ -47,7 +47,7 @@ def test_source_hash_covers_the_kernel_module():
     changes the compile-cache key."""
     plain = Provider("pallas", test_source_hash_covers_the_kernel_module, priority=1)
     with_kernel = Provider("pallas", test_source_hash_covers_the_kernel_module, priority=1,
-                           sources=("pallas_kernels.gmm.kernel",))
+                           sources=("tpu_executor.kernels.gmm.kernel",))
     assert plain.source_hash() != with_kernel.source_hash()
     with pytest.raises(ValueError, match="no_such_module"):
         Provider("x", plain.fn, priority=1, sources=("no_such_module",)).source_hash()
@@ -57,7 +57,7 @@ EAGER_PROVIDERS = {"gmm": "eager_grouped", "paged_attention": "eager_sdpa", "pre
 
 
 def test_every_op_registers_pallas_first_and_the_reference_last():
-    from pallas_kernels import register_all
+    from tpu_executor.kernels import register_all
 
     registry = register_all(OpRegistry())
     assert registry.ops() == ["gmm", "paged_attention", "prefill_attention", "w8a16_matmul"]
@@ -103,7 +103,7 @@ def test_fake_gives_the_reference_output_shape_and_dtype(op):
 
     import numpy as np
 
-    spec = importlib.import_module(f"pallas_kernels.{op}.ops").SPEC
+    spec = importlib.import_module(f"tpu_executor.kernels.{op}.ops").SPEC
     rng = np.random.default_rng(3)
     for _ in range(10):
         case = spec.generate(rng)
@@ -114,8 +114,8 @@ def test_fake_gives_the_reference_output_shape_and_dtype(op):
 def test_eager_grouped_gmm_matches_the_reference():
     import numpy as np
 
-    from pallas_kernels import register_all
-    from pallas_kernels.gmm import ops as gmm_ops
+    from tpu_executor.kernels import register_all
+    from tpu_executor.kernels.gmm import ops as gmm_ops
 
     registry = register_all(OpRegistry())
     eager = next(p for p in registry.providers("gmm") if p.name == "eager_grouped")

@@ -18,7 +18,7 @@ from typing import Dict, Sequence, Tuple
 
 import torch
 
-from models.layers.parallel import TensorParallelGroup
+from tpu_executor.models.layers.parallel import TensorParallelGroup
 
 TPU_BASE_PORT = 8476
 # Chips of one host laid out as a grid, by how many of them the workers use.

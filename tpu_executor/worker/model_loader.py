@@ -13,9 +13,9 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from models import model_class_for
-from models.layers.linear import weight_loader
-from models.layers.parallel import TensorParallelGroup
+from tpu_executor.models import model_class_for
+from tpu_executor.models.layers.linear import weight_loader
+from tpu_executor.models.layers.parallel import TensorParallelGroup
 
 # Checkpoint tensors that carry no weights of ours (recomputed or tied).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

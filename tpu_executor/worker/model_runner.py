@@ -21,7 +21,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from tqdm import tqdm
 
-from models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from tpu_executor.models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from tpu_executor.core.buckets import BucketPlan, DecodeCall, DecodeGraph, Graph, PrefillCall, PrefillGraph, SamplerGraph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK

@@ -14,7 +14,7 @@ from typing import Deque, List, Optional, Tuple
 
 import torch
 
-from models.layers.parallel import SingleRank, TensorParallelGroup
+from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup
 from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerStats
@@ -68,7 +68,7 @@ class Worker:
 
     def _init_torch_device(self) -> None:
         """The native path: any torch device, no torch_xla."""
-        from pallas_kernels import register_all
+        from tpu_executor.kernels import register_all
 
         self.device = torch.device(self.config.device.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -84,7 +84,7 @@ class Worker:
             self._init_tpu_multiprocess()
         import torch_xla
 
-        from pallas_kernels import register_all
+        from tpu_executor.kernels import register_all
 
         registry = register_all()  # after torch_xla is loaded, so it sees whether this is a TPU
         if on_tpu:

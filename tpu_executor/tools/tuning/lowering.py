@@ -66,7 +66,7 @@ def _lower_prefill(graph: PrefillGraph, heads: int, pages, head_dim: int, dt) ->
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.prefill_attention.kernel import prefill_attention
+    from tpu_executor.kernels.prefill_attention.kernel import prefill_attention
 
     t, keys = graph.num_tokens, graph.keys
     key_ints = [jax.ShapeDtypeStruct((keys,), jnp.int32)] * 3  # slots, positions, segments
@@ -79,7 +79,7 @@ def _lower_decode(graph: DecodeGraph, heads: int, pages, head_dim: int, dt) -> L
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.paged_attention.kernel import paged_attention
+    from tpu_executor.kernels.paged_attention.kernel import paged_attention
 
     rows = graph.num_rows
     return _lower("paged_attention", graph, paged_attention, jax.ShapeDtypeStruct((rows, heads, head_dim), dt),
