@@ -52,5 +52,5 @@ setup(
         "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40"],
         "tpu": ["torch_xla[tpu]==2.9.0"],
     },
-    entry_points={"console_scripts": ["tpu-executor = tpu_executor.entrypoints.cli:main"]},
+    entry_points={"console_scripts": ["tpu-executor = tpu_executor.cli:main"]},
 )

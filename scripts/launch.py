@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     args, generate_args = parse_args(argv)
     import ray
 
-    from tpu_executor.entrypoints import cli
+    from tpu_executor import cli
     from tpu_executor.executor.ray_executor import check_cluster
 
     ray.init(address=args.ray_address, ignore_reinit_error=True, log_to_driver=False)

@@ -1,11 +1,19 @@
 """Import direction equals data direction, and these tests are where the rules live.
 
-Between packages: pallas_kernels <- models <- tpu_executor; scripts/ import the packages,
-never the reverse. Inside tpu_executor, the layers from the bottom up are
-core < worker < executor < engine < tools < entrypoints: a module imports its own layer or
-lower ones, never one above it (so the worker never imports the engine or the entry points).
-core/ is pure Python: no torch (nor torch_xla, jax, numpy, ray) and nothing else of the
-project. Only the executor package's factory imports the Ray executor, lazily.
+The project installs one package, ``tpu_executor``; the repository's top-level ``models/`` and
+``pallas_kernels/`` folders install as ``tpu_executor.models`` and ``tpu_executor.kernels``
+(setup.py), so nothing may import them by their folder names (a user's ``models/`` folder
+would shadow them). The units, bottom up:
+
+    kernels < models < core < worker < executor < engine < tools < entrypoints < tuning < bench < cli
+
+A module imports its own unit or lower ones, never one above it (so the worker never imports
+the engine, and the engine no command). ``kernels`` imports nothing else of the project,
+``models`` only the kernels, and ``core`` is pure Python: nothing else of the project and no
+torch (nor torch_xla, jax, numpy, ray). ``cli.py`` is the composition root: it routes to every
+command and nothing imports it but ``scripts/``. Inside the package nothing imports the
+package root's lazy names (``from tpu_executor import LLM`` hides an upward import). Only the
+executor package's factory imports the Ray executor, lazily.
 """
 import ast
 import pathlib
@@ -13,9 +21,21 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = {"pallas_kernels": set(), "models": {"pallas_kernels"}, "tpu_executor": {"pallas_kernels", "models"}}
-LAYERS = ["core", "worker", "executor", "engine", "tools", "entrypoints"]
+# Repository folder -> installed package name.
+FOLDERS = {"tpu_executor": "tpu_executor", "models": "tpu_executor.models", "pallas_kernels": "tpu_executor.kernels"}
+UNITS = ["kernels", "models", "core", "worker", "executor", "engine", "tools", "entrypoints", "tuning", "bench",
+         "cli"]
+ONLY = {"kernels": {"kernels"}, "models": {"kernels", "models"}, "core": {"core"}}
 HEAVY = ("torch", "torch_xla", "jax", "numpy", "ray")
+
+
+def project_files():
+    """(path, installed module name) of every module the project installs."""
+    for folder, package in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            yield path, ".".join((package,) + parts)
 
 
 def imported_modules(path: pathlib.Path, top_level_only: bool = False):
@@ -29,38 +49,50 @@ def imported_modules(path: pathlib.Path, top_level_only: bool = False):
             yield node.module
 
 
-def layer_of(module: str) -> str:
+def unit_of(module: str) -> str:
+    """The unit of a project module ("" for the package root, None outside the project)."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[0] == "tpu_executor" else ""
+    if parts[0] != "tpu_executor":
+        return None
+    if len(parts) == 1:
+        return ""
+    assert parts[1] in UNITS, f"{module} is in no unit: add it to UNITS"
+    return parts[1]
 
 
-@pytest.mark.parametrize("package", sorted(PACKAGES))
-def test_packages_import_only_downstream(package):
-    for path in (ROOT / package).rglob("*.py"):
-        for module in imported_modules(path):
-            head = module.split(".")[0]
-            assert head not in PACKAGES or head == package or head in PACKAGES[package], \
-                f"{path.relative_to(ROOT)} imports {module}"
-            assert head != "scripts", f"{path.relative_to(ROOT)} imports scripts"
+def test_every_module_belongs_to_a_unit():
+    units = {unit_of(module) for _, module in project_files()}
+    assert units == set(UNITS) | {""}, units
 
 
-@pytest.mark.parametrize("layer", LAYERS)
-def test_layers_never_import_upwards(layer):
-    files = list((ROOT / "tpu_executor" / layer).rglob("*.py"))
-    assert files, f"tpu_executor/{layer} is missing"
-    for path in files:
-        for module in imported_modules(path):
-            other = layer_of(module)
-            assert other == "" or other not in LAYERS or LAYERS.index(other) <= LAYERS.index(layer), \
-                f"{path.relative_to(ROOT)} ({layer}) imports {module} ({other}), a layer above it"
+@pytest.mark.parametrize("unit", UNITS)
+def test_units_import_only_downwards(unit):
+    files = [(path, module) for path, module in project_files() if unit_of(module) == unit]
+    assert files, f"unit {unit} has no modules"
+    for path, module in files:
+        for imported in imported_modules(path):
+            other = unit_of(imported)
+            where = f"{path.relative_to(ROOT)} ({unit}) imports {imported}"
+            if other is None:
+                continue
+            assert other != "", f"{where}: import from the module that defines the name"
+            assert UNITS.index(other) <= UNITS.index(unit), f"{where}, a unit above it"
+            assert unit not in ONLY or other in ONLY[unit], f"{where}; {unit} may import only {ONLY[unit]}"
 
 
-def test_core_is_pure_python_and_self_contained():
-    for path in (ROOT / "tpu_executor" / "core").rglob("*.py"):
-        for module in imported_modules(path):
-            head = module.split(".")[0]
-            assert head not in HEAVY, f"{path.relative_to(ROOT)} imports {module}"
-            assert head not in PACKAGES or layer_of(module) == "core", f"{path.relative_to(ROOT)} imports {module}"
+def test_nothing_imports_the_folders_by_their_own_names():
+    paths = [path for path, _ in project_files()] + sorted((ROOT / "tests").rglob("*.py")) + \
+        sorted((ROOT / "scripts").rglob("*.py"))
+    for path in paths:
+        for imported in imported_modules(path):
+            assert imported.split(".")[0] not in ("models", "pallas_kernels"), f"{path.relative_to(ROOT)} imports {imported}"
+
+
+def test_core_is_pure_python():
+    for path, module in project_files():
+        if unit_of(module) == "core":
+            for imported in imported_modules(path):
+                assert imported.split(".")[0] not in HEAVY, f"{path.relative_to(ROOT)} imports {imported}"
 
 
 def test_only_the_factory_imports_ray_and_lazily():

@@ -1,22 +1,9 @@
 """Megatron-style parallel linears and vocabulary layers, weights in ``[in, out]`` layout.
 
-XLA's CPU backend materialises the transpose of ``x @ W.T`` on every call (measured: the
-SmolLM2 LM head takes 122 ms that way and 8 ms with a pre-transposed weight), so matmul
-weights are stored transposed once at load time. Two CPU-only forms are chosen after loading,
-by measurement on a 2-core AVX2 EPYC (``tpu-executor bench throughput`` and the numbers in
-the README):
-- native path (``pack_for_cpu``): fp32 weights reordered once into oneDNN's blocked layout;
-  decode-sized matmuls (32 rows) ran up to 2x faster than MKL's ``x @ W``; prefill-sized ones
-  within about 15% either way (faster for Gemma's shapes, slower for SmolLM2's).
-- XLA on CPU (``use_xla_cpu_form``): XLA's CPU dot (Eigen) runs ``x @ W`` at about a third
-  of its speed on prefill-sized inputs (128-512 rows) when neither the input nor the output
-  features reach 3,072 (e.g. 33 vs 110 GFLOP/s for 768 -> 1,152 at 512 rows), while the
-  ``[out, in]`` form ``F.linear`` does not fall into that hole; at decode sizes (32 rows), and
-  with either side at 3,072 or more, ``x @ W`` is the faster form (up to 4x). So such small
-  layers also keep the checkpoint's ``[out, in]`` copy there and use it for inputs of 128
-  rows or more; at 32-64 rows over 1,536-2,048 input features they run as two half-width
-  dots (a slow case of Eigen's, below). The row count is static in every compiled graph: no
-  graph is added.
+XLA's CPU backend materialises the transpose of ``x @ W.T`` on every call (the SmolLM2 LM
+head took 122 ms that way and 8 ms with a pre-transposed weight), so matmul weights are
+stored transposed once at load time. After loading, a layer may switch to INT8 weights or to
+one of the CPU-only matmul forms of ``cpu_matmul.py``; TPUs keep ``[in, out]``.
 
 Each rank keeps its shard: column-parallel layers split the output features (no
 communication; the output stays sharded), row-parallel layers split the input features and
@@ -30,9 +17,10 @@ from __future__ import annotations
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tpu_executor.models.layers.cpu_matmul import (XLA_CPU_OUT_IN_BELOW, onednn_matmul, onednn_packed, packable_for_cpu,
+                                                   xla_cpu_small_matmul)
 from tpu_executor.models.layers.parallel import TensorParallelGroup, divide, kv_heads_of_rank
 from tpu_executor.kernels.w8a16_matmul.ops import w8a16_matmul
 from tpu_executor.kernels.w8a16_matmul.reference import quantize_per_channel
@@ -62,52 +50,6 @@ def narrow_checked(loaded: torch.Tensor, dim: int, start: int, length: int, full
     return loaded.narrow(dim, start, length)
 
 
-def onednn_packed(weight: torch.Tensor) -> torch.Tensor:
-    """An ``[in, out]`` weight reordered into oneDNN's blocked layout (an opaque CPU tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().t().contiguous())
-
-
-def onednn_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """``x @ W`` for a weight packed by ``onednn_packed``."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-
-# Below this many input and output features, and from this many rows on, XLA's CPU dot
-# prefers the [out, in] form (see above).
-XLA_CPU_OUT_IN_BELOW = 3072
-XLA_CPU_OUT_IN_MIN_ROWS = 128
-# Eigen's dot (XLA's CPU backend) has a hole at 32-64 rows over 1,536-2,048 input features:
-# 31-34 GFLOP/s (SmolLM2's down projection, 1,536 -> 576, at 32 rows), while two dots over
-# half the features each, summed, ran at 56-98. Fewer or more rows, or other widths (1,024,
-# 1,280, 2,560, 3,072 features), do not have it; measured on a 2-core AVX2 EPYC.
-XLA_CPU_SPLIT_K_ROWS = range(32, 65)
-XLA_CPU_SPLIT_K_FEATURES = range(1536, 2049)
-
-
-def splits_features(rows: int, features: int) -> bool:
-    """Whether a small layer's matmul over ``features`` inputs at ``rows`` rows runs as two
-    half-width dots on XLA's CPU backend (Eigen's slow case above)."""
-    return rows in XLA_CPU_SPLIT_K_ROWS and features in XLA_CPU_SPLIT_K_FEATURES
-
-
-def xla_cpu_small_matmul(x: torch.Tensor, weight: torch.Tensor, weight_out_in: torch.Tensor) -> torch.Tensor:
-    """``x @ W`` for a layer under ``XLA_CPU_OUT_IN_BELOW`` features a side on XLA's CPU
-    backend, in the form measured fastest for its row count (static in a compiled graph)."""
-    rows, features = x.shape[0], weight.shape[0]
-    if rows >= XLA_CPU_OUT_IN_MIN_ROWS:
-        return F.linear(x, weight_out_in)
-    if splits_features(rows, features):
-        half = features // 2
-        return x[:, :half] @ weight[:half] + x[:, half:] @ weight[half:]
-    return x @ weight
-
-
-def packable_for_cpu(weight: Optional[torch.Tensor]) -> bool:
-    """oneDNN packing was measured for fp32 CPU weights only."""
-    return weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32 \
-        and torch.backends.mkldnn.is_available()
-
-
 # (offset in our shard, start in the checkpoint tensor, length, checkpoint size), along outputs
 OutputShard = Tuple[int, int, int, int]
 
@@ -124,7 +66,7 @@ def quantize_parameter(module: nn.Module, name: str) -> None:
 class QuantizableMatmul(nn.Module):
     """``x @ weight`` that can switch, after loading, to INT8 weights with per-output-channel
     scales (W8A16): the matmul then goes through the ``w8a16_matmul`` op; or, on a CPU, to the
-    matmul forms measured faster there (see the module's docstring)."""
+    matmul forms measured faster there (``cpu_matmul.py``)."""
 
     quantizable = True
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tpu_executor.models.layers.linear import XLA_CPU_OUT_IN_BELOW, XLA_CPU_OUT_IN_MIN_ROWS
+from tpu_executor.models.layers.cpu_matmul import XLA_CPU_OUT_IN_BELOW, XLA_CPU_OUT_IN_MIN_ROWS
 from tpu_executor.worker.model_loader import load_model, pack_for_cpu, quantize_int8, use_xla_cpu_forms
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # fp32, another summation order
@@ -67,7 +67,8 @@ def test_layers_with_a_side_at_the_threshold_keep_x_at_w():
 
 
 def test_eigens_slow_case_runs_as_two_half_width_dots():
-    from tpu_executor.models.layers.linear import ColumnParallelLinear, splits_features
+    from tpu_executor.models.layers.cpu_matmul import splits_features
+    from tpu_executor.models.layers.linear import ColumnParallelLinear
     from tpu_executor.models.layers.parallel import SingleRank
 
     assert splits_features(32, 1536) and splits_features(64, 2048)

@@ -48,8 +48,8 @@ def test_kernel_lowers_for_the_tpu_at_long_contexts(tokens, keys):
     """VMEM holds a (query block, key block) tile whatever the context: the kernel streams
     key blocks; the lowering checks Mosaic's shape rules at these widths."""
     from tpu_executor.core.buckets import PrefillGraph
-    from tpu_executor.tools.tuning.lowering import lower_graphs
-    from tpu_executor.tools.tuning.roofline import ModelShape
+    from tpu_executor.tuning.lowering import lower_graphs
+    from tpu_executor.tuning.roofline import ModelShape
 
     shape = ModelShape(layers=2, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=1000)
     kernel.validate((tokens, 32, 128), (8, 64, 16, 128), "bfloat16", *kernel.choose_blocks(tokens, keys, "bfloat16"))

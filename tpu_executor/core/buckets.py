@@ -253,6 +253,16 @@ class BucketPlan:
         """The sampler graph for a model call that returned ``num_rows`` (padded) rows."""
         return SamplerGraph(num_rows, self.logprob_widths[-1] if wants_logprobs else 0, all_greedy)
 
+    def describe(self) -> str:
+        """The plan as the start-up report prints it: each dimension's buckets and graphs."""
+        graphs = self.graphs()
+        count = lambda kind: sum(isinstance(g, kind) for g in graphs)  # noqa: E731
+        tokens = " ".join(map(str, self.prefill_token_buckets))
+        rows, widths = (" ".join(map(str, b)) for b in (self.decode_row_buckets, self.context_token_buckets))
+        return (f"prefill {tokens} tokens ({count(PrefillGraph)} graphs with the long-context forms); "
+                f"decode {rows} rows x {widths} context tokens ({count(DecodeGraph)} graphs); "
+                f"sampler {count(SamplerGraph)} graphs")
+
     def graphs(self) -> List[Graph]:
         """Every graph the runner compiles at warm-up, model steps first."""
         prefill = [PrefillGraph(t, k) for t in self.prefill_token_buckets for k in self.key_widths(t)]

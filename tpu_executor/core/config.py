@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Tuple
 
 # "xla": compiled graphs through torch_xla; any other torch device runs the native eager path.
@@ -22,11 +22,13 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def option(default=None, help: str = "", default_factory=None):
-    """A config field that is also an engine option (``LLM`` keyword, command-line flag)."""
+def option(default=None, help: str = "", default_factory=None, none_means: str = ""):
+    """A config field that is also an engine option (``LLM`` keyword, command-line flag);
+    ``none_means`` says what a ``None`` default stands for (``--help`` shows it)."""
+    metadata = {"help": help, "none_means": none_means}
     if default_factory is not None:
-        return field(default_factory=default_factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def _sorted_positive(name: str, values: Tuple[int, ...]) -> Tuple[int, ...]:
@@ -42,15 +44,16 @@ class ModelConfig:
     """Which checkpoint to load and how.
 
     ``model`` is a directory in Hugging Face layout (config.json, *.safetensors, tokenizer).
-    ``max_model_len`` caps prompt + output tokens; ``None`` takes the checkpoint's limit.
+    ``max_model_len`` caps prompt + output tokens; ``None`` takes the checkpoint's context
+    length, lowered at start-up to what the KV cache holds (``fit_max_model_len``).
     ``quantization="int8"`` stores the linear and expert weights as INT8 with one scale per
     output channel, quantized at load time (weight-only: activations stay in ``dtype``).
     """
 
     model: str
     dtype: str = option("float32", f"weights and activations, one of {DTYPES}")
-    max_model_len: Optional[int] = option(None, "prompt + output tokens per sequence (default: the "
-                                                "checkpoint's limit, capped by the largest prefill bucket)")
+    max_model_len: Optional[int] = option(None, "prompt + output tokens per sequence", none_means=(
+        "the checkpoint's context length, lowered to what the KV cache holds"))
     seed: int = option(0, "seed of the engine (draws the seeds of unseeded requests)")
     quantization: Optional[str] = option(None, "int8: weight-only INT8 linears and experts (W8A16)")
 
@@ -78,7 +81,7 @@ class CacheConfig:
     block_size: int = option(16, "tokens per KV-cache block: 8, 16, 32, 64 or 128")
     memory_utilization: float = option(0.9, "fraction of TPU/GPU memory the engine may use")
     memory_budget_bytes: int = option(2 << 30, "CPU: bytes for weights + KV cache")
-    num_blocks: Optional[int] = option(None, "KV-cache blocks (default: as many as fit)")
+    num_blocks: Optional[int] = option(None, "KV-cache blocks", none_means="as many as fit")
     enable_prefix_caching: bool = option(True, "share full KV blocks between equal prompt prefixes")
 
     def __post_init__(self):
@@ -95,7 +98,7 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits for one engine step."""
 
-    max_num_seqs: int = option(32, "sequences running at once (the largest decode batch)")
+    max_num_seqs: int = option(64, "sequences running at once (the largest decode batch)")
     max_num_batched_tokens: int = option(2048, "tokens computed in one step (the token budget)")
     enable_chunked_prefill: bool = option(True, "split prompts longer than the token budget into chunks "
                                                 "(decodes go first each step; prefill buckets stop at the budget)")
@@ -129,9 +132,9 @@ class CompileConfig:
     (``None`` disables it).
     """
 
-    prefill_buckets: Tuple[int, ...] = option((16, 32, 64, 128, 256, 512, 1024, 2048),
+    prefill_buckets: Tuple[int, ...] = option((64, 128, 256, 512, 1024, 2048),
                                               "prefill buckets, in tokens of one packed call")
-    decode_buckets: Tuple[int, ...] = option((1, 2, 4, 8, 16, 32), "decode buckets, in sequences")
+    decode_buckets: Tuple[int, ...] = option((8, 16, 32, 64), "decode buckets, in sequences")
     decode_context_buckets: Tuple[int, ...] = option((512, 2048), "decode context buckets, in tokens")
     strict: bool = option(False, "raise on any compilation after warm-up")
     cache_dir: Optional[str] = option(
@@ -229,12 +232,27 @@ class EngineConfig:
 OPTION_SECTIONS = (ModelConfig, DeviceConfig, CacheConfig, SchedulerConfig, CompileConfig, ParallelConfig)
 
 
-def resolve_max_model_len(checkpoint_limit: int, user_limit: Optional[int],
-                          prefill_buckets: Tuple[int, ...]) -> int:
-    """The context length the engine serves: the user's value, else the checkpoint's limit
-    capped by the largest prefill bucket."""
+def resolve_max_model_len(checkpoint_limit: int, user_limit: Optional[int], scheduler: SchedulerConfig) -> int:
+    """The longest context the engine may serve: the user's value, else the checkpoint's
+    limit (without chunked prefill, also the token budget: a prompt must fit one step). The
+    engine core may lower a default one to what the KV cache holds (``fit_max_model_len``)."""
     if user_limit is None:
-        return min(checkpoint_limit, prefill_buckets[-1])
+        if scheduler.enable_chunked_prefill:
+            return checkpoint_limit
+        return min(checkpoint_limit, scheduler.max_num_batched_tokens)
     _require(user_limit <= checkpoint_limit,
              f"max_model_len {user_limit} exceeds the checkpoint's context length {checkpoint_limit}")
     return user_limit
+
+
+def fit_max_model_len(config: EngineConfig, num_blocks: int) -> EngineConfig:
+    """``config`` with a default ``max_model_len`` lowered to the tokens ``num_blocks`` KV
+    blocks hold (block 0 is the null block). A ``max_model_len`` the user set is kept: the
+    worker has already refused a cache too small for it."""
+    block = config.cache.block_size
+    held = (num_blocks - 1) * block
+    if config.model.max_model_len is not None or held >= config.max_model_len:
+        return config
+    _require(held >= block, f"the KV cache holds {num_blocks} blocks, no room for a sequence; raise "
+                            "memory_budget_bytes / memory_utilization")
+    return replace(config, max_model_len=held)

@@ -54,6 +54,15 @@ class _Stats:
 _STOP = object()
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """What a server reads of the engine's model: fixed once the engine has started."""
+
+    path: str  # the checkpoint directory
+    max_model_len: int  # as served (a default one fitted to the KV cache)
+    vocab_size: int
+
+
 class RequestStream:
     """The deltas of one or more engine requests, in the order the engine produced them (a
     completions call with several prompts reads all of them from one stream). It ends after
@@ -114,6 +123,17 @@ class AsyncLLMEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+
+    @property
+    def model(self) -> ServedModel:
+        """The served model's fixed facts; the one view a server has of the engine's state."""
+        config = self.engine.config
+        return ServedModel(config.model.model, config.max_model_len, self.engine.vocab_size)
+
+    def validate_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
+        """``ValueError`` naming what is wrong with a prompt, before it is queued (reads only
+        the engine's fixed limits, so any thread may call it)."""
+        self.engine.validate_prompt(token_ids, params)
 
     @property
     def is_running(self) -> bool:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from tpu_executor.core.buckets import BucketPlan
-from tpu_executor.core.config import EngineConfig
+from tpu_executor.core.config import EngineConfig, fit_max_model_len
 from tpu_executor.core.kv_cache_manager import KVCacheManager
 from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.request import Request, RequestStatus
@@ -82,6 +82,7 @@ class EngineCore:
         except BaseException:
             executor.shutdown()
             raise
+        config = self.config  # with max_model_len fitted to the cache
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.max_model_len,
                                    BucketPlan.from_config(config).max_prefill_tokens)
@@ -92,7 +93,7 @@ class EngineCore:
         # Groups whose first sample still prefills: that sample, and the others waiting for it.
         self._deferred: List[Tuple[Request, List[Request]]] = []
         self._worker_stats = WorkerStats()
-        self.timer = NullPhaseTimer()  # bench host swaps in a PhaseTimer
+        self.timer = NullPhaseTimer()  # see attach_phase_timer
         # The step started but not yet read back (asynchronous scheduling).
         self._in_flight: Optional[Tuple[SchedulerOutput, "Future[ModelRunnerOutput]"]] = None
 
@@ -104,13 +105,23 @@ class EngineCore:
 
     def _start_workers(self, show_progress: bool) -> int:
         """Bring every worker up; returns the number of KV blocks they all hold."""
-        executor = self.executor
+        executor, config_limit = self.executor, self.config.max_model_len
         self._timed("init_device", executor.init_device)
         self.vocab_size = self._timed("load_model", executor.load_model)
         num_blocks = self._timed("profile", executor.determine_num_blocks)
-        self._timed("init_cache", executor.init_cache, num_blocks)
+        self.config = fit_max_model_len(self.config, num_blocks)
+        if self.config.max_model_len < config_limit:
+            logger.warning("max_model_len lowered from %d to %d tokens: what the KV cache holds (raise "
+                           "memory_budget_bytes / memory_utilization for more)", config_limit, self.config.max_model_len)
+        self._timed("init_cache", executor.init_cache, num_blocks, self.config.max_model_len)
         self._timed("warmup", executor.warmup, show_progress)
         return num_blocks
+
+    def attach_phase_timer(self, timer):
+        """Time this core's phases and its worker's with ``timer`` (benchmarks); returns the
+        in-process model runner (see ``LLMEngine.attach_phase_timer``)."""
+        self.timer = timer
+        return self.executor.attach_phase_timer(timer)
 
     # ---- requests -----------------------------------------------------------------------
     def add(self, samples: Sequence[Request]) -> None:

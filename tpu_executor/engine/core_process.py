@@ -64,7 +64,8 @@ class CoreProcess:
             hint = "" if kind == "failed" else (" (its output above says why; a script that starts it must guard "
                                                 "its entry point with `if __name__ == \"__main__\":`)")
             raise RuntimeError(f"the engine core failed to start: {answer[0]}{hint}")
-        self.vocab_size, self.startup_seconds = answer
+        self.vocab_size, self.startup_seconds, max_model_len = answer
+        self.config = dataclasses.replace(self.config, max_model_len=max_model_len)  # as the core fitted it
 
     # ---- EngineCore's methods -----------------------------------------------------------
     def add(self, samples: Sequence[Request]) -> None:
@@ -179,7 +180,7 @@ def run_core(conn, config: EngineConfig, worker_class: Optional[type], show_prog
         conn.send(("failed", f"{type(err).__name__}: {err}"))
         return
     freeze_startup_heap()
-    conn.send(("ready", core.vocab_size, core.startup_seconds))
+    conn.send(("ready", core.vocab_size, core.startup_seconds, core.config.max_model_len))
     try:
         while _apply_messages(conn, core, wait=not core.has_unfinished()):
             if core.has_unfinished():

@@ -101,9 +101,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, tokenizer, executor: Optional[Executor] = None,
                  show_progress: bool = True, core: Optional[EngineCore] = None):
-        self.config = config
         self.tokenizer = tokenizer
         self.core = core if core is not None else start_core(config, executor, show_progress=show_progress)
+        # The core's config: a default max_model_len is lowered there to what the KV cache holds.
+        self.config: EngineConfig = self.core.config
         self.vocab_size = self.core.vocab_size
         self.dead_reason: Optional[str] = None
         self.detokenizer = Detokenizer(tokenizer)
@@ -112,7 +113,7 @@ class LLMEngine:
         self._advanced: Dict[str, RequestGroup] = {}  # groups with samples that have news, by id
         self._seed_rng = random.Random(config.model.seed)
         self._counter = itertools.count()
-        self.timer = NullPhaseTimer()  # bench host swaps in a PhaseTimer
+        self.timer = NullPhaseTimer()  # see attach_phase_timer
         # Ready to serve: later collections skip what start-up built (see core/heap.py).
         freeze_startup_heap()
 
@@ -132,6 +133,15 @@ class LLMEngine:
             core.shutdown()
             raise
         return cls(config, tokenizer, core=core)
+
+    def attach_phase_timer(self, timer):
+        """Time the front-end's, the core's and the model runner's phases with ``timer``
+        (``bench host``, ``bench throughput --profile``); returns the in-process model runner,
+        so a profiler can observe its model too. Needs the core and its worker in this process."""
+        if isinstance(self.core, CoreProcess):
+            raise ValueError("phase timing needs the engine core in this process (core_process off)")
+        self.timer = timer
+        return self.core.attach_phase_timer(timer)
 
     # ---- requests -----------------------------------------------------------------------
     def prepare_prompt(self, prompt: PromptType, params: SamplingParams) -> List[int]:

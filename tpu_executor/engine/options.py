@@ -60,18 +60,29 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
     parallel, compile_config = ParallelConfig(**values[ParallelConfig]), CompileConfig(**values[CompileConfig])
     hf_config = load_hf_config(model)
     check_tensor_parallel(hf_config, parallel.tensor_parallel_size)
-    limit = resolve_max_model_len(checkpoint_limit(hf_config), model_config.max_model_len,
-                                  compile_config.prefill_buckets)
+    scheduler = SchedulerConfig(**values[SchedulerConfig])
+    limit = resolve_max_model_len(checkpoint_limit(hf_config), model_config.max_model_len, scheduler)
     return EngineConfig(model=model_config, cache=CacheConfig(**values[CacheConfig]),
-                        scheduler=SchedulerConfig(**values[SchedulerConfig]), compile=compile_config,
+                        scheduler=scheduler, compile=compile_config,
                         device=DeviceConfig(**values[DeviceConfig]), max_model_len=limit, parallel=parallel)
 
 
-def _argument_kwargs(section: type, f: dataclasses.Field) -> Dict[str, Any]:
-    """argparse keywords for one option, from its type hint, default and help text."""
+def shown_default(value: Any) -> str:
+    """An option's value as ``--help`` shows it (bucket lists as the flag takes them)."""
+    return " ".join(str(v) for v in value) if isinstance(value, tuple) else str(value)
+
+
+def _argument_kwargs(section: type, f: dataclasses.Field, defaults: Dict[str, Any]) -> Dict[str, Any]:
+    """argparse keywords for one option, from its type hint, help text and the default it
+    takes in this subcommand (a ``None`` default in words, where it stands for something)."""
     hint = typing.get_type_hints(section)[f.name]
     default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    shown = "" if default is None else f" (default: {default})"
+    default = defaults.get(f.name, default)
+    if default is None:
+        none_means = f.metadata.get("none_means")
+        shown = f" (default: {none_means})" if none_means else ""
+    else:
+        shown = f" (default: {shown_default(default)})"
     kwargs: Dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS,
                               "help": f.metadata.get("help", "") + shown}
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -84,23 +95,30 @@ def _argument_kwargs(section: type, f: dataclasses.Field) -> Dict[str, Any]:
     return kwargs
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, exclude: Iterable[str] = ()) -> None:
-    """Add every engine option (but ``exclude``) as ``--flag`` to ``parser``. Flags not given
-    stay out of the parsed namespace, so the config's defaults (or the subcommand's
-    ``parser.set_defaults``) apply."""
-    group = parser.add_argument_group("engine options")
+def add_engine_arguments(parser: argparse.ArgumentParser, exclude: Iterable[str] = (),
+                         defaults: Optional[Dict[str, Any]] = None, why: Optional[str] = None) -> None:
+    """Add every engine option (but ``exclude``) as ``--flag`` to ``parser``. ``defaults`` are
+    this subcommand's own values for some options, ``why`` the reason (printed by ``--help``
+    above the options); every other option takes the engine's default, and ``--help`` shows
+    the value each one takes. Flags not given stay out of the parsed namespace."""
+    defaults = dict(defaults or {})
+    unknown = sorted(set(defaults) - {f.name for _, f in option_fields()})
+    if unknown:
+        raise ValueError(f"unknown engine options in a subcommand's defaults: {unknown}")
+    group = parser.add_argument_group("engine options", why)
     for section, f in option_fields():
         if f.name not in exclude:
-            group.add_argument("--" + f.name.replace("_", "-"), **_argument_kwargs(section, f))
+            group.add_argument("--" + f.name.replace("_", "-"), **_argument_kwargs(section, f, defaults))
+    parser.set_defaults(engine_defaults=defaults)
 
 
-def engine_options_from_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """The engine options given in parsed ``args`` over the subcommand's ``defaults`` (the
-    configs turn bucket lists into tuples). A bucket file replaces the default buckets and
-    limits: the user chose them by tuning."""
+def engine_options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
+    """The engine options given in parsed ``args`` over the subcommand's own defaults (the
+    configs turn bucket lists into tuples). A bucket file replaces the subcommand's buckets
+    and limits: the user chose them by tuning."""
     values = vars(args)
     given = {f.name: values[f.name] for _, f in option_fields() if f.name in values}
-    defaults = dict(defaults or {})
+    defaults = dict(values.get("engine_defaults") or {})
     if given.get("bucket_config") is not None:
         defaults = {k: v for k, v in defaults.items() if k not in BUCKET_FIELDS + LIMIT_FIELDS}
     return {**defaults, **given}

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict
 
+from tpu_executor.core.buckets import BucketPlan
+from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.step import PaddingStats
 
 
@@ -40,6 +42,15 @@ class EngineStats:
         """Fraction of the usable KV blocks held by requests."""
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
-    @property
-    def startup_total_seconds(self) -> float:
-        return sum(self.startup_seconds.values())
+
+def startup_report(config: EngineConfig, stats: EngineStats, seconds: float) -> str:
+    """What ``serve`` and ``generate`` print once the engine is ready: the context it serves,
+    its KV cache and the bucket plan it compiled."""
+    plan = BucketPlan.from_config(config)
+    if config.device.is_xla:
+        compiled = f"{stats.graphs_compiled_at_warmup} graphs compiled at warm-up"
+    else:
+        compiled = f"native {config.device.device} path, nothing compiled"
+    return (f"engine ready in {seconds:.1f} s: context {config.max_model_len} tokens, {stats.kv_blocks_total} KV "
+            f"blocks of {config.cache.block_size} tokens, up to {config.scheduler.max_num_seqs} sequences, "
+            f"{compiled}\nbucket plan: {plan.describe()}")

@@ -19,9 +19,11 @@ DEFAULT_PROMPTS = [
     "Explain in one sentence what a compiler does.",
     "List three primary colors.",
 ]
-# Small buckets: a few chat prompts need little, and each bucket is a graph to compile.
+# A few short prompts need little, and every bucket is a graph compiled at start-up.
 ENGINE_DEFAULTS = dict(max_model_len=256, max_num_seqs=4, prefill_buckets=(128, 256), decode_buckets=(4,),
                        decode_context_buckets=(256,))
+WHY_DEFAULTS = ("Defaults here are sized for a few short prompts (every bucket is a graph compiled at start-up): "
+                "max_model_len, max_num_seqs and the three bucket lists differ from the engine's.")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -35,7 +37,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, defaults=ENGINE_DEFAULTS, why=WHY_DEFAULTS)
     parser.set_defaults(run=run)
     return parser
 
@@ -48,14 +50,14 @@ def format_prompts(tokenizer, prompts, use_chat_template: bool):
 
 
 def run(args: argparse.Namespace) -> None:
-    from tpu_executor import LLM, SamplingParams
+    from tpu_executor.core.sampling_params import SamplingParams
+    from tpu_executor.engine.stats import startup_report
+    from tpu_executor.entrypoints.llm import LLM
     from tpu_executor.tools.default_model import prepare
 
     start = time.perf_counter()
-    llm = LLM(args.model or prepare(), **engine_options_from_args(args, ENGINE_DEFAULTS))
-    stats = llm.stats()
-    print(f"engine ready in {time.perf_counter() - start:.1f} s ({stats.graphs_compiled_at_warmup} XLA "
-          f"compilations, {stats.kv_blocks_total} KV blocks)")
+    llm = LLM(args.model or prepare(), **engine_options_from_args(args))
+    print(startup_report(llm.engine.config, llm.stats(), time.perf_counter() - start), flush=True)
     prompts = args.prompt or DEFAULT_PROMPTS
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens)

@@ -18,10 +18,6 @@ import time
 from tpu_executor.engine.options import add_engine_arguments, engine_options_from_args
 
 API_KEY_ENV = "TPU_EXECUTOR_API_KEY"
-# A serving shape for the default model on a CPU host: 512-token contexts, 16 sequences, and
-# few buckets (each is a graph compiled before the port opens). TPU users pass their own.
-ENGINE_DEFAULTS = dict(max_model_len=512, max_num_seqs=16, prefill_buckets=(128, 512), decode_buckets=(4, 16),
-                       decode_context_buckets=(512,))
 
 logger = logging.getLogger(__name__)
 
@@ -68,19 +64,18 @@ def run(args: argparse.Namespace) -> None:
 
     from tpu_executor.engine.async_engine import AsyncLLMEngine
     from tpu_executor.engine.llm_engine import LLMEngine
+    from tpu_executor.engine.stats import startup_report
     from tpu_executor.entrypoints.openai.api_server import build_app, uvicorn_config
     from tpu_executor.tools.default_model import prepare
 
     model_path = args.model or prepare()
     config = server_config(args, model_path)  # bad server options fail before the engine starts
     start = time.perf_counter()
-    engine = LLMEngine.from_options(model_path, **engine_options_from_args(args, ENGINE_DEFAULTS))
+    engine = LLMEngine.from_options(model_path, **engine_options_from_args(args))
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=config.max_waiting_requests)
     # The server encodes prompts on its own thread with its own tokenizer; the engine thread
     # keeps the engine's for detokenizing.
     app = build_app(async_engine, AutoTokenizer.from_pretrained(model_path), config)
-    stats = engine.stats()
-    print(f"engine ready in {time.perf_counter() - start:.1f} s ({stats.graphs_compiled_at_warmup} XLA "
-          f"compilations, {stats.kv_blocks_total} KV blocks); serving {config.model_name!r} on "
-          f"http://{config.host}:{config.port}/v1", flush=True)
+    print(startup_report(engine.config, engine.stats(), time.perf_counter() - start), flush=True)
+    print(f"serving {config.model_name!r} on http://{config.host}:{config.port}/v1", flush=True)
     uvicorn.Server(uvicorn_config(app, config)).run()

@@ -55,8 +55,10 @@ class Executor(abc.ABC):
         """KV blocks every worker can hold: the smallest worker's count."""
         return min(self._call_workers("determine_num_blocks"))
 
-    def init_cache(self, num_blocks: int) -> None:
-        self._call_workers("init_cache", num_blocks)
+    def init_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate every worker's cache; ``max_model_len`` is the context the cache was
+        fitted to (``core/config.py: fit_max_model_len``)."""
+        self._call_workers("init_cache", num_blocks, max_model_len)
 
     def warmup(self, show_progress: bool) -> None:
         """Compile every graph of the bucket plan on every worker."""
@@ -89,6 +91,12 @@ class Executor(abc.ABC):
     def time_graphs(self, graphs: Sequence[Graph], repeats: int = 3) -> List[float]:
         """Seconds per run of each graph, rank 0's (every rank runs the same shapes)."""
         return self._call_workers("time_graphs", list(graphs), repeats)[0]
+
+    def attach_phase_timer(self, timer) -> Any:
+        """Time the model runner's phases with ``timer`` (benchmarks); returns the runner.
+        Only a worker in this process has a runner to time."""
+        raise ValueError(f"phase timing needs the in-process executor, not {type(self).__name__} "
+                         "(tensor_parallel_size 1, no ray_address)")
 
     def stats(self) -> WorkerStats:
         return WorkerStats.combine(self._call_workers("stats"))

@@ -6,6 +6,7 @@ from typing import Any, Callable, List, Optional, Type
 
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.executor.base import Executor, WorkerFailure
+from tpu_executor.worker.model_runner import ModelRunner
 from tpu_executor.worker.worker import Worker
 
 
@@ -40,6 +41,11 @@ class UniprocExecutor(Executor):
         if self._step_thread is None:
             raise WorkerFailure(f"cannot call {method}: the worker has been shut down")
         return self._step_thread.submit(self._run_on_workers, method, *args).result
+
+    def attach_phase_timer(self, timer) -> "ModelRunner":
+        runner = self.workers[0].runner
+        runner.timer = timer
+        return runner
 
     def shutdown(self) -> None:
         if self._step_thread is None:

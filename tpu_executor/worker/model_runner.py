@@ -51,7 +51,7 @@ class ModelRunner:
         compiled = device.type == "xla"
         self.guard = CompileGuard(config.compile.strict, enabled=compiled)
         self.padding = PaddingStats()
-        self.timer = NullPhaseTimer()  # bench host swaps in a PhaseTimer
+        self.timer = NullPhaseTimer()  # see LLMEngine.attach_phase_timer
         # On XLA a call only queues work: reading tokens back can wait for the next launch.
         self.collects_late = compiled
         self.feed = TokenFeed(config.scheduler.max_num_seqs, device, in_use=config.scheduler.async_scheduling)

@@ -5,6 +5,7 @@ environment variables. Executors call the methods named in ``executor/base.py``.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import glob
 import hashlib
 import itertools
@@ -171,7 +172,9 @@ class Worker:
         else:
             num_blocks = int(self._free_cache_bytes() // self.cache_block_bytes())
         needed = self.config.max_blocks_per_seq + 1
-        if num_blocks < needed:
+        # A default max_model_len is lowered to what the cache holds (EngineCore); one the user
+        # set must fit as it is.
+        if num_blocks < needed and self.config.model.max_model_len is not None:
             raise ValueError(f"the KV cache holds {num_blocks} blocks but one max_model_len "
                              f"({self.config.max_model_len}) sequence needs {needed}; raise "
                              "memory_budget_bytes / memory_utilization or lower max_model_len")
@@ -206,8 +209,12 @@ class Worker:
             torch_xla.sync()
         return caches
 
-    def init_cache(self, num_blocks: int) -> None:
-        """Allocate per-layer K/V tensors (donated buffers) for the model runner."""
+    def init_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate per-layer K/V tensors (donated buffers) for the model runner, whose bucket
+        plan follows ``max_model_len`` (lowered to what the cache holds, if it was a default)."""
+        if max_model_len != self.config.max_model_len:
+            self.config = dataclasses.replace(self.config, max_model_len=max_model_len)
+            self.runner = self.runner_class(self.config, self.model, self.device)
         self.runner.bind_kv_caches(self._allocate_cache(num_blocks))
         self.kv_cache_bytes = num_blocks * self.cache_block_bytes()
 

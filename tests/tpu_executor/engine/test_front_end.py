@@ -10,7 +10,7 @@ from tpu_executor.core.step import SampledTokens
 from tpu_executor.engine.core import CoreOutput, Finished
 from tpu_executor.engine.llm_engine import LLMEngine
 from tpu_executor.engine.options import build_engine_config
-from tpu_executor.entrypoints.bench_host import tiny_checkpoint
+from tpu_executor.bench.host import tiny_checkpoint
 
 
 class ScriptedCore:
@@ -20,8 +20,8 @@ class ScriptedCore:
     dead_reason = None
     num_waiting = 0
 
-    def __init__(self, outputs):
-        self.outputs = list(outputs)
+    def __init__(self, outputs, config):
+        self.outputs, self.config = list(outputs), config
         self.added, self.finished = [], []
 
     def add(self, samples):
@@ -54,7 +54,7 @@ def tokens(*rows):
 def run(checkpoint, outputs, params, abort_after=None):
     """Each delta's (text, token ids, finish reason, stop reason), and the core."""
     config, tokenizer = checkpoint
-    core = ScriptedCore(outputs)
+    core = ScriptedCore(outputs, config)
     engine = LLMEngine(config, tokenizer, core=core)
     engine.add_request({"prompt_token_ids": [5, 6]}, params, request_id="r")
     deltas = []
@@ -113,7 +113,7 @@ def test_an_abort_hands_out_one_last_delta_and_drops_tokens_still_coming(checkpo
 
 def test_an_error_reported_by_the_core_ends_the_request_with_it(checkpoint):
     config, tokenizer = checkpoint
-    core = ScriptedCore([CoreOutput(tokens(("r", 7))), CoreOutput(finished={"r": Finished("error", None, "boom")})])
+    core = ScriptedCore([CoreOutput(tokens(("r", 7))), CoreOutput(finished={"r": Finished("error", None, "boom")})], config)
     engine = LLMEngine(config, tokenizer, core=core)
     engine.add_request({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=50, logprobs=0), request_id="r")
     first, [last] = engine.step(), engine.step()

@@ -134,7 +134,7 @@ def test_bench_serve_reads_streamed_and_whole_responses(checkpoints):
     """``bench serve``'s client against a live server: every request completes with the tokens
     it asked for; a streamed one has its first token before its end and a time per output
     token, a whole one (``--no-stream``) only its end-to-end time."""
-    from tpu_executor.entrypoints.bench_serve import random_workload, run_load, summarize
+    from tpu_executor.bench.serve import random_workload, run_load, summarize
 
     workload = random_workload(6, 12, 8, 0.5, 200, seed=1)
     with live_server(tiny_engine(checkpoints)) as (url, async_engine):

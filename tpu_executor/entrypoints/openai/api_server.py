@@ -172,7 +172,7 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def models() -> Dict[str, Any]:
         return {"object": "list", "data": [{
             "id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "tpu_executor",
-            "root": engine.engine.config.model.model, "max_model_len": serving.max_model_len}]}
+            "root": engine.model.path, "max_model_len": serving.max_model_len}]}
 
     @app.get("/health")
     async def health():
@@ -200,7 +200,7 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         serving.check_model(body.model)
-        vocab = engine.engine.vocab_size
+        vocab = engine.model.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"tokens holds ids outside the vocabulary [0, {vocab}): {bad[:8]}", "tokens")

@@ -86,12 +86,15 @@ class _Response:
                 self.started_choices.add(completion.index)
                 yield self._envelope("chat.completion.chunk", [{
                     "index": completion.index, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}])
+                    "logprobs": None, "finish_reason": None}], self._usage_so_far())
             if completion.text or completion.finish_reason is not None or completion.token_ids:
                 yield self._envelope("chat.completion.chunk", [{
                     "index": completion.index, "delta": {"content": completion.text},
                     "logprobs": self._logprobs(completion), "finish_reason": completion.finish_reason,
-                    "stop_reason": completion.stop_reason}])
+                    "stop_reason": completion.stop_reason}], self._usage_so_far())
+
+    def _usage_so_far(self) -> Optional[Dict[str, int]]:
+        return usage([self.prompt], self.completion_tokens) if self.body.continuous_usage else None
 
     def final_chunks(self):
         if self.body.include_usage:

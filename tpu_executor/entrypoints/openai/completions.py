@@ -85,7 +85,10 @@ class _Response:
         for completion in delta.outputs:
             choice = self._choice(prompt_index, completion)
             if choice["text"] or choice["finish_reason"] is not None or completion.token_ids:
-                yield self._envelope([choice])
+                yield self._envelope([choice], self._usage_so_far())
+
+    def _usage_so_far(self) -> Optional[Dict[str, int]]:
+        return usage(self.prompts, self.completion_tokens) if self.body.continuous_usage else None
 
     def final_chunks(self):
         if self.body.include_usage:

@@ -103,6 +103,12 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk, not only the last (vLLM's ``continuous_usage_stats``,
+        which, as there, takes effect together with ``include_usage``)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 PromptInput = Union[str, List[str], List[int], List[List[int]]]
 
@@ -134,11 +140,6 @@ class CompletionRequest(_GenerationRequest):
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
         return list(prompt)
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(BaseModel):

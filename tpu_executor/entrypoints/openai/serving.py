@@ -69,7 +69,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics
-        self.max_model_len = engine.engine.config.max_model_len
+        self.max_model_len = engine.model.max_model_len
 
     # ---- checks -------------------------------------------------------------------------
     def check_model(self, name: Optional[str]) -> None:
@@ -112,7 +112,7 @@ class OpenAIServing:
 
     def validate(self, prompt: Prompt, params: SamplingParams, param: str) -> None:
         try:
-            self.engine.engine.validate_prompt(prompt.token_ids, params)
+            self.engine.validate_prompt(prompt.token_ids, params)
         except ValueError as err:
             raise bad_request(str(err), param) from None
 

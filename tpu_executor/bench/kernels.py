@@ -1,4 +1,4 @@
-"""Kernel benchmark: our Pallas kernels, JAX's shipped kernels and the torch references.
+"""``tpu-executor bench kernels``: our Pallas kernels, JAX's shipped kernels and the torch references.
 
 On a TPU (``jax.default_backend() == "tpu"``) the kernels run compiled by Mosaic. Anywhere
 else they run in TPU interpret mode, which simulates the TPU (DMAs, semaphores, VMEM) on
@@ -6,14 +6,14 @@ the CPU: those timings measure the simulator, say nothing of TPU speed, and are 
 only so the script is useful (and checked) without a TPU. The torch reference always runs
 eagerly on the host CPU. Also prints the registry's dispatch cost per call.
 
-    python -m scripts.benchmark_kernels [--repeats 5]
+    tpu-executor bench kernels [--repeats 5]
 """
 from __future__ import annotations
 
 import argparse
 import platform
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict
 
 import numpy as np
 import torch
@@ -102,10 +102,15 @@ def dispatch_microseconds(repeats: int = 2000) -> float:
     return (time.perf_counter() - start) / repeats * 1e6
 
 
-def main(argv: List[str] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("kernels", help="the Pallas kernels, JAX's shipped kernels and the torch references",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per kernel after a warm-up call")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> None:
     import jax
 
     on_tpu = jax.default_backend() == "tpu"
@@ -121,7 +126,3 @@ def main(argv: List[str] = None) -> None:
             for name, seconds in rows.items():
                 print(f"| {op} | {case.label} | {str(dtype)[6:]} | {name} | {seconds * 1e3:.2f} |")
     print(f"registry dispatch: {dispatch_microseconds():.1f} us per call (trace time only under torch.compile)")
-
-
-if __name__ == "__main__":
-    main()

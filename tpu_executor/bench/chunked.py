@@ -26,8 +26,8 @@ import time
 from typing import Dict, List
 
 from tpu_executor.core.buckets import BucketPlan
-from tpu_executor.entrypoints.bench import MODELS, model_path
-from tpu_executor.tools.hardware import cpu_description
+from tpu_executor.bench.throughput import MODELS, model_path
+from tpu_executor.bench.hardware import cpu_description
 
 SHORT_PROMPT_TOKENS = 32
 CONFIGS = ("chunked", "whole prompts")

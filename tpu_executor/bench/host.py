@@ -287,7 +287,7 @@ def measure(path: str, num_seqs: int, steps: int, device: str, output_kind: str 
     ``final_only``: one output at the end, as ``LLM.generate`` asks)."""
     engine = engine_for(path, num_seqs, steps, device)
     timer = PhaseTimer()
-    engine.timer = engine.core.timer = engine.core.executor.workers[0].runner.timer = timer
+    engine.attach_phase_timer(timer)
     rng = random.Random(0)
     running = _fill(engine, num_seqs, rng, output_kind)
     decode = _timed_steps(engine, timer, steps)
@@ -321,7 +321,7 @@ def overlap(path: str, num_seqs: int, steps: int, device: str, device_ms: Option
         timer = PhaseTimer()
         # Phases add up only when nothing overlaps; a held device's host part needs none.
         if mode == "sync" and device_ms is None:
-            engine.timer = engine.core.timer = engine.core.executor.workers[0].runner.timer = timer
+            engine.attach_phase_timer(timer)
         _fill(engine, num_seqs, random.Random(0))
         ms = _timed_steps(engine, timer, steps)
         if mode != "sync":

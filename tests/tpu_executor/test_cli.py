@@ -1,8 +1,12 @@
-"""The installed ``tpu-executor`` command, run as a user would (from outside the repository),
-and the native path in a process where torch_xla, jax and ray cannot be imported."""
+"""The installed ``tpu-executor`` command, run as a user would (from outside the repository);
+``--help`` against the engine each command builds; and the native path in a process where
+torch_xla, jax and ray cannot be imported."""
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -10,6 +14,10 @@ import textwrap
 import pytest
 
 from tests.common import hf_greedy
+from tpu_executor.cli import build_parser
+from tpu_executor.core.config import EngineConfig
+from tpu_executor.engine.options import build_engine_config, engine_options_from_args, option_fields
+from tpu_executor.worker.model_loader import checkpoint_limit, load_hf_config
 
 TINY_ENGINE_FLAGS = ["--max-model-len", "96", "--prefill-buckets", "96", "--decode-buckets", "4",
                      "--decode-context-buckets", "96", "--num-blocks", "64"]
@@ -26,6 +34,53 @@ def test_every_subcommand_takes_the_same_engine_options(tmp_path):
         help_text = tpu_executor([*command, "--help"], cwd=tmp_path)
         for flag in ("--max-model-len", "--prefill-buckets", "--block-size", "--strict", "--max-num-seqs"):
             assert flag in help_text, (command, flag)
+
+
+ENGINE_COMMANDS = (["generate"], ["serve"], ["tune", "--trace", "chat"], ["bench", "throughput"], ["bench", "serve"])
+
+
+def shown_defaults(help_text: str):
+    """{option name: the default ``--help`` shows for it} over every engine flag that shows one."""
+    flat = " ".join(help_text.split("engine options:", 1)[1].split())
+    shown = {}
+    for _, f in option_fields():
+        flag = "--" + f.name.replace("_", "-")
+        negated = "(?:, --no-" + re.escape(flag[2:]) + ")?"
+        match = re.search(re.escape(flag) + negated + r" (?:(?! --[a-z]).)*?\(default: ([^)]*)\)", flat)
+        if match:
+            shown[f.name] = match.group(1)
+    return shown
+
+
+def parsed(shown: str):
+    """A default as --help prints it, read back: a number, a boolean or text."""
+    return ast.literal_eval(shown) if re.fullmatch(r"-?[0-9.]+|True|False", shown) else shown
+
+
+def config_value(config: EngineConfig, name: str):
+    if name == "max_model_len":
+        return config.max_model_len  # as resolved for the checkpoint
+    for section in dataclasses.fields(config):
+        value = getattr(config, section.name)
+        if dataclasses.is_dataclass(value) and name in {f.name for f in dataclasses.fields(value)}:
+            return getattr(value, name)
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("command", ENGINE_COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_help_shows_the_defaults_the_command_uses(command, checkpoints, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command[0], "--help"] if command[0] != "bench" else command[:2] + ["--help"])
+    shown = shown_defaults(capsys.readouterr().out)
+    config = build_engine_config(checkpoints["llama"], **engine_options_from_args(build_parser().parse_args(command)))
+    assert len(shown) >= 20, sorted(shown)
+    for name, text in shown.items():
+        if name == "max_model_len" and text.startswith("the checkpoint's context length"):
+            assert config.max_model_len == checkpoint_limit(load_hf_config(checkpoints["llama"])), command
+        elif name != "num_blocks":  # "as many as fit": sized by the worker
+            value = config_value(config, name)
+            expected = tuple(parsed(w) for w in text.split()) if isinstance(value, tuple) else parsed(text)
+            assert expected == value, (command, name, text)
 
 
 def test_generate_from_outside_the_repository(checkpoints, tmp_path):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from tpu_executor.core.buckets import DecodeGraph, Graph, PrefillGraph
-from tpu_executor.tools.tuning.roofline import ModelShape
+from tpu_executor.tuning.roofline import ModelShape
 
 PAGES = 64  # pages in the lowered cache: its size does not change the kernels' blocks
 

@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from tpu_executor.tools.tuning.schemes import (Dimension, gap_buckets, optimal_buckets, percent_buckets,
+from tpu_executor.tuning.schemes import (Dimension, gap_buckets, optimal_buckets, percent_buckets,
                                                pow2_buckets, split_budget)
 
 

@@ -14,10 +14,10 @@ import torch
 
 from tpu_executor.core.buckets import BucketPlan, DecodeGraph, Graph, PrefillGraph
 from tpu_executor.engine.llm_engine import LLMEngine
-from tpu_executor.tools.tuning.replay import ReplayResult, add_trace_request
-from tpu_executor.tools.tuning.roofline import Chip, CostModel, ModelShape
-from tpu_executor.tools.tuning.schemes import Plan
-from tpu_executor.tools.tuning.traces import TraceRequest
+from tpu_executor.tuning.replay import ReplayResult, add_trace_request
+from tpu_executor.tuning.roofline import Chip, CostModel, ModelShape
+from tpu_executor.tuning.schemes import Plan
+from tpu_executor.tuning.traces import TraceRequest
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,12 @@ from tqdm import tqdm
 
 from tpu_executor.core.buckets import BucketPlan, DecodeCall, DecodeGraph, PrefillCall, PrefillGraph
 from tpu_executor.core.config import EngineConfig
-from tpu_executor.tools.tuning.lowering import kernel_support, lower_graphs
-from tpu_executor.tools.tuning.replay import ReplayResult, replay
-from tpu_executor.tools.tuning.roofline import CostModel, HbmFit, ModelShape, Target, hbm_fit
-from tpu_executor.tools.tuning.schemes import (Dimension, Plan, optimal_tables, recipe_plans, round_up,
+from tpu_executor.tuning.lowering import kernel_support, lower_graphs
+from tpu_executor.tuning.replay import ReplayResult, replay
+from tpu_executor.tuning.roofline import CostModel, HbmFit, ModelShape, Target, hbm_fit
+from tpu_executor.tuning.schemes import (Dimension, Plan, optimal_tables, recipe_plans, round_up,
                                                split_budget)
-from tpu_executor.tools.tuning.traces import TraceRequest
+from tpu_executor.tuning.traces import TraceRequest
 
 # Published configs (config.json on the Hugging Face hub) of models a user may size a job for
 # without having the weights here: the tuner needs only their shapes.

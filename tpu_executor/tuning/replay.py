@@ -9,6 +9,8 @@ honoured on a virtual clock when a cost model says how long each step would take
 """
 from __future__ import annotations
 
+import dataclasses
+
 import random
 import time
 from dataclasses import dataclass, field
@@ -23,7 +25,7 @@ from tpu_executor.core.step import ModelRunnerOutput, PaddingStats, SampledToken
 from tpu_executor.engine.llm_engine import LLMEngine
 from tpu_executor.engine.stats import EngineStats
 from tpu_executor.executor.base import Executor
-from tpu_executor.tools.tuning.traces import TraceRequest
+from tpu_executor.tuning.traces import TraceRequest
 
 NULL_TOKEN_ID = 1
 StepCost = Callable[[List[ModelCall]], float]  # seconds one step's model calls take
@@ -42,6 +44,7 @@ class NullWorker:
     """A worker without a model: one token per scheduled request, every model call recorded."""
 
     def __init__(self, config: EngineConfig, vocab_size: int, num_blocks: int):
+        self.config = config
         self.plan = BucketPlan.from_config(config)
         self.vocab_size, self.num_blocks = vocab_size, num_blocks
         self.padding = PaddingStats()
@@ -56,8 +59,11 @@ class NullWorker:
     def determine_num_blocks(self) -> int:
         return self.num_blocks
 
-    def init_cache(self, num_blocks: int) -> None:
+    def init_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.num_blocks = num_blocks
+        if max_model_len != self.config.max_model_len:
+            self.config = dataclasses.replace(self.config, max_model_len=max_model_len)
+            self.plan = BucketPlan.from_config(self.config)
 
     def warmup(self, show_progress: bool) -> None:
         """Nothing to compile."""

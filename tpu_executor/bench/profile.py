@@ -92,14 +92,15 @@ class ModelPartClock:
 
 
 
-def device_synchronize(device: torch.device) -> Optional[Callable[[], None]]:
-    """What waits for ``device`` to finish its queued work (None: it runs synchronously)."""
-    if device.type == "xla":
+def device_synchronize(device: str) -> Optional[Callable[[], None]]:
+    """What waits for the engine's ``device`` (its config's name) to finish its queued work
+    (None: it runs synchronously)."""
+    if device == "xla":
         import torch_xla.core.xla_model as xm
 
         return lambda: xm.wait_device_ops()
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
+    if device.startswith("cuda"):
+        return lambda: torch.cuda.synchronize(torch.device(device))
     return None
 
 
@@ -107,10 +108,9 @@ class StepProfile:
     """Phase times of an in-process engine (its one worker), and the model's parts on CPU."""
 
     def __init__(self, engine):
-        runner = engine.core.executor.workers[0].runner
         self.overlapped = engine.config.scheduler.async_scheduling
-        self.timer = PhaseTimer(device_synchronize(runner.device))
-        engine.timer = engine.core.timer = runner.timer = self.timer
+        self.timer = PhaseTimer(device_synchronize(engine.config.device.device))
+        runner = engine.attach_phase_timer(self.timer)
         self._model = runner.model
         self.parts: Optional[ModelPartClock] = None
         if runner.device.type == "cpu":

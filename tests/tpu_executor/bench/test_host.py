@@ -6,8 +6,8 @@ import time
 import pytest
 
 from tpu_executor.core.phase_timer import HOST_PHASES
-from tpu_executor.entrypoints import bench_host
-from tpu_executor.entrypoints.cli import main
+from tpu_executor.bench import host as bench_host
+from tpu_executor.cli import main
 
 
 def test_null_model_engine_generates_the_expected_chain_of_tokens():

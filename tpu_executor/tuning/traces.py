@@ -54,21 +54,17 @@ class Synthetic:
     prompt_sigma: float
     output_median: float
     output_sigma: float
-    imitates: str
 
 
 # Medians follow from the published means (mean = median * exp(sigma^2 / 2)); the sigmas are
 # our choice of a long right tail, not published figures.
 SYNTHETIC: Dict[str, Synthetic] = {
     # ShareGPT as in the vLLM paper (Kwon et al., 2023): mean prompt 161, mean output 338 tokens.
-    "sharegpt-like": Synthetic(161 / math.exp(0.5), 1.0, 338 / math.exp(0.32), 0.8,
-                               "ShareGPT (vLLM paper): mean prompt 161, mean output 338 tokens"),
+    "sharegpt-like": Synthetic(161 / math.exp(0.5), 1.0, 338 / math.exp(0.32), 0.8),
     # LMSYS-Chat-1M (Zheng et al., 2023): mean prompt 69.5, mean response 214.5 tokens.
-    "chat": Synthetic(69.5 / math.exp(0.5), 1.0, 214.5 / math.exp(0.32), 0.8,
-                      "LMSYS-Chat-1M: mean prompt 69.5, mean response 214.5 tokens"),
+    "chat": Synthetic(69.5 / math.exp(0.5), 1.0, 214.5 / math.exp(0.32), 0.8),
     # Azure coding trace (Splitwise, Patel et al., 2024): median prompt 1500, median output 13.
-    "long-prompt": Synthetic(1500, 0.6, 13, 1.0,
-                             "Azure coding trace (Splitwise): median prompt 1500, median output 13 tokens"),
+    "long-prompt": Synthetic(1500, 0.6, 13, 1.0),
 }
 
 

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from tpu_executor import LLM, SamplingParams
-from tpu_executor.tools.step_profile import MODEL_PARTS, StepProfile, print_profile
+from tpu_executor.bench.profile import MODEL_PARTS, StepProfile, print_profile
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

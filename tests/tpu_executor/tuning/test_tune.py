@@ -11,13 +11,13 @@ import pytest
 from tpu_executor.core.buckets import BucketPlan, DecodeGraph, PrefillGraph, read_bucket_file
 from tpu_executor.engine.llm_engine import LLMEngine
 from tpu_executor.engine.options import build_engine_config
-from tpu_executor.entrypoints.cli import main
-from tpu_executor.tools.tuning.lowering import kernel_support, lower_graphs
-from tpu_executor.tools.tuning.measure import run_engine
-from tpu_executor.tools.tuning.replay import replay
-from tpu_executor.tools.tuning.roofline import CostModel, ModelShape, Target
-from tpu_executor.tools.tuning.traces import TraceRequest, load_trace
-from tpu_executor.tools.tuning.tuner import model_directory, tune
+from tpu_executor.cli import main
+from tpu_executor.tuning.lowering import kernel_support, lower_graphs
+from tpu_executor.tuning.measure import run_engine
+from tpu_executor.tuning.replay import replay
+from tpu_executor.tuning.roofline import CostModel, ModelShape, Target
+from tpu_executor.tuning.traces import TraceRequest, load_trace
+from tpu_executor.tuning.tuner import model_directory, tune
 
 TINY = dict(max_model_len=320, max_num_seqs=8, max_num_batched_tokens=320, prefill_buckets=(32, 128, 320),
             decode_buckets=(2, 8), decode_context_buckets=(128, 320), memory_budget_bytes=256 << 20)
@@ -124,8 +124,8 @@ SERVE_THE_TRACE = textwrap.dedent("""
     import json, sys
     from tpu_executor import LLM
     from tpu_executor.core.buckets import BucketPlan
-    from tpu_executor.tools.tuning.measure import run_engine
-    from tpu_executor.tools.tuning.traces import TraceRequest, load_trace
+    from tpu_executor.tuning.measure import run_engine
+    from tpu_executor.tuning.traces import TraceRequest, load_trace
     llm = LLM(sys.argv[1], device="xla", bucket_config=sys.argv[2], cache_dir=None, num_blocks=200,
               show_progress=False)
     planned = len(BucketPlan.from_config(llm.engine.config).graphs())
@@ -167,8 +167,8 @@ def test_arrival_times_are_honoured_on_the_targets_clock(tmp_path):
 
 
 def test_a_bucket_whose_kernel_does_not_lower_is_dropped_with_its_reason(monkeypatch):
-    from tpu_executor.tools.tuning import tuner
-    from tpu_executor.tools.tuning.lowering import LoweringResult
+    from tpu_executor.tuning import tuner
+    from tpu_executor.tuning.lowering import LoweringResult
 
     failing = []
 

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from tpu_executor.tools.hardware import cpu_description, cpuinfo_fields, matmul_gflops
+from tpu_executor.bench.hardware import cpu_description, cpuinfo_fields, matmul_gflops
 
 # The head of a KVM guest's /proc/cpuinfo on a Zen 1 EPYC, with a second processor after it.
 ZEN1_CPUINFO = """processor\t: 0

@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from tpu_executor.tools.tuning.traces import SYNTHETIC, TraceError, TraceRequest, load_trace
+from tpu_executor.tuning.traces import SYNTHETIC, TraceError, TraceRequest, load_trace
 
 
 def write(tmp_path, name, text):

@@ -50,7 +50,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
-    from tpu_executor.tools.tuning.traces import TraceError
+    from tpu_executor.tuning.traces import TraceError
 
     try:
         _run(args)
@@ -60,9 +60,9 @@ def run(args: argparse.Namespace) -> None:
 
 def _run(args: argparse.Namespace) -> None:
     from tpu_executor.tools.default_model import prepare
-    from tpu_executor.tools.tuning.roofline import ModelShape, Target
-    from tpu_executor.tools.tuning.traces import load_trace
-    from tpu_executor.tools.tuning.tuner import model_directory, tune
+    from tpu_executor.tuning.roofline import ModelShape, Target
+    from tpu_executor.tuning.traces import load_trace
+    from tpu_executor.tuning.tuner import model_directory, tune
     from tpu_executor.worker.model_loader import load_hf_config
 
     options = engine_options_from_args(args)
@@ -97,7 +97,7 @@ def _measure(args, model_dir: str, config, options: Dict, report, shape) -> Dict
     the cost model held against a few of the chosen buckets' step times."""
     import glob
 
-    from tpu_executor.tools.tuning.measure import measure_finalists
+    from tpu_executor.tuning.measure import measure_finalists
 
     if args.measure <= 0 or not glob.glob(f"{model_dir}/*.safetensors"):
         return {"note": "not measured (--measure 0, or no weights for this model here)"}
@@ -167,7 +167,7 @@ def _print_measured(measured: Dict) -> None:
 
 
 def _write_outputs(args, config, report, rows: List[List[str]], measured: Dict) -> None:
-    from tpu_executor.tools.tuning.plot import draw
+    from tpu_executor.tuning.plot import draw
 
     if args.out:
         plan, chosen = report.chosen.plan, report.chosen

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List
 
 from tpu_executor.engine.options import add_engine_arguments, engine_options_from_args
-from tpu_executor.tools.hardware import CALIBRATION_SIZE, cpu_description, matmul_gflops
+from tpu_executor.bench.hardware import CALIBRATION_SIZE, cpu_description, matmul_gflops
 
 NUM_PROMPTS, MIN_LEN, MAX_LEN, NEW_TOKENS = 32, 16, 256, 64
 MODELS = ("gemma-100m", "smollm2", "mixtral-small")
@@ -43,6 +43,8 @@ SWEPT = ("device", "tensor_parallel_size", "quantization", "async_scheduling")
 ENGINE_DEFAULTS = dict(max_model_len=MAX_LEN + NEW_TOKENS, max_num_seqs=NUM_PROMPTS,
                        prefill_buckets=(128, 256, 320, 384, 448, 512), decode_buckets=(8, 16, 32),
                        decode_context_buckets=(160, 320))
+WHY_DEFAULTS = ("Defaults here fit the workload (prompts of 16-256 tokens, 64 new, 32 at once): max_model_len, "
+                "max_num_seqs and the three bucket lists differ from the engine's.")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -57,7 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="asynchronous (default) and/or synchronous scheduling, side by side")
     parser.add_argument("--profile", action="store_true",
                         help="after each timed run, a profiled run of the same workload (tensor parallel size 1)")
-    add_engine_arguments(parser, exclude=SWEPT)
+    add_engine_arguments(parser, exclude=SWEPT, defaults=ENGINE_DEFAULTS, why=WHY_DEFAULTS)
     parser.set_defaults(run=run)
     return parser
 
@@ -86,7 +88,8 @@ def model_path(name: str) -> str:
 def run_engine(path: str, prompts: List[List[int]], options: Dict, profile_prompts=None) -> Dict:
     """Generate the workload with one engine; its throughput, tokens and stats. With
     ``profile_prompts``, then a profiled run of those, whose table is printed."""
-    from tpu_executor import LLM, SamplingParams
+    from tpu_executor.core.sampling_params import SamplingParams
+    from tpu_executor.entrypoints.llm import LLM
 
     start = time.perf_counter()
     llm = LLM(model=path, **options)
@@ -107,7 +110,7 @@ def run_engine(path: str, prompts: List[List[int]], options: Dict, profile_promp
 
 
 def profiled_run(llm, prompts: List[List[int]], params, options: Dict) -> None:
-    from tpu_executor.tools.step_profile import StepProfile, print_profile
+    from tpu_executor.bench.profile import StepProfile, print_profile
 
     profile = StepProfile(llm.engine)
     start = time.perf_counter()
@@ -151,7 +154,7 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit("--profile times an in-process engine: use --tensor-parallel-sizes 1")
     if max(args.tensor_parallel_sizes) > 1:
         start_local_ray(max(args.tensor_parallel_sizes))
-    base = engine_options_from_args(args, ENGINE_DEFAULTS)
+    base = engine_options_from_args(args)
     gflops, rows = [on_own_thread(matmul_gflops)], []
     for name in args.models:
         path = model_path(name)

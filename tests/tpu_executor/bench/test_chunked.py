@@ -2,7 +2,7 @@
 run the same workload and report latencies; bad arguments stop it with a message."""
 import pytest
 
-from tpu_executor.entrypoints.cli import build_parser
+from tpu_executor.cli import build_parser
 
 ARGS = ["bench", "chunked-prefill", "--max-model-len", "512", "--long-prompt-len", "400", "--chunk-tokens", "64",
         "--num-running", "2", "--output-len", "12"]

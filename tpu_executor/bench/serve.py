@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from tpu_executor.engine.options import add_engine_arguments, engine_options_from_args
-from tpu_executor.entrypoints.serve import ENGINE_DEFAULTS
 
 Workload = List[Tuple[List[int], int]]  # (prompt token ids, output tokens) per request
 
@@ -72,7 +71,7 @@ def random_workload(num: int, input_len: int, output_len: int, ratio: float, voc
 def trace_workload(path: str, vocab: int, seed: int) -> Workload:
     """Lengths from a trace file (any format ``tpu-executor tune`` reads); a bad row fails with
     its line number."""
-    from tpu_executor.tools.tuning.traces import TraceError, load_trace
+    from tpu_executor.tuning.traces import TraceError, load_trace
 
     rng = random.Random(seed)
     try:
@@ -266,7 +265,7 @@ def launched(args):
     from tpu_executor.tools.default_model import prepare
 
     path = args.launch or prepare()
-    return LLMEngine.from_options(path, **engine_options_from_args(args, ENGINE_DEFAULTS)), path
+    return LLMEngine.from_options(path, **engine_options_from_args(args)), path
 
 
 def run(args: argparse.Namespace) -> None:

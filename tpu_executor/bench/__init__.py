@@ -1,0 +1,24 @@
+"""``tpu-executor bench``: the benchmark commands, one module each, and their helpers
+(``hardware.py``: the CPU line every report names; ``profile.py``: where a step's time goes).
+
+``throughput`` (offline, against transformers), ``serve`` (an OpenAI server under load),
+``host`` (the host's work per engine step), ``chunked-prefill`` (latency while a long prompt
+arrives), ``kernels`` (the Pallas kernels against their references).
+"""
+from __future__ import annotations
+
+import argparse
+
+from tpu_executor.bench import chunked, host, kernels, serve, throughput
+
+COMMANDS = (throughput, serve, host, chunked, kernels)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """``bench`` and its subcommands."""
+    parser = subparsers.add_parser("bench", help="benchmarks: offline throughput, a server under load, host work, "
+                                                 "chunked prefill, kernels")
+    benchmarks = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    for module in COMMANDS:
+        module.add_parser(benchmarks)
+    return parser
