@@ -1,10 +1,10 @@
 """Paged decode attention for eager (untraced) calls on CPU or GPU: only the pages in use.
 
 The reference reads every row's pages up to the block table's width, which the engine pads
-to a decode context bucket (on the README workload 42% of the slots read were padding), and
-attends with a matmul, a mask and a softmax. Here the table is cut to the pages the longest
-context needs, and without a soft-cap torch's fused scaled-dot-product attention does the
-rest (measured on a 2-core AVX2 CPU, 32 rows of 80-300 tokens: 5.7 ms -> 3.0 ms per layer).
+to a decode context bucket (on `bench throughput`'s workload 42% of the slots read are
+padding), and attends with a matmul, a mask and a softmax. Here the table is cut to the
+pages the longest context needs, and without a soft-cap torch's fused scaled-dot-product
+attention does the rest (measured on a 2-core AVX2 CPU, 32 rows of 80-300 tokens: 5.7 ms -> 3.0 ms per layer).
 On a CPU this op is bound by memory traffic (gathering the pages, then reading them again),
 so when the rows' contexts differ enough the rows are split in two groups by length, each
 group reading up to its own longest context only.

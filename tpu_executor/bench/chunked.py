@@ -25,6 +25,7 @@ import statistics
 import time
 from typing import Dict, List
 
+from tpu_executor.engine.options import HelpFormatter
 from tpu_executor.core.buckets import BucketPlan
 from tpu_executor.bench.throughput import MODELS, model_path
 from tpu_executor.bench.hardware import cpu_description
@@ -36,7 +37,7 @@ CONFIGS = ("chunked", "whole prompts")
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("chunked-prefill", help="inter-token latency with a long prompt arriving, "
                                    "chunked vs whole", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   formatter_class=HelpFormatter)
     parser.add_argument("--model", default="smollm2", help=f"one of {', '.join(MODELS)}, or a checkpoint directory")
     parser.add_argument("--device", default="cpu", help="cpu (native path) or xla")
     parser.add_argument("--max-model-len", type=int, default=2048)

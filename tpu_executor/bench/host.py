@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from tpu_executor.engine.options import HelpFormatter
 from tpu_executor.core.phase_timer import DEVICE_PHASES, HOST_PHASES, PHASES, PhaseTimer
 from tpu_executor.worker.model_runner import LaunchedStep, ModelRunner
 from tpu_executor.worker.sampler import SamplerOutput
@@ -140,7 +141,7 @@ def held_device_worker(device_ms: float) -> HeldDeviceWorker:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("host", help="host work per engine step (model step replaced by nothing)",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--num-seqs", type=int, nargs="+", default=[32, 256, 1024],
                         help="running sequences to measure at")
     parser.add_argument("--steps", type=int, default=50, help="measured steps of each kind")

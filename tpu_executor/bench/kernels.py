@@ -18,6 +18,7 @@ from typing import Callable, Dict
 import numpy as np
 import torch
 
+from tpu_executor.engine.options import HelpFormatter
 from tpu_executor.kernels.binding import torch_to_jax
 from tpu_executor.kernels.spec import OpCase
 
@@ -104,7 +105,7 @@ def dispatch_microseconds(repeats: int = 2000) -> float:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("kernels", help="the Pallas kernels, JAX's shipped kernels and the torch references",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per kernel after a warm-up call")
     parser.set_defaults(run=run)
     return parser

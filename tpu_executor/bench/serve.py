@@ -25,14 +25,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from tpu_executor.engine.options import add_engine_arguments, engine_options_from_args
+from tpu_executor.engine.options import HelpFormatter, add_engine_arguments, engine_options_from_args
 
 Workload = List[Tuple[List[int], int]]  # (prompt token ids, output tokens) per request
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("serve", help="load an OpenAI-compatible server; latency and throughput",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=__doc__, formatter_class=HelpFormatter)
     target = parser.add_argument_group("target")
     target.add_argument("--base-url", default=None, help="a running server (default: --launch one)")
     target.add_argument("--launch", nargs="?", const="", default=None, metavar="MODEL",
@@ -54,7 +54,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       help="ask for whole responses (TTFT is then the whole response's time; no TPOT or ITL)")
     load.add_argument("--goodput", nargs="*", default=[], metavar="METRIC:MS", help="SLOs, e.g. ttft:500 tpot:100")
     load.add_argument("--result-json", default=None, help="write every run's figures here")
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, why="For --launch: the engine of `tpu-executor serve`, with its defaults.")
     parser.set_defaults(run=run)
     return parser
 

@@ -3,9 +3,9 @@
 
 Workload: 32 prompts with lengths uniform in [16, 256] (seeded random token ids), 64 new
 tokens each, greedy, fp32. Prints output tokens/s, warm-up time, compiled graphs and padding
-waste for each model, then a Markdown table for the README and the hardware it ran on (CPUID
+waste for each model, then a Markdown table for docs/benchmarks.md and the hardware it ran on (CPUID
 family and model, and a matmul calibration at the start and the end of the run: the ratios
-depend on the CPU generation, see the README's Benchmarks).
+depend on the CPU generation, see docs/benchmarks.md).
 
     tpu-executor bench throughput                     # both models, XLA and native paths
     tpu-executor bench throughput --models gemma-100m --devices xla --skip-transformers
@@ -33,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List
 
-from tpu_executor.engine.options import add_engine_arguments, engine_options_from_args
+from tpu_executor.engine.options import HelpFormatter, add_engine_arguments, engine_options_from_args
 from tpu_executor.bench.hardware import CALIBRATION_SIZE, cpu_description, matmul_gflops
 
 NUM_PROMPTS, MIN_LEN, MAX_LEN, NEW_TOKENS = 32, 16, 256, 64
@@ -49,7 +49,7 @@ WHY_DEFAULTS = ("Defaults here fit the workload (prompts of 16-256 tokens, 64 ne
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("throughput", help="throughput versus transformers' generate",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--models", nargs="+", default=["gemma-100m", "smollm2"], choices=MODELS)
     parser.add_argument("--devices", nargs="+", default=["xla", "cpu"], help="xla, cpu, cuda, ...")
     parser.add_argument("--skip-transformers", action="store_true")

@@ -21,6 +21,19 @@ from tpu_executor.worker.model_loader import checkpoint_limit, load_hf_config
 logger = logging.getLogger(__name__)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every command's ``--help``: the module docstring as written, and each option's default
+    after its help, unless the help says it already or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "(default" in text or default in (None, False, [], argparse.SUPPRESS) or not action.option_strings:
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        return f"{text} (default: {shown})"
+
+
 def option_fields() -> List[Tuple[type, dataclasses.Field]]:
     """(section, field) of every engine option, in command-line order (``model`` excluded:
     it is the one required argument)."""

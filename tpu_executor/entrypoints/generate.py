@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from tpu_executor.engine.options import add_engine_arguments, engine_options_from_args
+from tpu_executor.engine.options import HelpFormatter, add_engine_arguments, engine_options_from_args
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -28,7 +28,7 @@ WHY_DEFAULTS = ("Defaults here are sized for a few short prompts (every bucket i
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("generate", help="generate completions for a few prompts",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("model", nargs="?", help="Hugging Face checkpoint directory (default: SmolLM2-135M-"
                                                  "Instruct, converted once into ~/.cache/tpu_executor)")
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable); default: four examples")

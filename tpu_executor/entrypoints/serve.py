@@ -15,7 +15,7 @@ import logging
 import os
 import time
 
-from tpu_executor.engine.options import add_engine_arguments, engine_options_from_args
+from tpu_executor.engine.options import HelpFormatter, add_engine_arguments, engine_options_from_args
 
 API_KEY_ENV = "TPU_EXECUTOR_API_KEY"
 
@@ -24,11 +24,11 @@ logger = logging.getLogger(__name__)
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("model", nargs="?", help="Hugging Face checkpoint directory (default: SmolLM2-135M-"
                                                  "Instruct, converted once into ~/.cache/tpu_executor)")
     server = parser.add_argument_group("server options")
-    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind; the default serves loopback only")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--api-key", default=None, help=f"required as 'Authorization: Bearer KEY' on /v1/* "
                                                         f"(default: ${API_KEY_ENV} if set, else none)")

@@ -23,7 +23,8 @@ from dataclasses import asdict
 from typing import Dict, List, Optional
 
 from tpu_executor.core.buckets import write_bucket_file
-from tpu_executor.engine.options import add_engine_arguments, build_engine_config, engine_options_from_args
+from tpu_executor.engine.options import (HelpFormatter, add_engine_arguments, build_engine_config,
+                                         engine_options_from_args)
 
 COLUMNS = ("scheme", "model graphs", "all graphs", "prefill waste", "rows waste", "context waste",
            "worst waste", "est. warm-up s", "TPU est. tok/s", "here: sample tok/s", "here: trace tok/s")
@@ -31,7 +32,7 @@ COLUMNS = ("scheme", "model graphs", "all graphs", "prefill waste", "rows waste"
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("tune", help="choose bucket sizes from a length trace",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--trace", required=True, help="trace file, or sharegpt-like | chat | long-prompt")
     parser.add_argument("--model", default=None, help="checkpoint directory, or llama-3-8b | gemma-7b "
                                                       "(shapes only; default: the default model)")
@@ -44,7 +45,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--csv", default=None, help="write the table as CSV")
     parser.add_argument("--json", default=None, help="write the full report as JSON")
     parser.add_argument("--plot", default=None, help="draw waste and warm-up versus graphs (PNG)")
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, why="The limits to tune for (each dimension's top bucket), and the engine "
+                                     "--measure runs.")
     parser.set_defaults(run=run)
     return parser
 

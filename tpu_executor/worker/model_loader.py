@@ -114,13 +114,13 @@ def quantize_int8(model: torch.nn.Module) -> int:
 
 def pack_for_cpu(model: torch.nn.Module) -> int:
     """Reorder the fp32 matmul weights of a model on the CPU into oneDNN's layout (the native
-    path; see ``models/layers/linear.py``); returns how many layers changed."""
+    path; see ``models/layers/cpu_matmul.py``); returns how many layers changed."""
     return sum(module.pack_for_cpu() for module in model.modules() if hasattr(module, "pack_for_cpu"))
 
 
 def use_xla_cpu_forms(model: torch.nn.Module) -> int:
     """Give the small linears of a model bound for XLA's CPU backend the dot form it runs
-    fastest (see ``models/layers/linear.py``); returns how many layers changed."""
+    fastest (see ``models/layers/cpu_matmul.py``); returns how many layers changed."""
     return sum(module.use_xla_cpu_form() for module in model.modules() if hasattr(module, "use_xla_cpu_form"))
 
 

@@ -146,7 +146,7 @@ class Worker:
         """Load the checkpoint onto the device; returns the model's vocabulary size."""
         model_config = self.config.model
         model = load_model(model_config.model, self.dtype, self.tp, model_config.quantization)
-        # CPU-only matmul forms, chosen on the host before the weights move (models/layers/linear.py).
+        # CPU-only matmul forms, chosen on the host before the weights move (models/layers/cpu_matmul.py).
         if self.device.type == "cpu":
             pack_for_cpu(model)
         elif self.device.type == "xla" and not self.on_tpu:

@@ -100,3 +100,20 @@ def test_wrong_tensor_names_are_listed(checkpoints, tmp_path):
 def test_impossible_configuration_says_what_to_change(checkpoints, options, message):
     with pytest.raises(ValueError, match=message):
         LLM(model=checkpoints["llama"], device="cpu", **tiny_engine_options(**options))
+
+
+def test_a_default_context_is_lowered_to_what_the_kv_cache_holds(checkpoints):
+    """No max_model_len given: the checkpoint's 2,048 tokens, lowered to the 8 usable blocks
+    of 16 tokens; prompts beyond it are refused naming the served length, shorter ones run."""
+    options = tiny_engine_options(num_blocks=9, block_size=16)
+    del options["max_model_len"]
+    llm = LLM(model=checkpoints["llama"], device="cpu", **options)
+    try:
+        assert llm.engine.config.max_model_len == 128
+        with pytest.raises(ValueError, match="maximum context length is 128 tokens"):
+            llm.generate([{"prompt_token_ids": list(range(5, 133))}], SamplingParams(max_tokens=4))
+        [out] = llm.generate([{"prompt_token_ids": list(range(5, 105))}],
+                             SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        assert len(out.outputs[0].token_ids) == 20
+    finally:
+        llm.shutdown()

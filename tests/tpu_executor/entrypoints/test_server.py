@@ -89,6 +89,14 @@ def test_streamed_completion_adds_up_to_the_whole_one(client, served):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
 
 
+def test_continuous_usage_stats_put_usage_in_every_chunk(client, served):
+    chunks = list(completion_text(client, prompt=PROMPTS[:1], max_tokens=12, stream=True,
+                                  stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [chunk.usage.completion_tokens for chunk in chunks]
+    assert all(chunk.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for chunk in chunks)
+    assert counts == sorted(counts) and counts[-1] == 12 and len(counts) > 2
+
+
 def test_chat_whole_and_streamed_equal_the_offline_engine(client, served):
     expected = served[2]["chat"][0].outputs[0].text
     response = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0,
