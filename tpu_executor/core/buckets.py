@@ -256,12 +256,15 @@ class BucketPlan:
     def describe(self) -> str:
         """The plan as the start-up report prints it: each dimension's buckets and graphs."""
         graphs = self.graphs()
-        count = lambda kind: sum(isinstance(g, kind) for g in graphs)  # noqa: E731
+
+        def count(kind) -> str:
+            n = sum(isinstance(g, kind) for g in graphs)
+            return f"{n} graph" + ("" if n == 1 else "s")
+
         tokens = " ".join(map(str, self.prefill_token_buckets))
         rows, widths = (" ".join(map(str, b)) for b in (self.decode_row_buckets, self.context_token_buckets))
-        return (f"prefill {tokens} tokens ({count(PrefillGraph)} graphs with the long-context forms); "
-                f"decode {rows} rows x {widths} context tokens ({count(DecodeGraph)} graphs); "
-                f"sampler {count(SamplerGraph)} graphs")
+        return (f"prefill {tokens} tokens ({count(PrefillGraph)} with the long-context forms); "
+                f"decode {rows} rows x {widths} context tokens ({count(DecodeGraph)}); sampler {count(SamplerGraph)}")
 
     def graphs(self) -> List[Graph]:
         """Every graph the runner compiles at warm-up, model steps first."""
