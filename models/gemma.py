@@ -18,10 +18,8 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
 class GemmaModel(LlamaModel):
     """Gemma's stack: embeddings scaled by sqrt(hidden_size)."""
 
-    layer_class = GemmaDecoderLayer
-
-    def __init__(self, cfg, tp):
-        super().__init__(cfg, tp)
+    def __init__(self, cfg, tp, layer_class, attention_class):
+        super().__init__(cfg, tp, layer_class, attention_class)
         self.embed_scale = cfg.hidden_size ** 0.5
 
 
@@ -29,3 +27,4 @@ class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma (v1) causal LM."""
 
     model_class = GemmaModel
+    layer_class = GemmaDecoderLayer

@@ -1,8 +1,11 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral-style GQA) over the paged attention ops.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral) over the paged attention ops, and the
+base the other families build on.
 
-Module and parameter names mirror Hugging Face's, so a checkpoint's tensor names map one to
-one onto ``state_dict()`` keys and loading can check them strictly. Gemma and Gemma-2 reuse
-these classes through the hooks marked below.
+The block takes its differences from the config and a few hooks: biases (``biases``), per-head
+q/k norms (``qk_norms``), the sliding window and RoPE of each layer (``layer_types``,
+``sliding_window``, per-type RoPE parameters), norm placement and flavour (the decoder layer
+classes). Module and parameter names mirror Hugging Face's, so a checkpoint's tensor names map
+one to one onto ``state_dict()`` keys and loading can check them strictly.
 """
 from __future__ import annotations
 
@@ -30,6 +33,23 @@ KVCache = Tuple[torch.Tensor, torch.Tensor]
 
 def head_dim_of(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def layer_type_of(cfg, layer_idx: int) -> Optional[str]:
+    """``full_attention`` or ``sliding_attention`` for configs that mark their layers, else None."""
+    types = getattr(cfg, "layer_types", None)
+    return types[layer_idx] if types else None
+
+
+def sliding_window_of(cfg, layer_idx: int) -> Optional[int]:
+    """Layer ``layer_idx``'s attention window: ``sliding_window`` on the layers ``layer_types``
+    marks ``sliding_attention``, or on every layer of a config without ``layer_types``
+    (Mistral); None where the config has no window."""
+    window = getattr(cfg, "sliding_window", None)
+    layer_type = layer_type_of(cfg, layer_idx)
+    if window is None or layer_type not in (None, "sliding_attention"):
+        return None
+    return int(window)
 
 
 class LlamaMLP(nn.Module):
@@ -61,17 +81,28 @@ class LlamaAttention(nn.Module):
             raise ValueError(f"num_attention_heads {cfg.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads {cfg.num_key_value_heads}")
         self.head_dim = head_dim_of(cfg)
-        bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias, o_bias = self.biases(cfg)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, tp, bias=bias)
+                                          cfg.num_key_value_heads, tp, bias=qkv_bias)
         self.num_heads = self.qkv_proj.num_heads  # this rank's
         self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, tp, bias=bias)
-        self.rotary = rope_from_config(cfg, self.head_dim)
-        # Hooks for Gemma-2; plain Llama uses 1/sqrt(head_dim), no soft-cap, no window.
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, tp, bias=o_bias)
+        self.q_norm, self.k_norm = self.qk_norms(cfg)
+        self.rotary = rope_from_config(cfg, self.head_dim, layer_type_of(cfg, layer_idx))
+        self.sliding_window = sliding_window_of(cfg, layer_idx)
+        # Gemma-2 and 3 change these two: scale from query_pre_attn_scalar, a logit soft-cap.
         self.scale = self.head_dim ** -0.5
         self.soft_cap: Optional[float] = None
-        self.sliding_window: Optional[int] = None
+
+    @staticmethod
+    def biases(cfg) -> Tuple[bool, bool]:
+        """(QKV bias, output bias): both ``attention_bias`` here; Qwen2 biases only QKV."""
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return bias, bias
+
+    def qk_norms(self, cfg) -> Tuple[Optional[nn.Module], Optional[nn.Module]]:
+        """Per-head norms of q and k before RoPE (Qwen3, Gemma-3); none here."""
+        return None, None
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -79,6 +110,8 @@ class LlamaAttention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(meta.positions, q, k)
         out = paged_attention_forward(q, k, v, kv_cache, meta, scale=self.scale,
                                       soft_cap=self.soft_cap, sliding_window=self.sliding_window)
@@ -90,11 +123,11 @@ class LlamaDecoderLayer(nn.Module):
 
     norm_unit_offset = False
 
-    def __init__(self, cfg, layer_idx: int, tp: TensorParallelGroup):
+    def __init__(self, cfg, layer_idx: int, tp: TensorParallelGroup, attention_class: type = LlamaAttention):
         super().__init__()
         eps = cfg.rms_norm_eps
-        self.self_attn = LlamaAttention(cfg, layer_idx, tp)
-        self.mlp = self.build_mlp(cfg, tp)
+        self.self_attn = attention_class(cfg, layer_idx, tp)
+        self.mlp = self.build_mlp(cfg, layer_idx, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, self.norm_unit_offset)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, self.norm_unit_offset)
 
@@ -102,8 +135,9 @@ class LlamaDecoderLayer(nn.Module):
     def activation_of(cfg) -> str:
         return getattr(cfg, "hidden_act", None) or "silu"
 
-    def build_mlp(self, cfg, tp: TensorParallelGroup) -> nn.Module:
-        """The feed-forward block (Mixtral swaps in its mixture of experts)."""
+    def build_mlp(self, cfg, layer_idx: int, tp: TensorParallelGroup) -> nn.Module:
+        """The feed-forward block of layer ``layer_idx`` (Mixtral and Qwen3-MoE swap in their
+        mixtures of experts)."""
         return LlamaMLP(cfg, self.activation_of(cfg), tp)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -112,15 +146,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers, final norm."""
+    """Embedding, decoder layers (of ``layer_class`` with ``attention_class``), final norm."""
 
-    layer_class = LlamaDecoderLayer
-
-    def __init__(self, cfg, tp: TensorParallelGroup):
+    def __init__(self, cfg, tp: TensorParallelGroup, layer_class: type = LlamaDecoderLayer,
+                 attention_class: type = LlamaAttention):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(self.layer_class(cfg, i, tp) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.layer_class.norm_unit_offset)
+        self.layers = nn.ModuleList(layer_class(cfg, i, tp, attention_class) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, layer_class.norm_unit_offset)
         self.embed_scale: Optional[float] = None  # Gemma scales embeddings by sqrt(hidden)
 
     def forward(self, input_ids: torch.Tensor, kv_caches: List[KVCache],
@@ -136,11 +169,15 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Causal LM head over ``LlamaModel``; ``forward`` returns hidden states, logits separate.
 
-    Built for one rank of ``tp`` (default: the single-rank group). ``packed_modules`` maps
-    checkpoint module names onto the packed layers that hold them (and which shard).
+    Built for one rank of ``tp`` (default: the single-rank group). A family sets the classes
+    it changes: ``model_class`` (the stack), ``layer_class`` (the block), ``attention_class``.
+    ``packed_modules`` maps checkpoint module names onto the packed layers that hold them (and
+    which shard).
     """
 
     model_class = LlamaModel
+    layer_class = LlamaDecoderLayer
+    attention_class = LlamaAttention
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
@@ -148,11 +185,16 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp or SingleRank()
-        self.model = self.model_class(cfg, self.tp)
+        self.model = self.model_class(cfg, self.tp, self.layer_class, self.attention_class)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp)
         self.final_logit_softcap: Optional[float] = None
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to a part this model does not serve (a
+        multimodal checkpoint's vision tower); everything else must load."""
+        return False
 
     def checkpoint_target(self, name: str) -> Tuple[str, object]:
         """(parameter name, shard id) that checkpoint tensor ``name`` loads into:

@@ -25,11 +25,26 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """Paths of tiny random Llama, Gemma, Gemma-2 and Mixtral checkpoints, keyed by architecture."""
-    from tpu_executor.tools.random_checkpoint import build
+    """Paths of tiny random checkpoints of every supported architecture, keyed by its name in
+    ``random_checkpoint.ARCHITECTURES``; built on first use."""
+    from tpu_executor.tools.random_checkpoint import ARCHITECTURES, build
 
     root = tmp_path_factory.mktemp("checkpoints")
-    return {arch: build(str(root / arch), arch) for arch in ("llama", "gemma", "gemma2", "mixtral")}
+    return LazyCheckpoints(lambda arch: build(str(root / arch), arch), ARCHITECTURES)
+
+
+class LazyCheckpoints(dict):
+    """A dict of checkpoint paths that builds each on its first look-up."""
+
+    def __init__(self, build, names):
+        super().__init__()
+        self._build, self._names = build, tuple(names)
+
+    def __missing__(self, arch):
+        if arch not in self._names:
+            raise KeyError(f"no random checkpoint for {arch!r}; known: {self._names}")
+        self[arch] = self._build(arch)
+        return self[arch]
 
 
 @pytest.fixture(scope="session")

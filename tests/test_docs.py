@@ -84,6 +84,23 @@ def test_the_readme_example_runs(checkpoints, tmp_path):
     assert result.stdout.strip(), "the example printed no text"
 
 
+def test_the_readme_openai_example_talks_to_a_live_server(checkpoints, tmp_path):
+    """The README's `openai` block, as written but for the server's address, against a server
+    of a tiny checkpoint that serves it under the default model's name."""
+    from tests.common import live_server, tiny_engine_options
+    from tpu_executor.engine.llm_engine import LLMEngine
+
+    example = code_blocks(README, "python")[1]
+    assert "http://127.0.0.1:8000/v1" in example
+    engine = LLMEngine.from_options(checkpoints["llama"], **tiny_engine_options(device="cpu"))
+    with live_server(engine, model_name="SmolLM2-135M-Instruct") as (url, _):
+        script = tmp_path / "client.py"
+        script.write_text(example.replace("http://127.0.0.1:8000/v1", url + "/v1"))
+        result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                                timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 # Markers of development history: a project file states what is true now.
 HISTORY = [
     re.compile(r"\bissues? #?\d+", re.I),

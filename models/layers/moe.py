@@ -1,5 +1,5 @@
-"""Sparse mixture of experts (Mixtral): softmax router, top-k, renormalised weights, and the
-experts as two grouped matmuls over the tokens sorted by expert.
+"""Sparse mixture of experts (Mixtral, Qwen3-MoE): softmax router, top-k, weights renormalised
+(or not), and the experts as two grouped matmuls over the tokens sorted by expert.
 
 ``sparse_moe`` is the serving path: every (token, choice) pair becomes one row, rows are
 sorted by expert, the group sizes are counted on the device with fixed shapes, and
@@ -12,31 +12,33 @@ block's output is all-reduced.
 """
 from __future__ import annotations
 
-from typing import Callable, Tuple
+import re
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import nn
 
-from tpu_executor.models.layers.linear import copy_from_hf, narrow_checked, quantize_parameter
-from tpu_executor.models.layers.parallel import TensorParallelGroup, divide
+from tpu_executor.models.layers.linear import ColumnParallelLinear, copy_from_hf, narrow_checked, quantize_parameter
+from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup, divide
 from tpu_executor.kernels.gmm.ops import gmm, padded_rows
 from tpu_executor.kernels.w8a16_matmul.reference import dequantize
 
 
-def route(router_logits: torch.Tensor, top_k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(weights ``[T, k]`` fp32 summing to 1 per token, expert ids ``[T, k]``)."""
+def route(router_logits: torch.Tensor, top_k: int, normalize: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(weights ``[T, k]`` fp32, expert ids ``[T, k]``): the top-k of the softmax, renormalised
+    to sum to 1 per token unless ``normalize`` is off (Qwen3-MoE's ``norm_topk_prob``)."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, experts = probs.topk(top_k, dim=-1)
-    return weights / weights.sum(dim=-1, keepdim=True), experts
+    return (weights / weights.sum(dim=-1, keepdim=True) if normalize else weights), experts
 
 
 def moe_reference(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  top_k: int, act: Callable) -> torch.Tensor:
+                  top_k: int, act: Callable, normalize: bool = True) -> torch.Tensor:
     """Every expert on every token, weighted by the routing (zero for unchosen experts).
 
     x ``[T, H]``, w13 ``[E, H, 2I]`` (gate then up), w2 ``[E, I, H]`` -> ``[T, H]``.
     """
-    weights, experts = route(router_logits, top_k)
+    weights, experts = route(router_logits, top_k, normalize)
     combine = torch.zeros(x.shape[0], w13.shape[0], device=x.device).scatter_add(1, experts, weights)
     gate, up = torch.einsum("th,ehi->eti", x, w13).chunk(2, dim=-1)
     out = torch.einsum("eti,eih->eth", act(gate) * up, w2)
@@ -44,10 +46,10 @@ def moe_reference(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tenso
 
 
 def sparse_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-               top_k: int, act: Callable) -> torch.Tensor:
+               top_k: int, act: Callable, normalize: bool = True) -> torch.Tensor:
     """The same result as ``moe_reference`` with only the chosen experts' work (see module doc)."""
     num_tokens, num_experts = x.shape[0], w13.shape[0]
-    weights, experts = route(router_logits, top_k)
+    weights, experts = route(router_logits, top_k, normalize)
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)  # rows grouped by expert, tokens in order within
     token_of_row = order // top_k
@@ -99,3 +101,34 @@ class ExpertWeights(nn.Module):
         if "w13_q" in self._parameters:
             return (dequantize(self.w13_q, self.w13_scale, dtype), dequantize(self.w2_q, self.w2_scale, dtype))
         return self.w13, self.w2
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (``gate``, replicated on every rank) + ``experts``; the output, partial over this
+    rank's intermediate slice, is all-reduced."""
+
+    def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, top_k: int, act: Callable,
+                 tp: TensorParallelGroup, normalize: bool = True):
+        super().__init__()
+        self.tp, self.top_k, self.act, self.normalize = tp, top_k, act, normalize
+        self.gate = ColumnParallelLinear(hidden_size, num_experts, SingleRank())
+        self.gate.quantizable = False  # tiny, and routing decisions are sensitive to it
+        self.experts = ExpertWeights(num_experts, hidden_size, intermediate_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w13, w2 = self.experts.weights(x.dtype)
+        return self.tp.all_reduce(sparse_moe(x, self.gate(x), w13, w2, self.top_k, self.act, self.normalize))
+
+
+def expert_target(name: str, pattern: "re.Pattern", gate: str, up: str) -> Optional[Tuple[str, object]]:
+    """(parameter, shard) for a per-expert checkpoint tensor matched by ``pattern`` (groups:
+    layer prefix, expert, projection), or None: the ``gate`` and ``up`` projections of expert
+    ``e`` go to ``(e, 0)`` and ``(e, 1)`` of ``mlp.experts.w13``, the third to shard ``e`` of
+    ``mlp.experts.w2``."""
+    match = pattern.match(name)
+    if match is None:
+        return None
+    prefix, expert, which = match.group(1), int(match.group(2)), match.group(3)
+    if which not in (gate, up):
+        return f"{prefix}.mlp.experts.w2", expert
+    return f"{prefix}.mlp.experts.w13", (expert, 0 if which == gate else 1)

@@ -80,3 +80,5 @@ def check_tensor_parallel(cfg, world_size: int) -> None:
     divide(cfg.num_attention_heads, world_size, "num_attention_heads")
     kv_heads_of_rank(cfg.num_key_value_heads, 0, world_size)
     divide(cfg.intermediate_size, world_size, "intermediate_size")
+    if getattr(cfg, "moe_intermediate_size", None):
+        divide(cfg.moe_intermediate_size, world_size, "moe_intermediate_size")

@@ -1,32 +1,37 @@
-"""Rotary position embedding (Neox/Hugging Face "rotate half" layout)."""
+"""Rotary position embedding (Neox/Hugging Face "rotate half" layout) and its scaling types.
+
+The frequencies of a scaled type come from transformers' own functions
+(``modeling_rope_utils.ROPE_INIT_FUNCTIONS``), so they are the checkpoint's by construction;
+this module applies them. ``dynamic`` (NTK) rescales only beyond the checkpoint's
+``max_position_embeddings``, which is also the longest context the engine serves, so there it
+equals the default frequencies, as in transformers. Any other type is refused at start-up.
+"""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q and k given absolute positions (a device tensor, never a constant)."""
+    """Applies RoPE to q and k given absolute positions (a device tensor, never a constant).
+    ``attention_scaling`` multiplies cos and sin (YaRN's attention factor; 1 otherwise)."""
 
-    def __init__(self, head_dim: int, theta: float, rope_type: str = "default",
-                 scaling_factor: Optional[float] = None):
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
         super().__init__()
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        if rope_type == "linear":
-            inv_freq = inv_freq / float(scaling_factor)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = float(attention_scaling)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, heads, d], k [T, kv_heads, d] -> rotated (same shapes and dtype)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -36,11 +41,51 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
-def rope_from_config(hf_config, head_dim: int) -> RotaryEmbedding:
-    """Build RoPE from a transformers config (``rope_parameters`` or legacy ``rope_theta``)."""
+def per_type_key(hf_config, layer_type: Optional[str]) -> Optional[str]:
+    """``layer_type`` if the config has RoPE parameters per layer type (as Gemma-3's), else None."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return layer_type if layer_type is not None and isinstance(params.get(layer_type), dict) else None
+
+
+def rope_parameters(hf_config, layer_type: Optional[str] = None) -> Dict:
+    """The RoPE parameters of a transformers config for the layers of ``layer_type``
+    (``rope_parameters``, or the legacy ``rope_scaling`` and ``rope_theta``)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    key = per_type_key(hf_config, layer_type)
+    if key is not None:
+        params = dict(params[key])
     scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
     params = {**scaling, **params}
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    return RotaryEmbedding(head_dim, float(theta), rope_type, params.get("factor"))
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def check_rope(hf_config) -> None:
+    """Refuse, before any worker starts, a checkpoint whose RoPE type (of any layer type) is
+    not one of ``SUPPORTED_ROPE_TYPES``; the message names the type and the supported list."""
+    for layer_type in set(getattr(hf_config, "layer_types", None) or [None]):
+        rope_type = rope_parameters(hf_config, layer_type)["rope_type"]
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope type {rope_type!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def rope_frequencies(hf_config, head_dim: int, layer_type: Optional[str] = None) -> Tuple[torch.Tensor, float]:
+    """(inverse frequencies ``[head_dim / 2]``, attention scaling) of the checkpoint's RoPE; a
+    type other than ``SUPPORTED_ROPE_TYPES`` raises a ValueError naming it."""
+    check_rope(hf_config)
+    params = rope_parameters(hf_config, layer_type)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        theta = float(params["rope_theta"])
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", layer_type=per_type_key(hf_config, layer_type))
+    return inv_freq, float(scaling)
+
+
+def rope_from_config(hf_config, head_dim: int, layer_type: Optional[str] = None) -> RotaryEmbedding:
+    """RoPE for the layers of ``layer_type`` (None: the model's one kind) of a checkpoint."""
+    return RotaryEmbedding(*rope_frequencies(hf_config, head_dim, layer_type))

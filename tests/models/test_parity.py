@@ -1,11 +1,13 @@
-"""Greedy tokens identical to transformers (fp32) and logits within tolerance, for tiny random
-Llama, Gemma, Gemma-2 and Mixtral checkpoints, on the XLA path and the native eager path (on
-the CPU, and on a CUDA GPU where torch sees one)."""
+"""Greedy tokens identical to transformers (fp32) and logits within tolerance, for a tiny random
+checkpoint of every supported architecture (prompts of 16-256 tokens, longer than the sliding
+windows), on the XLA path and the native eager path (on the CPU, and on a CUDA GPU where torch
+sees one), with nothing compiled after warm-up."""
 import pytest
 import torch
 
 from tests.common import hf_greedy, mixed_prompts, tiny_engine_options
 from tpu_executor import LLM, SamplingParams
+from tpu_executor.tools.random_checkpoint import ARCHITECTURES
 
 NEW_TOKENS = 64
 # Log-probs of the top tokens, ours vs transformers, fp32 on both sides.
@@ -25,7 +27,7 @@ NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no
 
 @pytest.mark.parametrize("device", [pytest.param("xla", marks=pytest.mark.slow), "cpu",
                                     pytest.param("cuda", marks=NO_GPU)])
-@pytest.mark.parametrize("arch", ["llama", "gemma", "gemma2", "mixtral"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_matches_transformers(checkpoints, arch, device):
     path = checkpoints[arch]
     prompts = mixed_prompts(6, 16, 256, vocab=500)

@@ -9,8 +9,9 @@ import torch
 
 from tpu_executor.kernels.w8a16_matmul import ops as w8a16_ops
 from tpu_executor.kernels.w8a16_matmul.reference import dequantize, quantize_per_channel
-from tests.common import greedy_tokens
+from tests.common import greedy_tokens, mixed_prompts, tiny_engine_options
 from tpu_executor import LLM
+from tpu_executor.tools.random_checkpoint import ARCHITECTURES
 from tpu_executor.worker.model_loader import load_model, quantizable_bytes
 
 SMOLLM2_PROMPTS = [
@@ -23,7 +24,7 @@ SMOLLM2_NEW_TOKENS = 32
 MIN_AGREEMENT = 0.90
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_quantized_layers_take_at_most_30_percent_of_fp32(checkpoints, arch):
     full = quantizable_bytes(load_model(checkpoints[arch], torch.float32))
     quantized_model = load_model(checkpoints[arch], torch.float32, quantization="int8")
@@ -62,6 +63,21 @@ def test_w8a16_matmul_is_within_quantization_error_of_the_fp32_matmul(dtype, rou
         error = (out - exact).abs()
         assert bool((error <= bound).all()), f"t={t} k={k} n={n}: worst excess {(error - bound).max():.3g}"
         assert error.max() > 0  # the quantization error is real, so the bound is what holds it
+
+
+@pytest.mark.parametrize("arch", ["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gemma3_mm"])
+def test_int8_engines_of_every_family_follow_fp32(checkpoints, arch):
+    """An INT8 engine of each family serves (native path), and its first greedy token equals
+    the fp32 engine's for at least 3 prompts in 4."""
+    prompts = mixed_prompts(16, 16, 96, vocab=500, seed=9)
+    firsts = {}
+    for quantization in (None, "int8"):
+        llm = LLM(checkpoints[arch], device="cpu", quantization=quantization, **tiny_engine_options())
+        firsts[quantization] = [t[0] for t in greedy_tokens(llm, prompts, 1)]
+        llm.shutdown()
+    same = sum(a == b for a, b in zip(firsts[None], firsts["int8"]))
+    print(f"{arch}: int8 first token equal to fp32's for {same} of {len(prompts)} prompts")
+    assert same >= 12
 
 
 def _smollm2_prompts(tokenizer) -> List[List[int]]:

@@ -24,3 +24,18 @@ def test_smollm2_greedy_matches_transformers(smollm2_path, device):
                         use_tqdm=False)[0].outputs[0].text
     assert "Paris" in text
     assert llm.engine.stats().graphs_compiled_after_warmup == 0
+
+
+@pytest.mark.slow
+def test_the_converted_checkpoint_is_a_plain_hugging_face_one(smollm2_path):
+    """No GGUF quantization entry survives the conversion: tools that load the directory
+    through transformers with options of their own (lm-eval) must find plain weights."""
+    import json
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    with open(os.path.join(smollm2_path, "config.json")) as handle:
+        assert "quantization_config" not in json.load(handle)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype="float32")
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 30

@@ -30,9 +30,9 @@ ENGINE_PHASES = ("schedule", "output", "detokenize")
 def _part_classes() -> Dict[str, Tuple[type, ...]]:
     from tpu_executor.models.layers.linear import QuantizableMatmul
     from tpu_executor.models.llama import LlamaAttention
-    from tpu_executor.models.mixtral import MixtralMoE
+    from tpu_executor.models.layers.moe import SparseMoeBlock
 
-    return {"linears": (QuantizableMatmul,), "attention": (LlamaAttention,), "moe": (MixtralMoE,)}
+    return {"linears": (QuantizableMatmul,), "attention": (LlamaAttention,), "moe": (SparseMoeBlock,)}
 
 
 class ModelPartClock:

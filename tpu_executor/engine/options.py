@@ -13,6 +13,7 @@ import typing
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from tpu_executor.models.layers.parallel import check_tensor_parallel
+from tpu_executor.models.layers.rotary import check_rope
 from tpu_executor.core.buckets import BUCKET_FIELDS, LIMIT_FIELDS, read_bucket_file
 from tpu_executor.core.config import (OPTION_SECTIONS, CacheConfig, CompileConfig, DeviceConfig, EngineConfig,
                                       ModelConfig, ParallelConfig, SchedulerConfig, resolve_max_model_len)
@@ -61,7 +62,8 @@ def apply_bucket_file(options: Dict[str, Any]) -> Dict[str, Any]:
 
 def build_engine_config(model: str, **options: Any) -> EngineConfig:
     """An EngineConfig from flat keyword options (each goes to the section that has the field).
-    An impossible tensor-parallel split fails here, before any worker starts."""
+    An impossible tensor-parallel split or an unsupported RoPE type fails here, before any
+    worker starts."""
     options = apply_bucket_file(options)
     values: Dict[type, Dict[str, Any]] = {section: {} for section in OPTION_SECTIONS}
     for section, f in option_fields():
@@ -73,6 +75,7 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
     parallel, compile_config = ParallelConfig(**values[ParallelConfig]), CompileConfig(**values[CompileConfig])
     hf_config = load_hf_config(model)
     check_tensor_parallel(hf_config, parallel.tensor_parallel_size)
+    check_rope(hf_config)
     scheduler = SchedulerConfig(**values[SchedulerConfig])
     limit = resolve_max_model_len(checkpoint_limit(hf_config), model_config.max_model_len, scheduler)
     return EngineConfig(model=model_config, cache=CacheConfig(**values[CacheConfig]),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -43,6 +44,9 @@ def convert(out_dir: str) -> str:
         plain = LlamaForCausalLM(gguf_model.config)
         plain.load_state_dict(gguf_model.state_dict())
         plain.config.torch_dtype = "float32"
+        # The weights are dequantized: the GGUF file's entry would send transformers looking for it.
+        if hasattr(plain.config, "quantization_config"):
+            del plain.config.quantization_config
         # A private partial directory per process: two processes converting at once (test
         # runs side by side) must not write into, or rename onto, each other's files.
         tmp_out = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".partial-", dir=os.path.dirname(out_dir))
@@ -57,9 +61,21 @@ def convert(out_dir: str) -> str:
     return out_dir
 
 
+def drop_quantization_entry(config_file: str) -> None:
+    """Remove a GGUF ``quantization_config`` that a conversion without this step left behind,
+    so the directory is a plain checkpoint any tool loads."""
+    with open(config_file) as handle:
+        config = json.load(handle)
+    if config.pop("quantization_config", None) is not None:
+        with open(config_file, "w") as handle:
+            json.dump(config, handle, indent=2)
+
+
 def prepare(out_dir: str = DEFAULT_DIR) -> str:
     """The checkpoint directory, converted on first use."""
-    if os.path.exists(os.path.join(out_dir, "config.json")):
+    config_file = os.path.join(out_dir, "config.json")
+    if os.path.exists(config_file):
+        drop_quantization_entry(config_file)
         return out_dir
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     return convert(out_dir)

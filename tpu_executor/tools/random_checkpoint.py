@@ -1,4 +1,4 @@
-"""Build random-weight checkpoints (Llama, Gemma, Gemma-2, Mixtral) with a freshly trained tokenizer.
+"""Build random-weight checkpoints of every supported architecture with a freshly trained tokenizer.
 
 Used by the tests (tiny models) and ``tpu-executor bench`` (a ~100M-parameter Gemma-shaped
 model); ``python -m scripts.random_checkpoint DIR --arch gemma --size 100m`` writes one.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -56,21 +56,60 @@ def train_tokenizer(vocab_size: int, seed: int = 0):
                                    eos_token="</s>", chat_template=CHAT_TEMPLATE)
 
 
+ARCHITECTURES = ("llama", "llama3", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2",
+                 "gemma3", "gemma3_mm")
+# A window shorter than the test prompts, so sliding layers are exercised.
+WINDOW = 32
+
+
 def _config(arch: str, sizes: Dict, vocab_size: int):
-    from transformers import Gemma2Config, GemmaConfig, LlamaConfig, MixtralConfig
+    """A transformers config of ``arch`` with ``sizes``: each family's distinguishing features
+    switched on (Llama-3's RoPE and tied embeddings, Qwen3's YaRN, Gemma-3's per-type RoPE)."""
+    import transformers as tf
 
     common = dict(sizes, vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if arch == "llama":
-        return LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)
-    if arch == "gemma":
-        return GemmaConfig(**common, hidden_act="gelu_pytorch_tanh")
-    if arch == "gemma2":
-        return Gemma2Config(**common, sliding_window=32, query_pre_attn_scalar=sizes["head_dim"],
-                            attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
-    if arch == "mixtral":
-        return MixtralConfig(**common, tie_word_embeddings=False, rope_theta=10000.0, sliding_window=None,
-                             num_local_experts=MIXTRAL_EXPERTS, num_experts_per_tok=2)
-    raise ValueError(f"unknown architecture {arch!r}; use llama, gemma, gemma2 or mixtral")
+    untied = dict(common, tie_word_embeddings=False)
+    if arch in ("gemma3", "gemma3_mm"):
+        return _gemma3_config(arch, dict(common, num_key_value_heads=1))
+    configs = {
+        "llama": lambda: tf.LlamaConfig(**untied, rope_theta=10000.0),
+        "llama3": lambda: tf.LlamaConfig(**common, tie_word_embeddings=True, rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=256)),
+        "mistral": lambda: tf.MistralConfig(**untied, sliding_window=WINDOW),
+        "mixtral": lambda: tf.MixtralConfig(**untied, rope_theta=10000.0, sliding_window=None,
+                                            num_local_experts=MIXTRAL_EXPERTS, num_experts_per_tok=2),
+        "qwen2": lambda: tf.Qwen2Config(**untied),
+        "qwen3": lambda: tf.Qwen3Config(**untied, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=512)),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**untied, num_experts=MIXTRAL_EXPERTS, num_experts_per_tok=2,
+                                               moe_intermediate_size=sizes["intermediate_size"] // 2,
+                                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
+        "gemma": lambda: tf.GemmaConfig(**common, hidden_act="gelu_pytorch_tanh"),
+        "gemma2": lambda: tf.Gemma2Config(**common, sliding_window=WINDOW, query_pre_attn_scalar=sizes["head_dim"],
+                                          attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    }
+    if arch not in configs:
+        raise ValueError(f"unknown architecture {arch!r}; use one of {', '.join(ARCHITECTURES)}")
+    return configs[arch]()
+
+
+def _gemma3_config(arch: str, common: Dict):
+    """Gemma-3 text (a sliding layer, then a global one with linear-scaled RoPE), or the same
+    language model inside a multimodal checkpoint with a tiny vision tower."""
+    import transformers as tf
+
+    layers = common["num_hidden_layers"]
+    text = dict(common, sliding_window=WINDOW, query_pre_attn_scalar=common["head_dim"],
+                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                                 "sliding_attention": dict(rope_type="default", rope_theta=10000.0)})
+    if arch == "gemma3":
+        return tf.Gemma3TextConfig(**text)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=32, patch_size=8)
+    return tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                           boi_token_index=3, eoi_token_index=4, image_token_index=5)
 
 
 @torch.no_grad()
@@ -84,7 +123,7 @@ def _scale_weights(model, residual_gain: float, seed: int) -> None:
             if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 std *= residual_gain
             if "embed" in name and gemma:
-                std = model.config.hidden_size ** -0.5  # Gemma multiplies embeddings by sqrt(hidden)
+                std = model.config.get_text_config().hidden_size ** -0.5  # Gemma multiplies embeddings by sqrt(hidden)
             param.copy_(torch.randn(param.shape, generator=generator) * std)
         elif "norm" in name:
             scale = _norm_scale(name, model_type, residual_gain)
@@ -93,26 +132,40 @@ def _scale_weights(model, residual_gain: float, seed: int) -> None:
 
 
 def _norm_scale(name: str, model_type: str, residual_gain: float) -> float:
-    """Gemma-2 normalises each block's output, so the residual gain goes into those norms; the
-    final norm sharpens the logits so greedy picks have clear margins."""
-    if name == "model.norm.weight":
+    """Gemma-2 and 3 normalise each block's output, so the residual gain goes into those norms
+    (scaling the residual writers has no effect there); the final norm sharpens the logits so
+    greedy picks have clear margins."""
+    if name in ("model.norm.weight", "model.language_model.norm.weight"):
         return FINAL_NORM_SCALE
-    if model_type == "gemma2" and ("post_attention_layernorm" in name or "post_feedforward_layernorm" in name):
+    sandwich = model_type in ("gemma2", "gemma3", "gemma3_text")
+    if sandwich and ("post_attention_layernorm" in name or "post_feedforward_layernorm" in name):
         return residual_gain
     return 1.0
 
 
+# How much the residual writers (or Gemma-2/3's post-norms) are scaled up. With tied
+# embeddings (Llama-3's small models) the input token's embedding dominates the residual
+# stream and the head maps it back to itself, so the model repeats its input unless the
+# layers write more.
+RESIDUAL_GAIN = 16.0
+TIED_RESIDUAL_GAIN = 32.0
+
+
 def build(out_dir: str, arch: str = "llama", sizes: Dict = TINY, seed: int = 0,
-          residual_gain: float = 16.0) -> str:
+          residual_gain: Optional[float] = None) -> str:
     """Write a random checkpoint of ``arch`` to ``out_dir`` (reused if already there)."""
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     tokenizer = train_tokenizer(sizes["vocab_size"], seed)
     config = _config(arch, sizes, len(tokenizer))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if arch == "gemma3_mm" else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
+    if residual_gain is None:
+        tied = config.tie_word_embeddings and not arch.startswith("gemma")
+        residual_gain = TIED_RESIDUAL_GAIN if tied else RESIDUAL_GAIN
     _scale_weights(model, residual_gain, seed)
     tmp = out_dir + ".partial"
     model.save_pretrained(tmp, safe_serialization=True)
@@ -124,7 +177,7 @@ def build(out_dir: str, arch: str = "llama", sizes: Dict = TINY, seed: int = 0,
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="checkpoint directory to write")
-    parser.add_argument("--arch", default="gemma", choices=["llama", "gemma", "gemma2", "mixtral"])
+    parser.add_argument("--arch", default="gemma", choices=ARCHITECTURES)
     parser.add_argument("--size", default="100m", choices=["tiny", "100m", "mixtral-small"])
     args = parser.parse_args(argv)
     sizes = {"tiny": TINY, "100m": GEMMA_100M, "mixtral-small": MIXTRAL_SMALL}[args.size]

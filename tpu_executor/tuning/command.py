@@ -12,7 +12,7 @@ under ``--max-graphs`` model graphs (prefill + decode; the sampler's small graph
 apart) is written with ``--out``. ``--measure N`` runs the default and the chosen buckets on
 the first N requests in the real engine here. ``--target`` adds a roofline estimate on a TPU
 slice, the HBM fit, and lowers every chosen bucket's Pallas kernels for the TPU. ``--model``
-may name a published config (llama-3-8b, gemma-7b) when the weights are not here.
+may name a published config (``tuning/published.py``) when the weights are not here.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 from tpu_executor.core.buckets import write_bucket_file
 from tpu_executor.engine.options import (HelpFormatter, add_engine_arguments, build_engine_config,
                                          engine_options_from_args)
+from tpu_executor.tuning.published import MODEL_SHAPES
 
 COLUMNS = ("scheme", "model graphs", "all graphs", "prefill waste", "rows waste", "context waste",
            "worst waste", "est. warm-up s", "TPU est. tok/s", "here: sample tok/s", "here: trace tok/s")
@@ -34,8 +35,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("tune", help="choose bucket sizes from a length trace",
                                    description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--trace", required=True, help="trace file, or sharegpt-like | chat | long-prompt")
-    parser.add_argument("--model", default=None, help="checkpoint directory, or llama-3-8b | gemma-7b "
-                                                      "(shapes only; default: the default model)")
+    parser.add_argument("--model", default=None, help="checkpoint directory, or a published model's shapes "
+                                                      f"(no weights needed): {', '.join(MODEL_SHAPES)} "
+                                                      "(default: the default model)")
     parser.add_argument("--num-requests", type=int, default=None, help="first N requests (synthetic: 1000)")
     parser.add_argument("--max-graphs", type=int, default=24, help="model graphs (prefill + decode) to compile")
     parser.add_argument("--target", default=None, help="TPU slice to estimate and lower for, e.g. v5e-8")

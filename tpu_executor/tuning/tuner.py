@@ -19,25 +19,12 @@ from tqdm import tqdm
 from tpu_executor.core.buckets import BucketPlan, DecodeCall, DecodeGraph, PrefillCall, PrefillGraph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.tuning.lowering import kernel_support, lower_graphs
+from tpu_executor.tuning.published import MODEL_SHAPES
 from tpu_executor.tuning.replay import ReplayResult, replay
 from tpu_executor.tuning.roofline import CostModel, HbmFit, ModelShape, Target, hbm_fit
 from tpu_executor.tuning.schemes import (Dimension, Plan, optimal_tables, recipe_plans, round_up,
                                                split_budget)
 from tpu_executor.tuning.traces import TraceRequest
-
-# Published configs (config.json on the Hugging Face hub) of models a user may size a job for
-# without having the weights here: the tuner needs only their shapes.
-MODEL_SHAPES: Dict[str, Dict[str, Any]] = {
-    "llama-3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
-                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-                       rope_theta=500000.0, rms_norm_eps=1e-5),
-    "gemma-7b": dict(architectures=["GemmaForCausalLM"], model_type="gemma", hidden_size=3072,
-                     intermediate_size=24576, num_hidden_layers=28, num_attention_heads=16,
-                     num_key_value_heads=16, head_dim=256, vocab_size=256000, max_position_embeddings=8192,
-                     rms_norm_eps=1e-6),
-}
-
 
 @contextmanager
 def model_directory(model: str) -> Iterator[str]:

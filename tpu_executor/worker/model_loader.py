@@ -26,16 +26,21 @@ class CheckpointError(ValueError):
 
 
 def load_hf_config(path: str):
-    """The transformers config of the checkpoint at ``path``."""
+    """The transformers config of the checkpoint at ``path``; for a multimodal checkpoint, its
+    text config (what the engine serves), carrying the checkpoint's ``architectures``."""
     from transformers import AutoConfig
 
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise CheckpointError(f"{config_file} is missing: {path!r} is not a Hugging Face checkpoint")
     try:
-        return AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
     except (ValueError, OSError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{config_file} cannot be read: {err}") from err
+    text = config.get_text_config()
+    if text is not config:
+        text.architectures = config.architectures
+    return text
 
 
 def checkpoint_limit(hf_config) -> int:
@@ -84,7 +89,8 @@ def load_weights(model: torch.nn.Module, files: List[str]) -> None:
     tied = getattr(model, "tie_word_embeddings", False)
     loaded, unexpected = set(), []
     for name, tensor in iterate_tensors(files):
-        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight") or \
+                model.skips_checkpoint_tensor(name):
             continue
         param_name, shard_id = model.checkpoint_target(name)
         param = expected.get(param_name)

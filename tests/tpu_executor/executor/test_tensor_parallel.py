@@ -3,7 +3,7 @@
 Each rank is an actor wrapping a Worker; collectives go through gloo on host copies, so the
 compiled step splits at every collective. Greedy tokens at tp=2 and tp=4 must equal tp=1's
 and transformers' (fp32); the tiny models have 4 query heads and 2 KV heads, so tp=4
-replicates each KV head on two ranks.
+replicates each KV head on two ranks (Gemma-3's one KV head is replicated at tp=2).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def prompts():
 def references(checkpoints, prompts):
     """Per architecture: (transformers fp32 greedy tokens, tp=1 engine greedy tokens on XLA)."""
     refs = {}
-    for arch in ("llama", "gemma"):
+    for arch in ("llama", "gemma", "qwen3", "qwen3_moe", "gemma3"):
         hf_tokens, _ = hf_greedy(checkpoints[arch], prompts, NEW_TOKENS)
         llm = LLM(checkpoints[arch], **tensor_parallel_options())
         refs[arch] = (hf_tokens, greedy_tokens(llm, prompts, NEW_TOKENS))
@@ -53,7 +53,8 @@ def assert_all_chips_come_back(timeout_s: float = 20.0) -> None:
     assert ray.available_resources().get("TPU") == 4
 
 
-@pytest.mark.parametrize("arch,tp", [("llama", 2), ("gemma", 2), ("llama", 4), ("gemma", 4)])
+@pytest.mark.parametrize("arch,tp", [("llama", 2), ("gemma", 2), ("llama", 4), ("gemma", 4), ("qwen3", 2),
+                                     ("qwen3_moe", 2), ("gemma3", 2)])
 def test_greedy_tokens_match_tp1_and_transformers(cluster, checkpoints, references, prompts, arch, tp):
     hf_tokens, tp1_tokens = references[arch]
     assert tp1_tokens == hf_tokens

@@ -120,6 +120,31 @@ def test_roofline_decode_is_memory_bound_and_long_prefill_compute_bound():
         Target.parse("a100-8")
 
 
+# Parameter counts the model cards publish (billions; Gemma-3-27B's language model).
+PUBLISHED_BILLIONS = {"llama-3-8b": 8.03, "llama-3.1-8b": 8.03, "llama-3.3-70b": 70.6, "qwen3-8b": 8.19,
+                      "qwen3-32b": 32.8, "qwen3-30b-a3b": 30.5, "gemma-7b": 8.54, "gemma-3-27b": 27.0}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_BILLIONS))
+def test_published_shapes_load_and_add_up_to_their_model_cards(name):
+    """Each published config loads as the engine would load it (RoPE type and tensor-parallel
+    split checked), and its weights add up to the published size within 6% (the cost model
+    counts the LM head apart, since a step reads it; a tied one is no weight of its own)."""
+    from tpu_executor.models.layers.parallel import check_tensor_parallel
+    from tpu_executor.models.layers.rotary import check_rope
+    from tpu_executor.tuning.published import MODEL_SHAPES
+    from tpu_executor.worker.model_loader import load_hf_config
+
+    assert set(PUBLISHED_BILLIONS) == set(MODEL_SHAPES)
+    with model_directory(name) as path:
+        hf = load_hf_config(path)
+    check_rope(hf)
+    check_tensor_parallel(hf, 8)
+    shape = ModelShape.from_hf_config(hf)
+    weights = shape.weight_params() - (shape.vocab * shape.hidden if hf.tie_word_embeddings else 0)
+    assert weights / 1e9 == pytest.approx(PUBLISHED_BILLIONS[name], rel=0.06)
+
+
 SERVE_THE_TRACE = textwrap.dedent("""
     import json, sys
     from tpu_executor import LLM
