@@ -268,9 +268,21 @@ def _sampled_tokens(call: LaunchedCall, host: Tuple[list, list, Optional[list], 
     return SampledTokens(list(call.request_ids), token_ids[:num], logprobs[:num], top)
 
 
+class _PlannedGraphs:
+    """Graphs planned by every XLA runner of this process so far. Dynamo keeps each compiled
+    function's cache entries (one per bucket and model instance) for the process's life, so
+    a process that builds engine after engine (tests, benchmarks) needs limits that grow with
+    all of them, not with the last plan alone."""
+
+    total = 0
+
+
 def _raise_dynamo_limits(num_graphs: int) -> None:
-    """Let dynamo keep one cache entry per bucket (its default of 8 would fall back to eager)."""
+    """Let dynamo keep one cache entry per bucket of every plan (its default of 8 would fall
+    back to eager, and fullgraph=True turns that into an error)."""
     import torch._dynamo.config as dynamo_config
 
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * num_graphs)
-    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 16 * num_graphs)
+    _PlannedGraphs.total += num_graphs
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * _PlannedGraphs.total)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit,
+                                                    16 * _PlannedGraphs.total)

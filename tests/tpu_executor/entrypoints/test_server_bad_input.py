@@ -25,6 +25,12 @@ def chat(**fields):
     return dict(CHAT, **fields)
 
 
+def escaped(body) -> bytes:
+    """``body`` as JSON with every non-ASCII character escaped, lone surrogates included (valid
+    JSON that no UTF-8 encoder accepts once decoded)."""
+    return json.dumps(body).encode("ascii")
+
+
 # (name, path, body (dict: JSON; bytes: raw), extra headers, status, words the message holds, param)
 CASES = [
     ("malformed json", "/v1/completions", b'{"prompt": "a", ', {}, 400, "not valid JSON", None),
@@ -57,6 +63,17 @@ CASES = [
     ("stop wrong type", "/v1/completions", completions(stop=5), {}, 400, "stop", "stop"),
     ("empty stop string", "/v1/completions", completions(stop=[""]), {}, 400, "stop", "stop"),
     ("unknown model", "/v1/completions", completions(model="gpt-9"), {}, 404, "does not exist", "model"),
+    ("lone surrogate in the prompt", "/v1/completions", escaped(completions(prompt="\ud800abc")), {}, 400,
+     "lone surrogate", "prompt"),
+    ("lone surrogate in a prompt list", "/v1/completions", escaped(completions(prompt=["ok", "x\udfff"])), {}, 400,
+     "lone surrogate", "prompt"),
+    ("lone surrogate in stop", "/v1/completions", escaped(completions(stop=["\ud800"])), {}, 400, "lone surrogate",
+     "stop"),
+    ("lone surrogate in a message", "/v1/chat/completions",
+     escaped(chat(messages=[{"role": "user", "content": "hi \ud83d"}])), {}, 400, "lone surrogate",
+     "messages[0].content"),
+    ("lone surrogate to tokenize", "/tokenize", escaped({"model": "tiny", "prompt": "\ud800"}), {}, 400,
+     "lone surrogate", "prompt"),
     ("logit_bias", "/v1/completions", completions(logit_bias={"5": 10}), {}, 400, "logit_bias", "logit_bias"),
     ("presence_penalty", "/v1/completions", completions(presence_penalty=0.5), {}, 400, "presence_penalty",
      "presence_penalty"),

@@ -29,7 +29,7 @@ from tpu_executor.entrypoints.openai.config import ServerConfig
 from tpu_executor.entrypoints.openai.metrics import ServerMetrics
 from tpu_executor.entrypoints.openai.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                                       DetokenizeRequest, TokenizeRequest, bad_request)
-from tpu_executor.entrypoints.openai.serving import OpenAIServing
+from tpu_executor.entrypoints.openai.serving import OpenAIServing, token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
         if body.messages is not None:
             tokens = render_chat(serving.tokenizer, body.messages, body.add_generation_prompt).token_ids
         else:
-            tokens = serving.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+            tokens = token_ids(serving.tokenizer, body.prompt, "prompt", body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": list(tokens)}
 
     @app.post("/detokenize")

@@ -8,7 +8,7 @@ from starlette.requests import Request as HttpRequest
 
 from tpu_executor.core.request import CompletionOutput, RequestOutput
 from tpu_executor.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, bad_request
-from tpu_executor.entrypoints.openai.serving import OpenAIServing, Prompt, token_text, usage
+from tpu_executor.entrypoints.openai.serving import OpenAIServing, Prompt, token_ids, token_text, usage
 
 
 def render_chat(tokenizer, messages: List[ChatMessage], add_generation_prompt: bool) -> Prompt:
@@ -22,7 +22,7 @@ def render_chat(tokenizer, messages: List[ChatMessage], add_generation_prompt: b
                                              add_generation_prompt=add_generation_prompt)
     except Exception as err:  # noqa: BLE001 - a template may reject a conversation (roles, order)
         raise bad_request(f"the chat template rejected these messages: {err}", "messages") from None
-    return Prompt(text, list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return Prompt(text, token_ids(tokenizer, text, "messages", add_special_tokens=False))
 
 
 def chat_logprobs(tokenizer, completion: CompletionOutput, top: int) -> Dict[str, List[Dict[str, Any]]]:

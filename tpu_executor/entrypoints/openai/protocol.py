@@ -35,6 +35,16 @@ def bad_request(message: str, param: Optional[str] = None) -> ApiError:
     return ApiError(400, message, param)
 
 
+def checked_text(text: str, param: str) -> str:
+    """``text`` if it is Unicode a tokenizer can take, else a 400 naming ``param``: JSON may
+    carry a lone UTF-16 surrogate (``"\\ud800"``), which no UTF-8 encoder accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise bad_request(f"{param} is not valid Unicode: a lone surrogate at character {err.start}", param) from None
+    return text
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -79,6 +89,8 @@ class _GenerationRequest(BaseModel):
             raise bad_request("min_tokens is not supported by this server yet", "min_tokens")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        for text in [self.stop] if isinstance(self.stop, str) else (self.stop or []):
+            checked_text(text, "stop")
 
     def unknown_fields(self) -> List[str]:
         return sorted(self.model_extra or {})
@@ -135,11 +147,13 @@ class CompletionRequest(_GenerationRequest):
     def prompts(self) -> List[Union[str, List[int]]]:
         """The prompts of this request: each a string or a list of token ids."""
         prompt = self.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        if isinstance(prompt, str):
+            return [checked_text(prompt, "prompt")]
+        if prompt and isinstance(prompt[0], int):
             return [prompt]
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
-        return list(prompt)
+        return [checked_text(p, "prompt") if isinstance(p, str) else p for p in prompt]
 
 
 class ChatMessage(BaseModel):
@@ -151,17 +165,17 @@ class ChatMessage(BaseModel):
 
     def text(self, index: int) -> str:
         """The message's text; content parts other than text are refused."""
+        param = f"messages[{index}].content"
         if self.content is None:
             return ""
         if isinstance(self.content, str):
-            return self.content
+            return checked_text(self.content, param)
         texts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request("only text content parts ({'type': 'text', 'text': ...}) are supported",
-                                  f"messages[{index}].content")
+                raise bad_request("only text content parts ({'type': 'text', 'text': ...}) are supported", param)
             texts.append(part["text"])
-        return "".join(texts)
+        return checked_text("".join(texts), param)
 
 
 class ChatCompletionRequest(_GenerationRequest):

@@ -21,7 +21,7 @@ from tpu_executor.engine.async_engine import AsyncLLMEngine, QueueFullError, Req
 from tpu_executor.engine.llm_engine import EngineDeadError
 from tpu_executor.entrypoints.openai.config import ServerConfig
 from tpu_executor.entrypoints.openai.metrics import RequestTracker, ServerMetrics
-from tpu_executor.entrypoints.openai.protocol import ApiError, bad_request
+from tpu_executor.entrypoints.openai.protocol import ApiError, bad_request, checked_text
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class OpenAIServing:
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("prompt must not be empty", param)
-            return Prompt(prompt, list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]))
+            return Prompt(prompt, token_ids(self.tokenizer, prompt, param, add_special_tokens))
         if not prompt:
             raise bad_request("prompt token ids must not be empty", param)
         return Prompt(None, list(prompt))
@@ -212,6 +212,14 @@ def usage(prompts: Sequence[Prompt], outputs_tokens: int) -> Dict[str, int]:
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": outputs_tokens,
             "total_tokens": prompt_tokens + outputs_tokens}
+
+
+def token_ids(tokenizer, text: str, param: str, add_special_tokens: bool = True) -> List[int]:
+    """``text`` encoded; text the tokenizer cannot take is a 400 naming ``param``."""
+    try:
+        return list(tokenizer(checked_text(text, param), add_special_tokens=add_special_tokens)["input_ids"])
+    except (TypeError, ValueError) as err:
+        raise bad_request(f"the tokenizer cannot encode {param}: {err}", param) from None
 
 
 def token_text(tokenizer, token_id: int) -> str:
