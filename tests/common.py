@@ -32,8 +32,21 @@ def hf_greedy(path: str, prompts: List[List[int]], max_new_tokens: int) -> Tuple
     return tokens, logprobs
 
 
+def random_processing(rng: random.Random, i: int, max_tokens: int) -> dict:
+    """Logits-processing parameters for about half the requests, every kind mixed in."""
+    choices = [{}, {},
+               dict(presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(0, 1)),
+               dict(repetition_penalty=rng.choice([0.8, 1.3])),
+               dict(logit_bias={rng.randrange(3, 500): rng.uniform(-100, 100) for _ in range(rng.randint(1, 20))}),
+               dict(min_tokens=rng.randint(0, max_tokens)),
+               dict(allowed_token_ids=rng.sample(range(3, 500), rng.randint(1, 40))),
+               dict(bad_words=rng.sample(["ka", "lo mi", "ne", "ru ta", "shi po ve"], rng.randint(1, 3)))]
+    return choices[i % len(choices)]
+
+
 def random_requests(count: int, seed: int = 1):
-    """Random lengths; greedy and seeded sampling, log-probs, n = 2, stop strings and ids."""
+    """Random lengths; greedy and seeded sampling, log-probs, n = 2, stop strings and ids, and
+    every kind of logits processing."""
     from tpu_executor import SamplingParams
 
     rng = random.Random(seed)
@@ -42,11 +55,13 @@ def random_requests(count: int, seed: int = 1):
         prompts.append({"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randint(1, 200))]})
         sampled = i % 3 != 0
         stop = rng.choice([None, None, ["ka"], ["lo mi", "ne"]])
+        max_tokens = rng.randint(1, 60)
         params.append(SamplingParams(
             temperature=0.8 if sampled else 0, top_k=rng.choice([0, 20]), top_p=rng.choice([1.0, 0.9]),
-            max_tokens=rng.randint(1, 60), ignore_eos=rng.random() < 0.7, seed=i if sampled else None,
+            max_tokens=max_tokens, ignore_eos=rng.random() < 0.7, seed=i if sampled else None,
             logprobs=rng.choice([None, 2]), n=2 if i % 17 == 0 else 1, stop=stop,
-            stop_token_ids=[rng.randrange(3, 500)] if i % 11 == 0 else None))
+            stop_token_ids=[rng.randrange(3, 500)] if i % 11 == 0 else None,
+            **random_processing(rng, i, max_tokens)))
     return prompts, params
 
 

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from tpu_executor.core.config import EngineConfig
 
 
+# The narrowest history graph; wider ones follow 4x apart up to max_model_len.
+HISTORY_BUCKET = 256
+
+
 def effective_buckets(requested: Sequence[int], limit: int, multiple: int = 1) -> Tuple[int, ...]:
     """The requested buckets below ``limit`` plus ``limit`` rounded up to ``multiple`` as the last."""
     top = -(-limit // multiple) * multiple
@@ -77,14 +81,24 @@ class DecodeGraph:
 @dataclass(frozen=True)
 class SamplerGraph:
     """The sampler over ``num_rows`` rows, returning ``num_logprobs`` top log-probs (0: none);
-    ``all_greedy`` skips the sort and the noise."""
+    ``all_greedy`` skips the sort and the noise; ``processing`` applies the rows' penalties,
+    bias and masks first (``worker/logits_processing.py``)."""
 
     num_rows: int
     num_logprobs: int
     all_greedy: bool
+    processing: bool = False
 
 
-Graph = Union[PrefillGraph, DecodeGraph, SamplerGraph]
+@dataclass(frozen=True)
+class HistoryGraph:
+    """Filling the logits-processing slots of up to ``max_prefill_seqs`` requests from their
+    tokens so far, ``num_tokens`` wide."""
+
+    num_tokens: int
+
+
+Graph = Union[PrefillGraph, DecodeGraph, SamplerGraph, HistoryGraph]
 
 
 @dataclass(frozen=True)
@@ -162,6 +176,7 @@ class BucketPlan:
     decode_context_block_buckets: Tuple[int, ...]
     sampler_row_buckets: Tuple[int, ...]
     logprob_widths: Tuple[int, ...]
+    history_token_buckets: Tuple[int, ...]
     max_prefill_seqs: int
     block_size: int
 
@@ -176,6 +191,7 @@ class BucketPlan:
                    decode_context_block_buckets=tuple(t // block_size for t in context_tokens),
                    sampler_row_buckets=tuple(sorted(set(rows) | {compile_cfg.max_prefill_seqs})),
                    logprob_widths=tuple(sorted({0, compile_cfg.max_logprobs})),
+                   history_token_buckets=geometric_fill(effective_buckets((HISTORY_BUCKET,), config.max_model_len)),
                    max_prefill_seqs=compile_cfg.max_prefill_seqs, block_size=block_size)
 
     @property
@@ -249,9 +265,14 @@ class BucketPlan:
             calls.append(DecodeCall(step.decodes, needed, self.decode_graph(len(needed), max(needed))))
         return calls
 
-    def sampler_graph(self, num_rows: int, wants_logprobs: bool, all_greedy: bool) -> SamplerGraph:
+    def sampler_graph(self, num_rows: int, wants_logprobs: bool, all_greedy: bool,
+                      processing: bool = False) -> SamplerGraph:
         """The sampler graph for a model call that returned ``num_rows`` (padded) rows."""
-        return SamplerGraph(num_rows, self.logprob_widths[-1] if wants_logprobs else 0, all_greedy)
+        return SamplerGraph(num_rows, self.logprob_widths[-1] if wants_logprobs else 0, all_greedy, processing)
+
+    def history_graph(self, num_tokens: int) -> HistoryGraph:
+        """The graph that fills processing slots from histories of up to ``num_tokens`` tokens."""
+        return HistoryGraph(pick_bucket(self.history_token_buckets, num_tokens))
 
     def describe(self) -> str:
         """The plan as the start-up report prints it: each dimension's buckets and graphs."""
@@ -264,15 +285,17 @@ class BucketPlan:
         tokens = " ".join(map(str, self.prefill_token_buckets))
         rows, widths = (" ".join(map(str, b)) for b in (self.decode_row_buckets, self.context_token_buckets))
         return (f"prefill {tokens} tokens ({count(PrefillGraph)} with the long-context forms); "
-                f"decode {rows} rows x {widths} context tokens ({count(DecodeGraph)}); sampler {count(SamplerGraph)}")
+                f"decode {rows} rows x {widths} context tokens ({count(DecodeGraph)}); sampler {count(SamplerGraph)}, "
+                f"half of them with logits processing; processing state {count(HistoryGraph)}")
 
     def graphs(self) -> List[Graph]:
         """Every graph the runner compiles at warm-up, model steps first."""
         prefill = [PrefillGraph(t, k) for t in self.prefill_token_buckets for k in self.key_widths(t)]
         decode = [DecodeGraph(r, c) for r in self.decode_row_buckets for c in self.decode_context_block_buckets]
-        sampler = [SamplerGraph(r, n, g) for r in self.sampler_row_buckets
+        sampler = [SamplerGraph(r, n, g, p) for p in (False, True) for r in self.sampler_row_buckets
                    for n in self.logprob_widths for g in (True, False)]
-        return [*prefill, *decode, *sampler]
+        history = [HistoryGraph(t) for t in self.history_token_buckets]
+        return [*prefill, *decode, *sampler, *history]
 
 
 def prefill_token_buckets(config: "EngineConfig") -> Tuple[int, ...]:

@@ -137,13 +137,14 @@ class Detokenizer:
         return new_text
 
 
-def truncate_at_stop(state: DetokenizerState, new_text: str) -> Optional[str]:
+def truncate_at_stop(state: DetokenizerState, new_text: str, search: bool = True) -> Optional[str]:
     """The stop string ``new_text`` completes, if any; the unsent text is then cut where it
     began (or ended, with include_stop_str_in_output). Only the new text and the characters
     just before it can hold a stop string that was not there before; what the cut drops is all
-    unsent (the hold-back keeps it so)."""
+    unsent (the hold-back keeps it so). ``search`` off (a sample short of ``min_tokens``)
+    only keeps the characters a later stop string may begin with."""
     window = state.tail + new_text
-    for stop in state.stops:
+    for stop in state.stops if search else ():
         at = window.find(stop)
         if at != -1:
             dropped = len(window) - (at + len(stop) if state.include_stop else at)

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Iterable, List, Optional
+from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from tpu_executor.core.sampling_params import SamplingParams
-from tpu_executor.core.step import SamplingMeta
+from tpu_executor.core.step import (ENTRY_ALLOWED, ENTRY_BANNED, ENTRY_BIAS, ENTRY_STOP, LogitsProcessing,
+                                     SamplingMeta)
 
 
 class RequestStatus(enum.Enum):
@@ -41,6 +42,8 @@ class Request:
     sampling_params: SamplingParams
     seed: int
     eos_token_id: Optional[int] = None
+    # The bad words as token sequences (the front-end's tokenizer made them).
+    bad_words_token_ids: Tuple[Tuple[int, ...], ...] = ()
     output_token_ids: List[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is computed or scheduled
@@ -61,10 +64,12 @@ class Request:
 
     def __post_init__(self) -> None:
         params = self.sampling_params
-        self.sampling = SamplingMeta(params.temperature, params.top_k, params.top_p, params.min_p, self.seed,
-                                     len(self.prompt_token_ids), -1 if params.logprobs is None else params.logprobs)
         eos = () if params.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
         self.stop_token_ids = frozenset((*params.stop_token_ids, *eos))
+        processing = logits_processing(params, self.stop_token_ids, self.bad_words_token_ids)
+        self.sampling = SamplingMeta(params.temperature, params.top_k, params.top_p, params.min_p, self.seed,
+                                     len(self.prompt_token_ids), -1 if params.logprobs is None else params.logprobs,
+                                     processing)
         self.max_outputs = params.max_tokens
 
     @property
@@ -93,6 +98,24 @@ class Request:
     def is_prefilling(self) -> bool:
         """Admitted, with chunks of its prefill still to schedule."""
         return self.num_computed_tokens < self.num_prefill_tokens
+
+
+def logits_processing(params: SamplingParams, stop_token_ids: FrozenSet[int],
+                      bad_words_token_ids: Tuple[Tuple[int, ...], ...]) -> Optional[LogitsProcessing]:
+    """The sampler's view of a request's logits processing, or None when it has none. A
+    one-token bad word is a banned entry; a longer one a (prefix, last token) pair."""
+    if not params.processes_logits:
+        return None
+    entries = [(t, float(v), ENTRY_BIAS) for t, v in params.logit_bias]
+    entries += [(t, 0.0, ENTRY_ALLOWED) for t in params.allowed_token_ids or ()]
+    if params.min_tokens:
+        entries += [(t, 0.0, ENTRY_STOP) for t in sorted(stop_token_ids)]
+    entries += [(word[0], 0.0, ENTRY_BANNED) for word in bad_words_token_ids if len(word) == 1]
+    longer = [word for word in bad_words_token_ids if len(word) > 1]
+    ids, values, kinds = zip(*entries) if entries else ((), (), ())
+    return LogitsProcessing(float(params.presence_penalty), float(params.frequency_penalty),
+                            float(params.repetition_penalty), tuple(ids), tuple(values), tuple(kinds),
+                            params.min_tokens, tuple(w[:-1] for w in longer), tuple(w[-1] for w in longer))
 
 
 @dataclass(slots=True)

@@ -2,8 +2,15 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Tuple, Union
+
+# What one request may ask of the logits processing (the device holds these many per row).
+MAX_LOGIT_BIAS = 300
+MAX_LOGIT_ENTRIES = 1024  # logit_bias + allowed_token_ids + stop ids + one-token bad words
+MAX_BAD_WORDS = 16  # bad words of several tokens
+MAX_BAD_WORD_TOKENS = 8
 
 
 class RequestOutputKind(enum.Enum):
@@ -29,6 +36,15 @@ class SamplingParams:
     ``min_p == 0`` disable nucleus and min-p filtering. ``seed`` makes sampling reproducible
     for this request whatever else is batched with it. ``n`` parallel samples share the
     prompt's KV blocks. ``logprobs`` asks for the top-N log-probabilities of every output token.
+
+    Logits processing, as vLLM's: ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2])
+    subtract from the logit of every token already in the output, once or per occurrence;
+    ``repetition_penalty`` (> 0) divides positive and multiplies negative logits of tokens in
+    the prompt or the output; ``logit_bias`` adds to given tokens' logits (at most 300, each in
+    [-100, 100]); ``min_tokens`` keeps EOS and the stop token ids out until that many tokens
+    are out (stop strings wait as well); ``allowed_token_ids`` restricts the choice to those
+    ids; ``bad_words`` are never completed (a word's last token is banned whenever the output
+    ends with the rest of it).
     """
 
     n: int = 1
@@ -44,6 +60,13 @@ class SamplingParams:
     logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Union[None, Mapping[int, float], Tuple[Tuple[int, float], ...]] = None
+    min_tokens: int = 0
+    allowed_token_ids: Optional[Sequence[int]] = None
+    bad_words: Optional[Sequence[str]] = None
 
     def __post_init__(self):
         stop = self.stop
@@ -52,7 +75,14 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))  # None as in vLLM
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        # Hashable forms: (token id, bias) pairs by id, the allowed ids sorted, the words in order.
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else (self.logit_bias or ())
+        object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in bias)))
+        allowed = self.allowed_token_ids
+        object.__setattr__(self, "allowed_token_ids", None if allowed is None else tuple(sorted(set(allowed))))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
         self._validate()
+        self._validate_processing()
 
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
@@ -74,6 +104,37 @@ class SamplingParams:
         _check(isinstance(self.output_kind, RequestOutputKind),
                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
+    def _validate_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and -2.0 <= value <= 2.0,
+                   f"{name} must be in [-2, 2], got {value!r}")
+        _check(isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)
+               and self.repetition_penalty > 0, f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS,
+               f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        _check(all(isinstance(k, int) and k >= 0 for k, _ in self.logit_bias),
+               f"logit_bias keys must be token ids (non-negative integers), got {[k for k, _ in self.logit_bias][:8]}")
+        _check(all(isinstance(v, (int, float)) and -100.0 <= v <= 100.0 for _, v in self.logit_bias),
+               f"logit_bias values must be in [-100, 100], got {[v for _, v in self.logit_bias][:8]}")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        allowed = self.allowed_token_ids
+        _check(allowed is None or (len(allowed) > 0 and all(isinstance(t, int) and t >= 0 for t in allowed)),
+               f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}")
+        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words),
+               f"bad_words must be non-empty strings, got {self.bad_words!r}")
+        entries = len(self.logit_bias) + len(allowed or ()) + len(self.stop_token_ids) + len(self.bad_words)
+        _check(entries <= MAX_LOGIT_ENTRIES - 1,  # one left for the EOS
+               f"logit_bias with allowed_token_ids, stop_token_ids and bad_words makes {entries} token entries; "
+               f"at most {MAX_LOGIT_ENTRIES - 1} are allowed")
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before it samples."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None or self.bad_words)

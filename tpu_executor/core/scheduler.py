@@ -157,8 +157,9 @@ class Scheduler:
         request.last_chunk_start = start
         request.num_computed_tokens = start + num_new
         is_last = request.num_computed_tokens == request.num_prefill_tokens
+        history = tuple(tokens) if is_last and request.sampling.processing is not None else None
         work = PrefillWork(request.request_id, tuple(tokens[start:start + num_new]), start,
-                           self.kv_cache.block_table(request.request_id), request.sampling, is_last)
+                           self.kv_cache.block_table(request.request_id), request.sampling, is_last, history)
         if is_last:
             request.num_in_flight += 1  # the prompt's sampled token
         return work

@@ -10,6 +10,29 @@ from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 
+# Kinds of a logits entry (``LogitsProcessing.entry_kinds``).
+ENTRY_BIAS = 0  # add the value to the token's logit
+ENTRY_ALLOWED = 1  # a row with any of these samples only among them
+ENTRY_STOP = 2  # banned while fewer than min_tokens outputs exist (EOS, stop token ids)
+ENTRY_BANNED = 3  # banned always (a one-token bad word)
+
+
+class LogitsProcessing(NamedTuple):
+    """What the sampler does to one request's logits before it picks (built once per request;
+    see ``SamplingParams``): penalties, token entries (``ENTRY_*``), ``min_tokens``, and the
+    bad words of several tokens as (all but the last token, the last token)."""
+
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    entry_ids: Tuple[int, ...]
+    entry_values: Tuple[float, ...]
+    entry_kinds: Tuple[int, ...]
+    min_tokens: int
+    bad_word_prefixes: Tuple[Tuple[int, ...], ...]
+    bad_word_last: Tuple[int, ...]
+
+
 class SamplingMeta(NamedTuple):
     """What the device sampler needs for one row, fixed for the request's life (built once, so
     a step makes no new one per sequence). A row's seeding step is the index of the token it
@@ -23,6 +46,7 @@ class SamplingMeta(NamedTuple):
     seed: int
     prompt_len: int
     num_logprobs: int
+    processing: Optional[LogitsProcessing] = None  # None: the logits are sampled as they are
 
     @classmethod
     def greedy(cls) -> "SamplingMeta":
@@ -41,6 +65,9 @@ class PrefillWork(NamedTuple):
     block_ids: Tuple[int, ...]
     sampling: SamplingMeta
     is_last_chunk: bool = True
+    # The last chunk of a request whose logits are processed carries its tokens so far (prompt,
+    # then outputs; ``sampling.prompt_len`` splits them): the worker's state for it starts there.
+    history: Optional[Tuple[int, ...]] = None
 
     @property
     def num_context_tokens(self) -> int:

@@ -28,6 +28,7 @@ from tpu_executor.engine.core import CoreOutput, EngineCore, EngineDeadError, Fi
 from tpu_executor.engine.core_process import CoreProcess
 from tpu_executor.engine.options import build_engine_config
 from tpu_executor.engine.stats import EngineStats
+from tpu_executor.engine.validation import RequestChecks
 from tpu_executor.executor import Executor, executor_class_for
 
 __all__ = ["EngineDeadError", "LLMEngine", "PromptType"]
@@ -48,6 +49,7 @@ class SampleStream:
     group_id: str
     index: int  # among the group's samples
     final_only: bool  # the request wants one output when it finishes (RequestOutputKind.FINAL_ONLY)
+    min_tokens: int  # stop strings count only from this many tokens on
     token_ids: List[int] = field(default_factory=list)
     logprobs: Optional[List[Dict[int, float]]] = None  # None: the request asked for none
     cumulative_logprob: float = 0.0
@@ -108,6 +110,7 @@ class LLMEngine:
         self.vocab_size = self.core.vocab_size
         self.dead_reason: Optional[str] = None
         self.detokenizer = Detokenizer(tokenizer)
+        self.checks = RequestChecks(self.config, tokenizer, self.vocab_size)
         self._groups: Dict[str, RequestGroup] = {}
         self._streams: Dict[str, SampleStream] = {}  # sample id -> its stream
         self._advanced: Dict[str, RequestGroup] = {}  # groups with samples that have news, by id
@@ -146,35 +149,14 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------
     def prepare_prompt(self, prompt: PromptType, params: SamplingParams) -> List[int]:
         """The prompt's token ids, validated against the model and the engine's limits."""
-        token_ids = self._prompt_token_ids(prompt)
-        self.validate_prompt(token_ids, params)
+        token_ids = self.checks.prompt_token_ids(prompt)
+        self.checks.validate(token_ids, params)
         return token_ids
-
-    def _prompt_token_ids(self, prompt: PromptType) -> List[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return list(self.tokenizer(prompt)["input_ids"])
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
-        raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
     def validate_prompt(self, token_ids: List[int], params: SamplingParams) -> None:
         """Raise ValueError if ``token_ids`` cannot run on this engine with ``params``. Reads
-        only the config, so other threads may call it while the engine steps."""
-        if not token_ids:
-            raise ValueError("prompt is empty: it has no tokens")
-        vocab = self.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or (vocab and t >= vocab)]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:8]}")
-        if len(token_ids) >= self.config.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.config.max_model_len} tokens, "
-                             f"but the prompt has {len(token_ids)} tokens (it must leave room for output; "
-                             "max_model_len sets the limit)")
-        if params.logprobs is not None and params.logprobs > self.config.compile.max_logprobs:
-            raise ValueError(f"logprobs {params.logprobs} exceeds max_logprobs "
-                             f"{self.config.compile.max_logprobs} of this engine")
+        only fixed facts, so other threads may call it while the engine steps."""
+        self.checks.validate(token_ids, params)
 
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
                     prompt_token_ids: Optional[List[int]] = None, arrival_time: Optional[float] = None) -> str:
@@ -205,9 +187,10 @@ class LLMEngine:
         """A sample's stream (the front-end's) and its request (the core's)."""
         seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(62)
         sample_id = request_id if params.n == 1 else f"{request_id}#{index}"
-        request = Request(sample_id, list(token_ids), params, seed, eos_token_id=self.tokenizer.eos_token_id)
+        request = Request(sample_id, list(token_ids), params, seed, eos_token_id=self.tokenizer.eos_token_id,
+                          bad_words_token_ids=self.checks.bad_words_token_ids(params))
         stream = SampleStream(sample_id, self.detokenizer.new_state(token_ids, params), request_id, index,
-                              params.output_kind is RequestOutputKind.FINAL_ONLY,
+                              params.output_kind is RequestOutputKind.FINAL_ONLY, params.min_tokens,
                               logprobs=None if params.logprobs is None else [])
         return stream, request
 
@@ -304,7 +287,7 @@ class LLMEngine:
         its own is never searched; a length limit reached by the same token gives way."""
         if ended is not None and ended.finish_reason == _STOP:
             return False
-        stop = truncate_at_stop(sample.detok, new_text)
+        stop = truncate_at_stop(sample.detok, new_text, search=len(sample.token_ids) >= sample.min_tokens)
         if stop is None:
             return False
         sample.finish_reason, sample.stop_reason = _STOP, stop

@@ -16,13 +16,15 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from functools import partial
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from tqdm import tqdm
 
 from tpu_executor.models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
-from tpu_executor.core.buckets import BucketPlan, DecodeCall, DecodeGraph, Graph, PrefillCall, PrefillGraph, SamplerGraph
+from tpu_executor.core.buckets import (BucketPlan, DecodeCall, DecodeGraph, Graph, HistoryGraph, PrefillCall, PrefillGraph,
+                                      SamplerGraph)
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.phase_timer import NullPhaseTimer
@@ -30,6 +32,9 @@ from tpu_executor.core.step import DecodeWork, PaddingStats, PrefillWork, Sample
 from tpu_executor.worker.compile_guard import CompileGuard
 from tpu_executor.worker.decode_batch import PersistentDecodeBatch
 from tpu_executor.worker.inputs import prefill_inputs, sampling_tensors, to_device
+from tpu_executor.worker.logits_processing import (ProcessingSlots, donate, empty_processing_tensors, fill_slots,
+                                                    fill_tensors, process_logits, processed_request_ids,
+                                                    record_tokens)
 from tpu_executor.worker.sampler import SamplerOutput, sample
 from tpu_executor.worker.token_feed import TokenFeed, fed_input_ids, write_slots
 
@@ -55,6 +60,7 @@ class ModelRunner:
         # On XLA a call only queues work: reading tokens back can wait for the next launch.
         self.collects_late = compiled
         self.feed = TokenFeed(config.scheduler.max_num_seqs, device, in_use=config.scheduler.async_scheduling)
+        self.processing = ProcessingSlots(config.scheduler.max_num_seqs, model.config.vocab_size, device)
         self.decode_batch = PersistentDecodeBatch(self.plan.decode_row_buckets[-1],
                                                   self.plan.decode_context_block_buckets[-1])
         if compiled:
@@ -65,6 +71,8 @@ class ModelRunner:
         self._prefill_fn = self._compile(self._prefill_step, compiled, one_graph)
         self._decode_fn = self._compile(self._decode_step, compiled, one_graph)
         self._sample_fn = self._compile(self._sample_step, compiled, True)
+        self._sample_processed_fn = self._compile(self._sample_processed_step, compiled, True)
+        self._fill_fn = self._compile(self._fill_step, compiled, True)
 
     @staticmethod
     def _compile(fn, compiled: bool, fullgraph: bool):
@@ -95,11 +103,33 @@ class ModelRunner:
         out = sample(logits, num_logprobs=num_logprobs, all_greedy=all_greedy, **sampling)
         return out, write_slots(feed_tokens, slots, out.token_ids)
 
+    @staticmethod
+    def _sample_processed_step(logits, slots, feed_tokens, num_logprobs: int, all_greedy: bool, state, state_slots,
+                               penalties, entry_ids, entry_values, entry_kinds, min_tokens, bad_prefixes, bad_last,
+                               **sampling):
+        """``_sample_step`` over the processed logits; records the tokens in the rows' slots of
+        ``state`` (counts, prompt_seen, recent: updated in place)."""
+        counts, prompt_seen, recent = state
+        donate(counts, recent)
+        chosen = process_logits(logits, counts, prompt_seen, recent, state_slots, penalties, entry_ids,
+                                entry_values, entry_kinds, min_tokens, sampling["steps"], bad_prefixes, bad_last)
+        out = sample(logits, num_logprobs=num_logprobs, all_greedy=all_greedy, choice_logits=chosen, **sampling)
+        record_tokens(counts, recent, state_slots, out.token_ids)
+        return out, write_slots(feed_tokens, slots, out.token_ids)
+
+    @staticmethod
+    def _fill_step(state, slots, history, prompt_lens, recent_outputs):
+        counts, prompt_seen, recent = state
+        donate(counts, prompt_seen, recent)
+        fill_slots(counts, prompt_seen, recent, slots, history, prompt_lens, recent_outputs)
+        return slots.sum()  # something to wait on (warm-up)
+
     @torch.no_grad()
     def launch(self, step: SchedulerOutput) -> "LaunchedStep":
         """Run the prefills (packed), then the decode batch, and sample one token for each,
         without reading anything back (on XLA this returns once the work is queued)."""
         self.feed.begin_step()
+        self.processing.begin_step(processed_request_ids(step))
         calls = []
         try:
             for call in self.plan.model_calls(step):
@@ -138,11 +168,13 @@ class ModelRunner:
             rows = self.plan.max_prefill_seqs
             with self.timer.phase("inputs"):
                 sampling = sampling_tensors(call.pack, rows)
+                processing = self.processing.prepare(call.pack, rows)
                 sampler = self.plan.sampler_graph(
                     rows, wants_logprobs=any(item.sampling.num_logprobs > 0 for item in call.pack),
-                    all_greedy=all(item.sampling.temperature == 0 for item in call.pack))
+                    all_greedy=all(item.sampling.temperature == 0 for item in call.pack),
+                    processing=processing is not None)
             returns_logprobs = any(item.sampling.num_logprobs >= 0 for item in call.pack)
-            return self._sample(call.pack, sampled_ids, returns_logprobs, logits, sampling, sampler)
+            return self._sample(call.pack, sampled_ids, returns_logprobs, logits, sampling, sampler, processing)
 
     def _launch_decode(self, call: DecodeCall) -> "LaunchedCall":
         graph = call.graph
@@ -151,22 +183,39 @@ class ModelRunner:
             batch = self.decode_batch
             with self.timer.phase("inputs"):
                 sampling = batch.sampling(graph.num_rows)
+                processing = self.processing.prepare(call.work, graph.num_rows)
                 sampler = self.plan.sampler_graph(graph.num_rows, wants_logprobs=batch.wants_logprobs,
-                                                  all_greedy=batch.all_greedy)
-            return self._sample(call.work, batch.request_ids, batch.returns_logprobs, logits, sampling, sampler)
+                                                  all_greedy=batch.all_greedy, processing=processing is not None)
+            return self._sample(call.work, batch.request_ids, batch.returns_logprobs, logits, sampling, sampler,
+                                processing)
 
     def _sample(self, work, sampled_ids: Sequence[Optional[str]], returns_logprobs: bool, logits: torch.Tensor,
-                tensors: Dict[str, torch.Tensor], graph: SamplerGraph) -> "LaunchedCall":
+                tensors: Dict[str, torch.Tensor], graph: SamplerGraph, processing=None) -> "LaunchedCall":
         """Launch the sampler over ``logits`` with its per-row ``tensors`` (padded to the
         graph's rows); each sampled row writes its token into the feed. ``returns_logprobs``:
-        a row of ``work`` asked for log-probs (its sampled token's, at least)."""
+        a row of ``work`` asked for log-probs (its sampled token's, at least). ``processing``:
+        the rows' logits-processing tensors and the slot fills to run first, or None."""
+        fn = self._sample_fn
+        if processing is not None:
+            processed, fills = processing
+            if fills:
+                self._fill(fills)
+            tensors, fn = {**tensors, **processed}, partial(self._sample_processed_fn, state=self.processing.state)
         with self.timer.phase("inputs"):
             tensors["slots"] = self.feed.assign(sampled_ids, graph.num_rows)
         out, self.feed.written_tokens = self._run_fn(
-            self._sample_fn, tensors, "sample", logits=logits, feed_tokens=self.feed.written_tokens,
+            fn, tensors, "sample", logits=logits, feed_tokens=self.feed.written_tokens,
             num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy)
         kept = None if None not in sampled_ids else [row for row, sampled in enumerate(sampled_ids) if sampled]
         return LaunchedCall(work, sampled_ids, returns_logprobs, out, kept)
+
+    def _fill(self, fills) -> None:
+        """Fill the slots of requests whose history arrives now (one call per fill graph)."""
+        width = max(len(history) for _, history, _ in fills)
+        graph = self.plan.history_graph(width)
+        with self.guard.watch(f"processing state tokens={graph.num_tokens}"), self.timer.phase("inputs"):
+            tensors = fill_tensors(fills, self.plan.max_prefill_seqs, graph.num_tokens, self.processing.discard)
+        self._run_fn(self._fill_fn, tensors, "sample", state=self.processing.state)
 
     @torch.no_grad()
     def profile_run(self, kv_caches: KVCaches) -> None:
@@ -205,13 +254,19 @@ class ModelRunner:
             self._prefill_logits(dummy, graph, self.kv_caches).cpu()
         elif isinstance(graph, DecodeGraph):
             self._decode_logits([DecodeWork("warmup", 0, 0, (NULL_BLOCK,), SamplingMeta.greedy())], graph).cpu()
+        elif isinstance(graph, HistoryGraph):
+            tensors = fill_tensors([], self.plan.max_prefill_seqs, graph.num_tokens, self.processing.discard)
+            self._run_fn(self._fill_fn, tensors, "sample", state=self.processing.state).cpu()
         else:
             rows = graph.num_rows
             logits = torch.zeros(rows, self.model.config.vocab_size).to(self.device)  # device data, as in serving
             tensors = dict(sampling_tensors([], rows), slots=self.feed.assign([], rows))
-            out, _ = self._run_fn(self._sample_fn, tensors, "sample", logits=logits,
-                                  feed_tokens=self.feed.written_tokens, num_logprobs=graph.num_logprobs,
-                                  all_greedy=graph.all_greedy)
+            fn = self._sample_fn
+            if graph.processing:
+                tensors.update(empty_processing_tensors(rows, self.processing.discard))
+                fn = partial(self._sample_processed_fn, state=self.processing.state)
+            out, _ = self._run_fn(fn, tensors, "sample", logits=logits, feed_tokens=self.feed.written_tokens,
+                                  num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy)
             out.token_ids.cpu()
 
 

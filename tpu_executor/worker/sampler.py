@@ -60,13 +60,17 @@ def _filtered_sorted_logits(logits, temperature, top_k, top_p, min_p):
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-           num_logprobs: int, all_greedy: bool) -> SamplerOutput:
+           num_logprobs: int, all_greedy: bool, choice_logits: Optional[torch.Tensor] = None) -> SamplerOutput:
     """Sample one token per row of ``logits [B, V]`` (fp32).
 
     Rows with ``temperature == 0`` are greedy. ``all_greedy`` (a Python constant, so it picks a
-    separate compiled graph) skips the sort and the noise when no row samples.
+    separate compiled graph) skips the sort and the noise when no row samples. The tokens are
+    picked from ``choice_logits`` when given (the processed logits); log-probs are always those
+    of the model's own ``logits``, as vLLM reports them by default.
     """
     logprobs = torch.log_softmax(logits, dim=-1)
+    if choice_logits is not None:
+        logits = choice_logits
     token_ids = torch.argmax(logits, dim=-1)
     if not all_greedy:
         filtered, sorted_ids = _filtered_sorted_logits(logits, temperature, top_k, top_p, min_p)

@@ -2,7 +2,7 @@
 (its length against the compilations counted at warm-up is checked in engine/test_engine.py)."""
 import pytest
 
-from tpu_executor.core.buckets import BucketPlan, DecodeGraph, PrefillGraph, SamplerGraph, pick_bucket
+from tpu_executor.core.buckets import BucketPlan, DecodeGraph, HistoryGraph, PrefillGraph, SamplerGraph, pick_bucket
 from tpu_executor.core.config import (CacheConfig, CompileConfig, DeviceConfig, EngineConfig, ModelConfig,
                                       SchedulerConfig)
 
@@ -78,7 +78,10 @@ def test_graph_list_covers_every_combination_once(tmp_path):
     # rows (2, 8, and max_num_seqs 24) x context widths (128 and max_model_len 320 tokens)
     assert len([g for g in graphs if isinstance(g, DecodeGraph)]) == 3 * 2
     # rows (2, 8, 24; the prefill pack size 8 is among them) x logprobs (0, 5) x greedy or not
-    assert len([g for g in graphs if isinstance(g, SamplerGraph)]) == 3 * 2 * 2
+    # x logits processing or not
+    assert len([g for g in graphs if isinstance(g, SamplerGraph)]) == 3 * 2 * 2 * 2
+    # processing state filled from histories up to max_model_len (320: narrower than the first 256 x 4)
+    assert [g for g in graphs if isinstance(g, HistoryGraph)] == [HistoryGraph(256), HistoryGraph(320)]
 
 
 def test_prefills_pack_longest_first_into_the_first_pack_with_room():

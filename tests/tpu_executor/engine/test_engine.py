@@ -10,7 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from tests.common import logprob_values, output_summary, random_requests, run_to_end, tiny_engine_options
+from tests.common import (logprob_values, output_summary, random_processing, random_requests, run_to_end,
+                          tiny_engine_options)
 from tpu_executor import LLM, SamplingParams
 from tpu_executor.core.request import accumulate_deltas
 
@@ -32,10 +33,11 @@ def test_zero_recompilation_over_200_random_requests(llm):
     for i in range(200):
         prompts.append({"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randint(1, 250))]})
         sampled = i % 3 != 0
+        max_tokens = rng.randint(1, 60)
         params.append(SamplingParams(temperature=0.8 if sampled else 0, top_k=rng.choice([0, 20]),
-                                     top_p=rng.choice([1.0, 0.9]), max_tokens=rng.randint(1, 60),
+                                     top_p=rng.choice([1.0, 0.9]), max_tokens=max_tokens,
                                      ignore_eos=True, seed=i if sampled else None,
-                                     logprobs=rng.choice([None, 2])))
+                                     logprobs=rng.choice([None, 2]), **random_processing(rng, i, max_tokens)))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
     stats = llm.stats()
@@ -57,12 +59,13 @@ COUNT_GRAPHS = textwrap.dedent("""
 def test_warmup_compiles_exactly_the_graphs_of_the_bucket_plan(checkpoints, tmp_path):
     """In a fresh process (XLA's in-memory cache would serve graphs an earlier engine compiled):
     prefill 32, 64; decode rows 2, 4 x one context width; sampler rows 2, 4 x logprobs or not
-    x greedy or not = 2 + 2 + 8 graphs, each compiled once."""
+    x greedy or not x logits processing or not; one processing-state graph = 2 + 2 + 16 + 1
+    graphs, each compiled once."""
     result = subprocess.run([sys.executable, "-c", COUNT_GRAPHS, checkpoints["llama"]], cwd=tmp_path,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     compiled, planned = json.loads(result.stdout.strip().splitlines()[-1])
-    assert compiled == planned == 12
+    assert compiled == planned == 21
 
 
 def test_preemption_gives_the_same_tokens(checkpoints, llm):

@@ -43,9 +43,15 @@ def served(checkpoints):
         "seeded_n3": offline(engine, PROMPTS[:1], SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=8,
                                                                  ignore_eos=True)),
         "chat": offline(engine, [chat_prompt(engine.tokenizer, CHAT)], greedy),
+        "processed": offline(engine, PROMPTS, SamplingParams(temperature=0, max_tokens=12, **PROCESSING)),
     }
     with live_server(engine, api_key=KEY) as (url, async_engine):
         yield url, async_engine, refs
+
+
+# Every logits-processing field a client sends (OpenAI's and vLLM's extras), as the engine takes them.
+PROCESSING = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={7: 8.0, 30: -50.0},
+                  min_tokens=4, bad_words=["lo"], allowed_token_ids=list(range(3, 300)))
 
 
 @pytest.fixture
@@ -65,6 +71,17 @@ def test_greedy_completions_equal_the_offline_engine(client, served):
     assert response.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs)
     assert response.usage.completion_tokens == 12 * len(PROMPTS)
     assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_logits_processing_fields_give_the_offline_engines_tokens(client, served):
+    refs = served[2]["processed"]
+    body = dict(PROCESSING, logit_bias={str(k): v for k, v in PROCESSING["logit_bias"].items()})
+    response = client.completions.create(
+        model="tiny", prompt=PROMPTS, max_tokens=12, temperature=0, presence_penalty=body.pop("presence_penalty"),
+        frequency_penalty=body.pop("frequency_penalty"), logit_bias=body.pop("logit_bias"), extra_body=body)
+    assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == [r.outputs[0].text for r in refs]
+    unprocessed = completion_text(client, prompt=PROMPTS, max_tokens=12)
+    assert [c.text for c in unprocessed.choices] != [c.text for c in response.choices]
 
 
 def test_token_id_prompts_equal_text_prompts(client, served):

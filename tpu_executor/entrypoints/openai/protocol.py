@@ -9,6 +9,7 @@ Fields we know but do not implement are refused with a 400 that names them
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -45,6 +46,13 @@ def checked_text(text: str, param: str) -> str:
     return text
 
 
+def field_named_by(message: str, default: str) -> str:
+    """The request field an error message starts with (``SamplingParams`` and the engine name
+    the field first), else ``default``."""
+    match = re.match(r"[a-z_]+", message)
+    return match.group(0) if match and match.group(0) in _FIELD_NAMES else default
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -64,29 +72,22 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    frequency_penalty: Optional[float] = 0.0
-    presence_penalty: Optional[float] = 0.0
+    frequency_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[Dict[str, float]] = None
     # vLLM's extras (extra_body)
     top_k: Optional[int] = Field(None, ge=-1)
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = Field(None, gt=0.0)
     ignore_eos: bool = False
     stop_token_ids: Optional[List[int]] = None
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
+    allowed_token_ids: Optional[List[int]] = None
+    bad_words: Optional[List[str]] = None
 
     def check_supported(self) -> None:
         """Refuse what we know but do not implement (the 400 names the field)."""
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported by this server (only 0)", name)
-        if self.repetition_penalty not in (None, 1, 1.0):
-            raise bad_request("repetition_penalty is not supported by this server (only 1)", "repetition_penalty")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", "logit_bias")
-        if self.min_tokens:
-            raise bad_request("min_tokens is not supported by this server yet", "min_tokens")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         for text in [self.stop] if isinstance(self.stop, str) else (self.stop or []):
@@ -107,9 +108,22 @@ class _GenerationRequest(BaseModel):
                 max_tokens=max_tokens, stop=self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+                output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=self.token_bias(), min_tokens=self.min_tokens,
+                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
         except ValueError as err:
-            raise bad_request(str(err), str(err).split(" ", 1)[0]) from None
+            raise bad_request(str(err), field_named_by(str(err), "sampling parameters")) from None
+
+    def token_bias(self) -> Dict[int, float]:
+        """``logit_bias`` with its keys (token ids as JSON strings) as integers."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            bias[int(key)] = value
+        return bias
 
     @property
     def include_usage(self) -> bool:
@@ -229,3 +243,6 @@ class DetokenizeRequest(BaseModel):
 
     model: Optional[str] = None
     tokens: List[int]
+
+
+_FIELD_NAMES = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)

@@ -21,7 +21,7 @@ from tpu_executor.engine.async_engine import AsyncLLMEngine, QueueFullError, Req
 from tpu_executor.engine.llm_engine import EngineDeadError
 from tpu_executor.entrypoints.openai.config import ServerConfig
 from tpu_executor.entrypoints.openai.metrics import RequestTracker, ServerMetrics
-from tpu_executor.entrypoints.openai.protocol import ApiError, bad_request, checked_text
+from tpu_executor.entrypoints.openai.protocol import ApiError, bad_request, checked_text, field_named_by
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +111,12 @@ class OpenAIServing:
         return room if requested is None else requested
 
     def validate(self, prompt: Prompt, params: SamplingParams, param: str) -> None:
+        """The engine's checks of a prompt and its parameters; the 400 names the field the
+        message starts with (``logit_bias``, ``bad_words``...), else ``param``."""
         try:
             self.engine.validate_prompt(prompt.token_ids, params)
         except ValueError as err:
-            raise bad_request(str(err), param) from None
+            raise bad_request(str(err), field_named_by(str(err), param)) from None
 
     # ---- running ------------------------------------------------------------------------
     def start(self, kind: str, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> Started:

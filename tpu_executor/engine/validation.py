@@ -1,0 +1,66 @@
+"""Checks of a request against the model and the engine's limits, before anything is queued:
+each failure is a ValueError whose message starts with the field at fault (the server turns
+it into a 400 naming that field). They read only fixed facts (config, tokenizer, vocabulary),
+so any thread may run them while the engine steps."""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from tpu_executor.core.config import EngineConfig
+from tpu_executor.core.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, SamplingParams
+
+
+class RequestChecks:
+    """Prompt and sampling-parameter checks of one engine."""
+
+    def __init__(self, config: EngineConfig, tokenizer, vocab_size: int):
+        self.config, self.tokenizer, self.vocab_size = config, tokenizer, vocab_size
+
+    def prompt_token_ids(self, prompt) -> List[int]:
+        """A prompt (text, or ``{'prompt_token_ids': [...]}``) as token ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def validate(self, token_ids: List[int], params: SamplingParams) -> None:
+        """Raise ValueError if ``token_ids`` cannot run on this engine with ``params``."""
+        if not token_ids:
+            raise ValueError("prompt is empty: it has no tokens")
+        vocab = self.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or (vocab and t >= vocab)]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:8]}")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.config.max_model_len} tokens, "
+                             f"but the prompt has {len(token_ids)} tokens (it must leave room for output; "
+                             "max_model_len sets the limit)")
+        if params.logprobs is not None and params.logprobs > self.config.compile.max_logprobs:
+            raise ValueError(f"logprobs {params.logprobs} exceeds max_logprobs "
+                             f"{self.config.compile.max_logprobs} of this engine")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = [t for t in ids if vocab and t >= vocab]
+            if outside:
+                raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab}): {outside[:8]}")
+        self.bad_words_token_ids(params)
+
+    def bad_words_token_ids(self, params: SamplingParams) -> Tuple[Tuple[int, ...], ...]:
+        """``params.bad_words`` as token sequences, each word as it starts the text and after a
+        space (as vLLM does); ValueError for words the device cannot hold."""
+        words = []
+        for word in params.bad_words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            words += [tuple(plain)] + ([tuple(spaced)] if len(spaced) == len(plain) and spaced != plain else [])
+        longest = max(words, key=len, default=())
+        if len(longest) > MAX_BAD_WORD_TOKENS:
+            raise ValueError(f"bad_words: {self.tokenizer.decode(longest)!r} is {len(longest)} tokens long; "
+                             f"at most {MAX_BAD_WORD_TOKENS} are allowed")
+        if sum(len(w) > 1 for w in words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words has {sum(len(w) > 1 for w in words)} words of several tokens (counting "
+                             f"each with and without a leading space); at most {MAX_BAD_WORDS} are allowed")
+        return tuple(words)
