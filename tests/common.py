@@ -40,7 +40,8 @@ def random_processing(rng: random.Random, i: int, max_tokens: int) -> dict:
                dict(logit_bias={rng.randrange(3, 500): rng.uniform(-100, 100) for _ in range(rng.randint(1, 20))}),
                dict(min_tokens=rng.randint(0, max_tokens)),
                dict(allowed_token_ids=rng.sample(range(3, 500), rng.randint(1, 40))),
-               dict(bad_words=rng.sample(["ka", "lo mi", "ne", "ru ta", "shi po ve"], rng.randint(1, 3)))]
+               dict(bad_words=rng.sample(["ka", "lo mi", "ne", "ru ta", "shi po ve"], rng.randint(1, 3))),
+               dict(prompt_logprobs=rng.choice([0, 3]))]
     return choices[i % len(choices)]
 
 
@@ -95,14 +96,18 @@ def assert_same_outputs_over_random_requests(reference, candidate, count: int = 
 
 
 def output_summary(outputs):
-    """What a user sees of each sample: token ids, text, finish and stop reasons."""
-    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs]
+    """What a user sees of each sample: token ids, text, finish and stop reasons; and which
+    prompt tokens got log-probs."""
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] +
+            [[None if step is None else sorted(step) for step in o.prompt_logprobs or []]] for o in outputs]
 
 
 def logprob_values(outputs):
-    """Every sampled position's log-prob values, flattened (to compare within a tolerance)."""
-    return torch.tensor([lp for o in outputs for c in o.outputs for step in (c.logprobs or [])
-                         for lp in sorted(step.values())])
+    """Every sampled position's log-prob values, then every prompt token's, flattened (to
+    compare within a tolerance)."""
+    sampled = [lp for o in outputs for c in o.outputs for step in (c.logprobs or []) for lp in sorted(step.values())]
+    prompt = [lp for o in outputs for step in (o.prompt_logprobs or []) if step for lp in sorted(step.values())]
+    return torch.tensor(sampled + prompt)
 
 
 def tiny_engine_options(**overrides):

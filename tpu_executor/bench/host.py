@@ -58,7 +58,7 @@ class NullModelRunner(ModelRunner):
 
     def _prefill_step(self, input_ids, positions, slot_mapping, context_slots, key_positions,
                       key_segments, query_segments, logits_indices, kv_caches):
-        return self._next_token_logits(input_ids[logits_indices])
+        return self._next_token_logits(input_ids[logits_indices]), None  # no hidden states
 
     def _decode_step(self, input_ids, feed_slots, feed_tokens, positions, slot_mapping, block_tables,
                      context_lens, kv_caches):

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 # The narrowest history graph; wider ones follow 4x apart up to max_model_len.
 HISTORY_BUCKET = 256
+# Positions whose prompt log-probs one call computes (vocabulary-wide logits for each).
+PROMPT_LOGPROB_ROWS = 256
 
 
 def effective_buckets(requested: Sequence[int], limit: int, multiple: int = 1) -> Tuple[int, ...]:
@@ -98,7 +100,16 @@ class HistoryGraph:
     num_tokens: int
 
 
-Graph = Union[PrefillGraph, DecodeGraph, SamplerGraph, HistoryGraph]
+@dataclass(frozen=True)
+class PromptLogprobsGraph:
+    """Prompt log-probs of ``num_rows`` positions of a prefill call's ``num_tokens`` hidden
+    states (``worker/prompt_logprobs.py``)."""
+
+    num_tokens: int
+    num_rows: int
+
+
+Graph = Union[PrefillGraph, DecodeGraph, SamplerGraph, HistoryGraph, PromptLogprobsGraph]
 
 
 @dataclass(frozen=True)
@@ -270,6 +281,10 @@ class BucketPlan:
         """The sampler graph for a model call that returned ``num_rows`` (padded) rows."""
         return SamplerGraph(num_rows, self.logprob_widths[-1] if wants_logprobs else 0, all_greedy, processing)
 
+    def prompt_logprobs_graph(self, num_tokens: int) -> PromptLogprobsGraph:
+        """The prompt log-probs graph over a prefill call of ``num_tokens`` (its bucket)."""
+        return PromptLogprobsGraph(num_tokens, min(PROMPT_LOGPROB_ROWS, num_tokens))
+
     def history_graph(self, num_tokens: int) -> HistoryGraph:
         """The graph that fills processing slots from histories of up to ``num_tokens`` tokens."""
         return HistoryGraph(pick_bucket(self.history_token_buckets, num_tokens))
@@ -286,7 +301,8 @@ class BucketPlan:
         rows, widths = (" ".join(map(str, b)) for b in (self.decode_row_buckets, self.context_token_buckets))
         return (f"prefill {tokens} tokens ({count(PrefillGraph)} with the long-context forms); "
                 f"decode {rows} rows x {widths} context tokens ({count(DecodeGraph)}); sampler {count(SamplerGraph)}, "
-                f"half of them with logits processing; processing state {count(HistoryGraph)}")
+                f"half of them with logits processing; processing state {count(HistoryGraph)}; "
+                f"prompt log-probs {count(PromptLogprobsGraph)}")
 
     def graphs(self) -> List[Graph]:
         """Every graph the runner compiles at warm-up, model steps first."""
@@ -295,7 +311,8 @@ class BucketPlan:
         sampler = [SamplerGraph(r, n, g, p) for p in (False, True) for r in self.sampler_row_buckets
                    for n in self.logprob_widths for g in (True, False)]
         history = [HistoryGraph(t) for t in self.history_token_buckets]
-        return [*prefill, *decode, *sampler, *history]
+        prompt = [self.prompt_logprobs_graph(t) for t in self.prefill_token_buckets]
+        return [*prefill, *decode, *sampler, *history, *prompt]
 
 
 def prefill_token_buckets(config: "EngineConfig") -> Tuple[int, ...]:

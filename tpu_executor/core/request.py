@@ -51,6 +51,7 @@ class Request:
     last_chunk_start: int = 0  # where the latest prefill chunk began (tokens before it are computed)
     num_preemptions: int = 0
     num_in_flight: int = 0  # tokens scheduled whose ids have not come back yet
+    prompt_logprobs_from: int = 1  # the first prompt token whose log-prob is still owed
     stop_reason: Optional[object] = None  # the stop token id that finished it (not the EOS)
     error: Optional[str] = None
     _token_ids: List[int] = field(default_factory=list, init=False, repr=False)
@@ -178,6 +179,10 @@ class RequestOutput:
     finished: bool
     error: Optional[str] = None
     metrics: Optional[RequestMetrics] = None
+    # Per prompt token its log-prob and top alternatives (None for the first), once they are all
+    # in (with ``SamplingParams.prompt_logprobs``); the delta that first has them carries them.
+    prompt_logprobs: Optional[List[Optional[Dict[int, float]]]] = None
+    prompt_logprob_ranks: Optional[List[Optional[int]]] = None  # each prompt token's rank (1: most likely)
 
     def add(self, delta: "RequestOutput") -> None:
         """Merge a later delta of the same request into this one, sample by sample."""
@@ -194,6 +199,8 @@ class RequestOutput:
         self.finished = delta.finished
         self.error = delta.error or self.error
         self.metrics = delta.metrics or self.metrics
+        self.prompt_logprobs = delta.prompt_logprobs or self.prompt_logprobs
+        self.prompt_logprob_ranks = delta.prompt_logprob_ranks or self.prompt_logprob_ranks
 
 
 def accumulate_deltas(deltas: Iterable[RequestOutput]) -> Dict[str, RequestOutput]:

@@ -35,7 +35,9 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k == 0`` (or -1) disables top-k, ``top_p == 1`` and
     ``min_p == 0`` disable nucleus and min-p filtering. ``seed`` makes sampling reproducible
     for this request whatever else is batched with it. ``n`` parallel samples share the
-    prompt's KV blocks. ``logprobs`` asks for the top-N log-probabilities of every output token.
+    prompt's KV blocks. ``logprobs`` asks for the top-N log-probabilities of every output token,
+    ``prompt_logprobs`` for those of every prompt token after the first (given the tokens before
+    it; such a prompt is computed whole, never taken from the prefix cache).
 
     Logits processing, as vLLM's: ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2])
     subtract from the logit of every token already in the output, once or per occurrence;
@@ -67,6 +69,7 @@ class SamplingParams:
     min_tokens: int = 0
     allowed_token_ids: Optional[Sequence[int]] = None
     bad_words: Optional[Sequence[str]] = None
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self):
         stop = self.stop
@@ -101,6 +104,8 @@ class SamplingParams:
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
                f"logprobs must be None or a non-negative integer, got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+               f"prompt_logprobs must be None or a non-negative integer, got {self.prompt_logprobs!r}")
         _check(isinstance(self.output_kind, RequestOutputKind),
                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 

@@ -27,7 +27,7 @@ until the token is back (the prefill must include it).
 from __future__ import annotations
 
 from collections import deque
-from typing import Collection, Deque, Dict, List, Tuple
+from typing import Collection, Deque, Dict, List, Optional, Tuple
 
 from tpu_executor.core.config import SchedulerConfig
 from tpu_executor.core.kv_cache_manager import KVCacheManager
@@ -159,7 +159,8 @@ class Scheduler:
         is_last = request.num_computed_tokens == request.num_prefill_tokens
         history = tuple(tokens) if is_last and request.sampling.processing is not None else None
         work = PrefillWork(request.request_id, tuple(tokens[start:start + num_new]), start,
-                           self.kv_cache.block_table(request.request_id), request.sampling, is_last, history)
+                           self.kv_cache.block_table(request.request_id), request.sampling, is_last, history,
+                           prompt_logprob_targets(request, start, start + num_new))
         if is_last:
             request.num_in_flight += 1  # the prompt's sampled token
         return work
@@ -186,7 +187,9 @@ class Scheduler:
             if request.num_in_flight:
                 break  # preempted with a token still coming: its prefill must include it
             tokens = request.all_token_ids
-            cached, num_cached = self.kv_cache.find_cached_prefix(tokens)
+            # A prompt owed log-probs is computed whole: cached blocks would skip its positions.
+            owed = request.sampling_params.prompt_logprobs is not None
+            cached, num_cached = ([], 0) if owed else self.kv_cache.find_cached_prefix(tokens)
             num_new = len(tokens) - num_cached
             if chunked:
                 num_new = min(num_new, budget, self.max_chunk_tokens)
@@ -257,3 +260,14 @@ class _LazyIds:
             self._ids = {work.request_id for items in self._works for work in items}
             self._size = size
         return request_id in self._ids
+
+
+def prompt_logprob_targets(request: Request, start: int, end: int) -> Optional[Tuple[int, ...]]:
+    """For a request owed prompt log-probs, per position of the chunk ``[start, end)`` the
+    prompt token after it whose log-prob it gives, -1 where none is owed (already given before
+    a preemption, or past the prompt); None when the chunk owes none."""
+    prompt, owed = request.prompt_token_ids, request.prompt_logprobs_from
+    if request.sampling_params.prompt_logprobs is None or owed >= len(prompt) or end < owed:
+        return None
+    request.prompt_logprobs_from = min(end + 1, len(prompt))
+    return tuple(prompt[p + 1] if owed <= p + 1 < len(prompt) else -1 for p in range(start, end))

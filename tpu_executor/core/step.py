@@ -68,6 +68,9 @@ class PrefillWork(NamedTuple):
     # The last chunk of a request whose logits are processed carries its tokens so far (prompt,
     # then outputs; ``sampling.prompt_len`` splits them): the worker's state for it starts there.
     history: Optional[Tuple[int, ...]] = None
+    # A request owed prompt log-probs: per token of the chunk, the prompt token after it whose
+    # log-prob that position gives (-1: none owed there).
+    prompt_logprob_targets: Optional[Tuple[int, ...]] = None
 
     @property
     def num_context_tokens(self) -> int:
@@ -154,13 +157,27 @@ class SampledTokens:
                              [lp for part in parts for lp in part.logprobs], top)
 
 
+class PromptLogprobs(NamedTuple):
+    """Log-probs of some of a request's prompt tokens: ``positions`` (their indices in the
+    prompt), each token's log-prob given the tokens before it, its rank among the vocabulary
+    (1: the most likely), and the top-N alternatives."""
+
+    request_id: str
+    positions: Tuple[int, ...]
+    logprobs: Tuple[float, ...]
+    ranks: Tuple[int, ...]
+    top: Tuple[Dict[int, float], ...]
+
+
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """A worker's answer to one step: a token per sampled request, or the error that failed
-    the step (the worker caught it; its requests fail, the engine goes on)."""
+    """A worker's answer to one step: a token per sampled request, and the prompt log-probs its
+    prefills gave; or the error that failed the step (the worker caught it; its requests fail,
+    the engine goes on)."""
 
     sampled: SampledTokens = field(default_factory=SampledTokens)
     error: Optional[str] = None
+    prompt_logprobs: Tuple[PromptLogprobs, ...] = ()
 
 
 @dataclass

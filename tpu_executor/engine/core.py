@@ -26,7 +26,7 @@ from tpu_executor.core.kv_cache_manager import KVCacheManager
 from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.request import Request, RequestStatus
 from tpu_executor.core.scheduler import Scheduler
-from tpu_executor.core.step import ModelRunnerOutput, SampledTokens, SchedulerOutput, WorkerStats
+from tpu_executor.core.step import ModelRunnerOutput, PromptLogprobs, SampledTokens, SchedulerOutput, WorkerStats
 from tpu_executor.engine.stats import EngineStats
 from tpu_executor.executor import Executor, WorkerFailure
 from tpu_executor.executor.base import completed_future
@@ -63,6 +63,7 @@ class CoreOutput:
     finished: Dict[str, Finished] = field(default_factory=dict)
     scheduled_at: Tuple[Tuple[str, float], ...] = ()
     first_token_at: Tuple[Tuple[str, float], ...] = ()
+    prompt_logprobs: Tuple[PromptLogprobs, ...] = ()
 
 
 class EngineCore:
@@ -171,10 +172,13 @@ class EngineCore:
         started = self._start(scheduled, finished) if not scheduled.is_empty else None
         if self.config.scheduler.async_scheduling:
             started, self._in_flight = self._in_flight, started  # finish the previous step instead
-        tokens, first_token_at = self._finish(*started, finished) if started is not None else (SampledTokens(), ())
+        output = self._finish(*started, finished) if started is not None else None
         with self.timer.phase("schedule"):
             self._release_deferred_samples()
-        return CoreOutput(tokens, finished, scheduled_at, first_token_at)
+        if output is None:
+            return CoreOutput(SampledTokens(), finished, scheduled_at)
+        tokens, first_token_at, prompt_logprobs = output
+        return CoreOutput(tokens, finished, scheduled_at, first_token_at, prompt_logprobs)
 
     @staticmethod
     def _scheduled_at(scheduled: SchedulerOutput) -> Tuple[Tuple[str, float], ...]:
@@ -198,9 +202,10 @@ class EngineCore:
         return None
 
     def _finish(self, scheduled: SchedulerOutput, running: "Future[ModelRunnerOutput]",
-                finished: Dict[str, Finished]) -> Tuple[SampledTokens, Tuple[Tuple[str, float], ...]]:
+                finished: Dict[str, Finished]) -> Optional[tuple]:
         """Wait for a started step and record its tokens (samples they end go to
-        ``finished``); returns the tokens recorded and the prompts whose first token came."""
+        ``finished``); returns the tokens recorded, the prompts whose first token came and the
+        prompt log-probs the step gave (None when it failed)."""
         try:
             output = running.result()
         except WorkerFailure as err:
@@ -208,18 +213,19 @@ class EngineCore:
         except Exception as err:  # noqa: BLE001 - a failed step fails its requests, not the engine
             logger.exception("engine step failed")
             self._fail(scheduled.request_ids, f"{type(err).__name__}: {err}", finished)
-            return SampledTokens(), ()
+            return None
         if output.error is not None:
             logger.error("engine step failed: %s", output.error)
             self._fail(scheduled.request_ids, output.error, finished)
-            return SampledTokens(), ()
+            return None
         with self.timer.phase("output"):
             tokens, ended = self.scheduler.update(output.sampled, self._requests)
             for request in ended:
                 finished[request.request_id] = Finished(request.status.finish_reason, request.stop_reason)
                 del self._requests[request.request_id]
         now = time.monotonic()
-        return tokens, tuple((work.request_id, now) for work in scheduled.prefills if work.is_last_chunk)
+        first = tuple((work.request_id, now) for work in scheduled.prefills if work.is_last_chunk)
+        return tokens, first, output.prompt_logprobs
 
     def _release_deferred_samples(self) -> None:
         """Queue the remaining samples of groups whose first sample has been prefilled."""

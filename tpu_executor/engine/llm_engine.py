@@ -15,14 +15,14 @@ import itertools
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from tpu_executor.core.detokenizer import Detokenizer, DetokenizerState, take_text_delta, truncate_at_stop
 from tpu_executor.core.heap import freeze_startup_heap, unfreeze_heap
 from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
 from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams
-from tpu_executor.core.step import SampledTokens
+from tpu_executor.core.step import PromptLogprobs, SampledTokens
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.engine.core import CoreOutput, EngineCore, EngineDeadError, Finished
 from tpu_executor.engine.core_process import CoreProcess
@@ -61,6 +61,18 @@ class SampleStream:
 
 
 @dataclass
+class PromptLogprobsState:
+    """A request's prompt log-probs as they come in (its first sample's), and whether they
+    have gone out; ``values[0]`` stays None (the first token has no log-prob)."""
+
+    width: int  # the top alternatives wanted per token
+    values: List[Optional[Dict[int, float]]]
+    ranks: List[Optional[int]]
+    missing: int
+    sent: bool = False
+
+
+@dataclass
 class RequestGroup:
     """The ``n`` samples of one user request."""
 
@@ -69,6 +81,7 @@ class RequestGroup:
     prompt_token_ids: List[int]
     samples: List[SampleStream]
     metrics: RequestMetrics
+    prompt_logprobs: Optional[PromptLogprobsState] = None
 
     @property
     def finished(self) -> bool:
@@ -176,6 +189,9 @@ class LLMEngine:
         group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, token_ids,
                              [stream for stream, _ in samples],
                              RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()))
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = PromptLogprobsState(params.prompt_logprobs, [None] * len(token_ids),
+                                                        [None] * len(token_ids), len(token_ids) - 1)
         self._groups[request_id] = group
         for stream in group.samples:
             self._streams[stream.sample_id] = stream
@@ -231,6 +247,7 @@ class LLMEngine:
             self._die(err)
         with self.timer.phase("detokenize"):
             self._note_times(output)
+            self._add_prompt_logprobs(output.prompt_logprobs)
             stopped = self._add_tokens(output.tokens, output.finished)
             if stopped:  # in the core too, before it schedules them again
                 self.core.finish(stopped, RequestStatus.FINISHED_STOPPED)
@@ -254,6 +271,19 @@ class LLMEngine:
         """The metrics of the sample's request (None once the request is forgotten)."""
         sample = self._streams.get(sample_id)
         return None if sample is None else self._groups[sample.group_id].metrics
+
+    def _add_prompt_logprobs(self, reports: Sequence[PromptLogprobs]) -> None:
+        """Each prompt token's log-prob and its top alternatives, from a request's first sample."""
+        for report in reports:
+            sample = self._streams.get(report.request_id)
+            state = self._groups[sample.group_id].prompt_logprobs if sample is not None else None
+            if state is None or sample.index != 0:
+                continue
+            prompt = self._groups[sample.group_id].prompt_token_ids
+            for position, logprob, rank, top in zip(report.positions, report.logprobs, report.ranks, report.top):
+                state.missing -= state.values[position] is None
+                state.values[position] = {prompt[position]: logprob, **dict(list(top.items())[:state.width])}
+                state.ranks[position] = rank
 
     def _add_tokens(self, tokens: SampledTokens, finished: Dict[str, Finished]) -> List[str]:
         """Add each sample's new token, its log-probs and its text, and look for its stop
@@ -330,12 +360,22 @@ class LLMEngine:
             else:
                 outputs = [sample_delta(sample) for sample in samples if sample.advanced]
                 finished, error = group.finished, group.error
+            prompt_logprobs, ranks = self._prompt_logprobs_to_send(group) or (None, None)
             deltas.append(RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
-                                        finished, error, group.metrics))
+                                        finished, error, group.metrics, prompt_logprobs, ranks))
             if finished:
                 self._forget(group)
         self._advanced = {}
         return deltas
+
+    @staticmethod
+    def _prompt_logprobs_to_send(group: RequestGroup) -> Optional[Tuple[list, list]]:
+        """(the prompt log-probs, their tokens' ranks), in the first delta that has them all."""
+        state = group.prompt_logprobs
+        if state is None or state.sent or state.missing:
+            return None
+        state.sent = True
+        return state.values, state.ranks
 
     @staticmethod
     def _sample_delta(sample: SampleStream) -> CompletionOutput:

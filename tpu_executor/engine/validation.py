@@ -38,9 +38,10 @@ class RequestChecks:
             raise ValueError(f"This model's maximum context length is {self.config.max_model_len} tokens, "
                              f"but the prompt has {len(token_ids)} tokens (it must leave room for output; "
                              "max_model_len sets the limit)")
-        if params.logprobs is not None and params.logprobs > self.config.compile.max_logprobs:
-            raise ValueError(f"logprobs {params.logprobs} exceeds max_logprobs "
-                             f"{self.config.compile.max_logprobs} of this engine")
+        for name in ("logprobs", "prompt_logprobs"):
+            wanted = getattr(params, name)
+            if wanted is not None and wanted > self.config.compile.max_logprobs:
+                raise ValueError(f"{name} {wanted} exceeds max_logprobs {self.config.compile.max_logprobs} of this engine")
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
                           ("allowed_token_ids", params.allowed_token_ids or ())):
             outside = [t for t in ids if vocab and t >= vocab]

@@ -24,17 +24,19 @@ from tqdm import tqdm
 
 from tpu_executor.models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from tpu_executor.core.buckets import (BucketPlan, DecodeCall, DecodeGraph, Graph, HistoryGraph, PrefillCall, PrefillGraph,
-                                      SamplerGraph)
+                                      PromptLogprobsGraph, SamplerGraph)
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.phase_timer import NullPhaseTimer
-from tpu_executor.core.step import DecodeWork, PaddingStats, PrefillWork, SampledTokens, SamplingMeta, SchedulerOutput
+from tpu_executor.core.step import (DecodeWork, ModelRunnerOutput, PaddingStats, PrefillWork, SampledTokens, SamplingMeta,
+                                     SchedulerOutput)
 from tpu_executor.worker.compile_guard import CompileGuard
 from tpu_executor.worker.decode_batch import PersistentDecodeBatch
 from tpu_executor.worker.inputs import prefill_inputs, sampling_tensors, to_device
 from tpu_executor.worker.logits_processing import (ProcessingSlots, donate, empty_processing_tensors, fill_slots,
                                                     fill_tensors, process_logits, processed_request_ids,
                                                     record_tokens)
+from tpu_executor.worker.prompt_logprobs import groups, owed_positions, padding_group, prompt_logprobs_step, read_back
 from tpu_executor.worker.sampler import SamplerOutput, sample
 from tpu_executor.worker.token_feed import TokenFeed, fed_input_ids, write_slots
 
@@ -73,6 +75,7 @@ class ModelRunner:
         self._sample_fn = self._compile(self._sample_step, compiled, True)
         self._sample_processed_fn = self._compile(self._sample_processed_step, compiled, True)
         self._fill_fn = self._compile(self._fill_step, compiled, True)
+        self._prompt_logprobs_fn = self._compile(partial(prompt_logprobs_step, model), compiled, one_graph)
 
     @staticmethod
     def _compile(fn, compiled: bool, fullgraph: bool):
@@ -88,7 +91,8 @@ class ModelRunner:
                       key_segments, query_segments, logits_indices, kv_caches):
         prefill = PrefillMetadata(context_slots, key_positions, key_segments, query_segments)
         hidden = self.model(input_ids, kv_caches, AttentionMetadata(positions, slot_mapping, prefill=prefill))
-        return self.model.compute_logits(hidden[logits_indices])
+        # The hidden states stay on the device for prompt log-probs (read only when asked for).
+        return self.model.compute_logits(hidden[logits_indices]), hidden
 
     def _decode_step(self, input_ids, feed_slots, feed_tokens, positions, slot_mapping, block_tables,
                      context_lens, kv_caches):
@@ -162,7 +166,8 @@ class ModelRunner:
 
     def _launch_prefill(self, call: PrefillCall) -> "LaunchedCall":
         with self.guard.watch(f"prefill bucket tokens={call.graph.num_tokens} keys={call.graph.keys}"):
-            logits = self._prefill_logits(call.pack, call.graph, self.kv_caches)
+            logits, hidden = self._prefill_logits(call.pack, call.graph, self.kv_caches)
+            prompt = self._launch_prompt_logprobs(call, hidden)
             # A chunk that does not end its prompt gives no token (its row is sampled with the rest).
             sampled_ids = [w.request_id if w.is_last_chunk else None for w in call.pack]
             rows = self.plan.max_prefill_seqs
@@ -174,7 +179,22 @@ class ModelRunner:
                     all_greedy=all(item.sampling.temperature == 0 for item in call.pack),
                     processing=processing is not None)
             returns_logprobs = any(item.sampling.num_logprobs >= 0 for item in call.pack)
-            return self._sample(call.pack, sampled_ids, returns_logprobs, logits, sampling, sampler, processing)
+            launched = self._sample(call.pack, sampled_ids, returns_logprobs, logits, sampling, sampler, processing)
+            return launched._replace(prompt=prompt)
+
+    def _launch_prompt_logprobs(self, call: PrefillCall, hidden: torch.Tensor) -> list:
+        """Launch the prompt log-probs the pack's chunks owe, in groups; [] when none."""
+        owed = owed_positions(call.pack)
+        if not owed.owners:
+            return []
+        graph = self.plan.prompt_logprobs_graph(call.graph.num_tokens)
+        width = max(1, self.config.compile.max_logprobs)
+        launched = []
+        with self.guard.watch(f"prompt log-probs tokens={graph.num_tokens}"):
+            for tensors, owners in groups(owed, graph.num_rows):
+                launched.append((self._run_fn(self._prompt_logprobs_fn, tensors, "prefill", hidden=hidden,
+                                              num_logprobs=width), owners))
+        return launched
 
     def _launch_decode(self, call: DecodeCall) -> "LaunchedCall":
         graph = call.graph
@@ -225,7 +245,7 @@ class ModelRunner:
         tokens = min(self.plan.max_prefill_tokens, keys)
         work = PrefillWork("profile", tuple([0] * tokens), keys - tokens,
                            tuple(range(1, self.config.max_blocks_per_seq + 1)), SamplingMeta.greedy())
-        self._prefill_logits([work], self.plan.pack_graph([work]), kv_caches).cpu()
+        self._prefill_logits([work], self.plan.pack_graph([work]), kv_caches)[0].cpu()
 
     @torch.no_grad()
     def warmup(self, show_progress: bool = True) -> None:
@@ -251,7 +271,12 @@ class ModelRunner:
         """Run ``graph`` once on padding-only inputs (writes go to the null block)."""
         if isinstance(graph, PrefillGraph):
             dummy = [PrefillWork("warmup", (0,), 0, (NULL_BLOCK,), SamplingMeta.greedy())]
-            self._prefill_logits(dummy, graph, self.kv_caches).cpu()
+            self._prefill_logits(dummy, graph, self.kv_caches)[0].cpu()
+        elif isinstance(graph, PromptLogprobsGraph):
+            hidden = torch.zeros(graph.num_tokens, self.model.config.hidden_size).to(self.device)
+            outputs = self._run_fn(self._prompt_logprobs_fn, padding_group(graph.num_rows), "prefill", hidden=hidden,
+                                   num_logprobs=max(1, self.config.compile.max_logprobs))
+            outputs[0].cpu()
         elif isinstance(graph, DecodeGraph):
             self._decode_logits([DecodeWork("warmup", 0, 0, (NULL_BLOCK,), SamplingMeta.greedy())], graph).cpu()
         elif isinstance(graph, HistoryGraph):
@@ -273,13 +298,15 @@ class ModelRunner:
 class LaunchedCall(NamedTuple):
     """One sampler call of a launched step: its work items, the request of each row (None: a
     row that gives no token), whether any asked for log-probs, the sampler's device outputs,
-    and the rows that give a token (None: every work item's row)."""
+    the rows that give a token (None: every work item's row), and the prompt log-probs the
+    call's prefill launched (device outputs and their owners)."""
 
     work: Sequence
     request_ids: Sequence[Optional[str]]
     returns_logprobs: bool
     out: SamplerOutput
     kept_rows: Optional[List[int]]
+    prompt: Sequence = ()
 
 
 class LaunchedStep:
@@ -289,16 +316,20 @@ class LaunchedStep:
         self.calls = calls
         self.timer = timer
 
-    def collect(self) -> SampledTokens:
-        """The step's tokens, one per sampled request, in the order of its calls."""
-        parts = []
+    def collect(self) -> ModelRunnerOutput:
+        """The step's tokens, one per sampled request, in the order of its calls, and the
+        prompt log-probs its prefills gave."""
+        parts, prompt = [], []
         for call in self.calls:
             with self.timer.phase("transfer"):
                 host = _read_back(call.out)
+                prompt.extend(call.prompt)
             with self.timer.phase("output"):
                 sampled = _sampled_tokens(call, host)
                 parts.append(sampled if call.kept_rows is None else sampled.rows(call.kept_rows))
-        return SampledTokens.concat(parts)
+        with self.timer.phase("transfer"):
+            prompt_logprobs = read_back(prompt) if prompt else ()
+        return ModelRunnerOutput(SampledTokens.concat(parts), prompt_logprobs=prompt_logprobs)
 
 
 def _read_back(out: SamplerOutput) -> Tuple[list, list, Optional[list], Optional[list]]:

@@ -241,7 +241,7 @@ class Worker:
         try:
             launched = self.start_step(step)
             if not self.runner.collects_late:
-                return ModelRunnerOutput(sampled=launched.collect())
+                return launched.collect()
         except Exception as err:  # noqa: BLE001 - the engine fails this step's requests
             return self._failed(err)
         self._launched.append(launched)
@@ -251,7 +251,7 @@ class Worker:
         """The tokens of the oldest step ``launch_step`` left on the device (waits for it)."""
         launched = self._launched.popleft()
         try:
-            return ModelRunnerOutput(sampled=launched.collect())
+            return launched.collect()
         except Exception as err:  # noqa: BLE001 - a device error fails this step's requests
             return self._failed(err)
 

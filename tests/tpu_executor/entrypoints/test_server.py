@@ -8,6 +8,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from tests.common import live_server, run_to_end, tiny_engine_options
 from tpu_executor import SamplingParams
@@ -82,6 +83,27 @@ def test_logits_processing_fields_give_the_offline_engines_tokens(client, served
     assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == [r.outputs[0].text for r in refs]
     unprocessed = completion_text(client, prompt=PROMPTS, max_tokens=12)
     assert [c.text for c in unprocessed.choices] != [c.text for c in response.choices]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, checkpoints):
+    """What evaluation harnesses send: the prompt's log-probs (the first None), then the
+    completion's, whole and streamed; vLLM's prompt_logprobs beside them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(checkpoints["llama"])(PROMPTS[0])["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["llama"], dtype=torch.float32).eval()
+    expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    expected = [None] + [expected[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    whole = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3, temperature=0, echo=True,
+                                      logprobs=1, extra_body={"ignore_eos": True, "prompt_logprobs": 0})
+    streamed = list(completion_text(client, prompt=PROMPTS[0], max_tokens=3, echo=True, logprobs=1, stream=True))
+    for logprobs in (whole.choices[0].logprobs, streamed[0].choices[0].logprobs):
+        got = logprobs.token_logprobs[:len(ids)]
+        assert got[0] is None and logprobs.top_logprobs[0] is None
+        torch.testing.assert_close(torch.tensor(got[1:]), torch.tensor(expected[1:]), atol=1e-4, rtol=0)
+        assert len(logprobs.token_logprobs) == len(ids) + (3 if logprobs is whole.choices[0].logprobs else 1)
+    vllm_style = whole.choices[0].model_extra["prompt_logprobs"]
+    assert vllm_style[0] is None and vllm_style[1][str(ids[1])]["logprob"] == pytest.approx(expected[1], abs=1e-4)
 
 
 def test_token_id_prompts_equal_text_prompts(client, served):

@@ -2,7 +2,7 @@
 and a failure at launch or at read-back fails only that step."""
 from tpu_executor.core.config import (CacheConfig, CompileConfig, DeviceConfig, EngineConfig, ModelConfig,
                                       SchedulerConfig)
-from tpu_executor.core.step import DecodeWork, SampledTokens, SamplingMeta, SchedulerOutput
+from tpu_executor.core.step import DecodeWork, ModelRunnerOutput, SampledTokens, SamplingMeta, SchedulerOutput
 from tpu_executor.worker.worker import Worker
 
 
@@ -10,11 +10,11 @@ class FakeLaunched:
     def __init__(self, step: SchedulerOutput, fails: bool):
         self.step, self.fails = step, fails
 
-    def collect(self) -> SampledTokens:
+    def collect(self) -> ModelRunnerOutput:
         if self.fails:
             raise RuntimeError("device lost the buffer")
         ids = [w.request_id for w in self.step.decodes]
-        return SampledTokens(ids, [len(rid) for rid in ids], [0.0] * len(ids))
+        return ModelRunnerOutput(SampledTokens(ids, [len(rid) for rid in ids], [0.0] * len(ids)))
 
 
 class FakeRunner:

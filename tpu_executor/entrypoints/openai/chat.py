@@ -8,7 +8,8 @@ from starlette.requests import Request as HttpRequest
 
 from tpu_executor.core.request import CompletionOutput, RequestOutput
 from tpu_executor.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, bad_request
-from tpu_executor.entrypoints.openai.serving import OpenAIServing, Prompt, token_ids, token_text, usage
+from tpu_executor.entrypoints.openai.serving import (OpenAIServing, Prompt, token_ids, token_text, usage,
+                                                    vllm_prompt_logprobs)
 
 
 def render_chat(tokenizer, messages: List[ChatMessage], add_generation_prompt: bool) -> Prompt:
@@ -77,7 +78,11 @@ class _Response:
             choices.append({"index": completion.index, "message": {"role": "assistant", "content": completion.text},
                             "logprobs": self._logprobs(completion), "finish_reason": completion.finish_reason,
                             "stop_reason": completion.stop_reason})
-        return self._envelope("chat.completion", choices, usage([self.prompt], self.completion_tokens))
+        response = self._envelope("chat.completion", choices, usage([self.prompt], self.completion_tokens))
+        if self.body.prompt_logprobs is not None:
+            response["prompt_logprobs"] = vllm_prompt_logprobs(self.serving.tokenizer, outputs[0],
+                                                               self.body.prompt_logprobs)
+        return response
 
     def chunks(self, prompt_index: int, delta: RequestOutput):
         for completion in delta.outputs:

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from starlette.requests import Request as HttpRequest
 
 from tpu_executor.core.request import CompletionOutput, RequestOutput
 from tpu_executor.entrypoints.openai.protocol import CompletionRequest, bad_request
-from tpu_executor.entrypoints.openai.serving import OpenAIServing, Prompt, token_text, usage
+from tpu_executor.entrypoints.openai.serving import OpenAIServing, Prompt, token_text, usage, vllm_prompt_logprobs
 
 
 class CompletionLogprobs:
@@ -19,16 +19,27 @@ class CompletionLogprobs:
         self.tokenizer = tokenizer
         self.offset = start_offset
 
-    def build(self, completion: CompletionOutput) -> Dict[str, List[Any]]:
+    def build(self, token_ids: Sequence[int], logprobs: Sequence[Optional[Dict[int, float]]],
+              width: Optional[int] = None) -> Dict[str, List[Any]]:
+        """The object for ``token_ids`` and their log-prob entries (None: a token without one,
+        the prompt's first); ``width`` trims the alternatives (the prompt's come wider)."""
         tokens, token_logprobs, top, offsets = [], [], [], []
-        for token_id, entries in zip(completion.token_ids, completion.logprobs or []):
+        for token_id, entries in zip(token_ids, logprobs):
             text = token_text(self.tokenizer, token_id)
             tokens.append(text)
-            token_logprobs.append(entries[token_id])
-            top.append({token_text(self.tokenizer, t): lp for t, lp in entries.items()})
+            token_logprobs.append(None if entries is None else entries[token_id])
+            alternatives = None if entries is None else dict(list(entries.items())[:None if width is None else width + 1])
+            top.append(None if alternatives is None else
+                       {token_text(self.tokenizer, t): lp for t, lp in alternatives.items()})
             offsets.append(self.offset)
             self.offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def merged(first: Dict[str, List[Any]], then: Dict[str, List[Any]]) -> Dict[str, List[Any]]:
+    return {key: first[key] + then[key] for key in first}
+
+
 
 
 async def create_completion(serving: OpenAIServing, body: CompletionRequest, http: HttpRequest):
@@ -55,6 +66,7 @@ class _Response:
         self.completion_tokens = 0
         self.logprobs: Dict[int, CompletionLogprobs] = {}
         self.echoed: set = set()
+        self.scored_prompts: Dict[int, RequestOutput] = {}  # prompt index -> the output with its log-probs
 
     def _prompt_text(self, prompt: Prompt) -> str:
         return prompt.text if prompt.text is not None else self.serving.tokenizer.decode(prompt.token_ids)
@@ -63,27 +75,38 @@ class _Response:
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.serving.config.model_name, "choices": choices, "usage": usage_}
 
-    def _choice(self, prompt_index: int, completion: CompletionOutput) -> Dict[str, Any]:
+    def _choice(self, prompt_index: int, completion: CompletionOutput, output: RequestOutput) -> Dict[str, Any]:
+        """One choice of ``output`` (whole, or a delta: the echoed prompt and its log-probs go
+        out with a choice's first)."""
         index = prompt_index * self.body.n + completion.index
-        text = completion.text
-        if self.body.echo and index not in self.echoed:
-            self.echoed.add(index)
+        text, first = completion.text, index not in self.echoed
+        self.echoed.add(index)
+        if output.prompt_logprobs is not None:  # in one delta of a prompt's samples: keep it for the others
+            self.scored_prompts[prompt_index] = output
+        output = self.scored_prompts.get(prompt_index, output)
+        if self.body.echo and first:
             text = self._prompt_text(self.prompts[prompt_index]) + text
         logprobs = None
         if self.body.logprobs is not None:
             builder = self.logprobs.setdefault(index, CompletionLogprobs(self.serving.tokenizer))
-            logprobs = builder.build(completion)
+            prompt = builder.build(output.prompt_token_ids, output.prompt_logprobs, self.body.logprobs) \
+                if self.body.echo and first else None
+            logprobs = builder.build(completion.token_ids, completion.logprobs or [])
+            logprobs = merged(prompt, logprobs) if prompt else logprobs
         self.completion_tokens += len(completion.token_ids)
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
-                "stop_reason": completion.stop_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                  "stop_reason": completion.stop_reason}
+        if self.body.prompt_logprobs is not None and first:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.serving.tokenizer, output, self.body.prompt_logprobs)
+        return choice
 
     def whole(self, outputs: List[RequestOutput]) -> Dict[str, Any]:
-        choices = [self._choice(i, c) for i, output in enumerate(outputs) for c in output.outputs]
+        choices = [self._choice(i, c, output) for i, output in enumerate(outputs) for c in output.outputs]
         return self._envelope(choices, usage(self.prompts, self.completion_tokens))
 
     def chunks(self, prompt_index: int, delta: RequestOutput):
         for completion in delta.outputs:
-            choice = self._choice(prompt_index, completion)
+            choice = self._choice(prompt_index, completion, delta)
             if choice["text"] or choice["finish_reason"] is not None or completion.token_ids:
                 yield self._envelope([choice], self._usage_so_far())
 

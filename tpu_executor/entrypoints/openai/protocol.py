@@ -85,6 +85,7 @@ class _GenerationRequest(BaseModel):
     include_stop_str_in_output: bool = False
     allowed_token_ids: Optional[List[int]] = None
     bad_words: Optional[List[str]] = None
+    prompt_logprobs: Optional[int] = Field(None, ge=0)
 
     def check_supported(self) -> None:
         """Refuse what we know but do not implement (the 400 names the field)."""
@@ -95,6 +96,10 @@ class _GenerationRequest(BaseModel):
 
     def unknown_fields(self) -> List[str]:
         return sorted(self.model_extra or {})
+
+    def wanted_prompt_logprobs(self) -> Optional[int]:
+        """Top alternatives per prompt token (vLLM's ``prompt_logprobs``), None for none."""
+        return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
         """The engine's sampling parameters (defaults as vLLM's: temperature 1, top_p 1). A
@@ -112,7 +117,8 @@ class _GenerationRequest(BaseModel):
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=self.token_bias(), min_tokens=self.min_tokens,
-                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
+                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                prompt_logprobs=self.wanted_prompt_logprobs())
         except ValueError as err:
             raise bad_request(str(err), field_named_by(str(err), "sampling parameters")) from None
 
@@ -155,8 +161,12 @@ class CompletionRequest(_GenerationRequest):
             raise bad_request("best_of other than n is not supported by this server", "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported by this server", "suffix")
+
+    def wanted_prompt_logprobs(self) -> Optional[int]:
+        """``echo`` with ``logprobs`` scores the prompt too (what evaluation harnesses send)."""
         if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs (prompt log-probs) is not supported by this server", "echo")
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> List[Union[str, List[int]]]:
         """The prompts of this request: each a string or a list of token ids."""

@@ -226,3 +226,19 @@ def token_ids(tokenizer, text: str, param: str, add_special_tokens: bool = True)
 
 def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
+
+
+def vllm_prompt_logprobs(tokenizer, output: RequestOutput, width: int) -> List[Optional[Dict[str, Dict[str, Any]]]]:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first) the token and its
+    ``width`` most likely alternatives as ``{token id: {logprob, rank, decoded_token}}``."""
+    result = []
+    for position, entries in enumerate(output.prompt_logprobs):
+        if entries is None:
+            result.append(None)
+            continue
+        token = output.prompt_token_ids[position]
+        ranked = sorted((t for t in entries if t != token), key=lambda t: -entries[t])[:width]
+        ranks = {token: output.prompt_logprob_ranks[position], **{t: r + 1 for r, t in enumerate(ranked)}}
+        result.append({str(t): {"logprob": entries[t], "rank": ranks[t], "decoded_token": token_text(tokenizer, t)}
+                       for t in ranks})
+    return result
