@@ -59,9 +59,10 @@ def test_rotation_equals_transformers(rope_type):
 
 @pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
 def test_gemma3_layer_types_have_their_own_parameters(layer_type):
+    rope = {"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+            "sliding_attention": dict(rope_type="default", rope_theta=10000.0)}
     config = tf.Gemma3TextConfig(**BASE, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
-                                 rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
-                                                  "sliding_attention": dict(rope_type="default", rope_theta=10000.0)})
+                                 rope_parameters=rope)
     rotary = tf.models.gemma3.modeling_gemma3.Gemma3RotaryEmbedding(config)
     positions = torch.tensor([0, 3, 100, 2000])
     q, k = random_qk(len(positions))

@@ -115,7 +115,8 @@ class SamplingParams:
             _check(isinstance(value, (int, float)) and -2.0 <= value <= 2.0,
                    f"{name} must be in [-2, 2], got {value!r}")
         _check(isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)
-               and self.repetition_penalty > 0, f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+               and self.repetition_penalty > 0,
+               f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS,
                f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
         _check(all(isinstance(k, int) and k >= 0 for k, _ in self.logit_bias),

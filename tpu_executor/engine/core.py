@@ -113,7 +113,8 @@ class EngineCore:
         self.config = fit_max_model_len(self.config, num_blocks)
         if self.config.max_model_len < config_limit:
             logger.warning("max_model_len lowered from %d to %d tokens: what the KV cache holds (raise "
-                           "memory_budget_bytes / memory_utilization for more)", config_limit, self.config.max_model_len)
+                           "memory_budget_bytes / memory_utilization for more)", config_limit,
+                           self.config.max_model_len)
         self._timed("init_cache", executor.init_cache, num_blocks, self.config.max_model_len)
         self._timed("warmup", executor.warmup, show_progress)
         return num_blocks

@@ -41,7 +41,8 @@ class RequestChecks:
         for name in ("logprobs", "prompt_logprobs"):
             wanted = getattr(params, name)
             if wanted is not None and wanted > self.config.compile.max_logprobs:
-                raise ValueError(f"{name} {wanted} exceeds max_logprobs {self.config.compile.max_logprobs} of this engine")
+                raise ValueError(f"{name} {wanted} exceeds max_logprobs {self.config.compile.max_logprobs} "
+                                 "of this engine")
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
                           ("allowed_token_ids", params.allowed_token_ids or ())):
             outside = [t for t in ids if vocab and t >= vocab]

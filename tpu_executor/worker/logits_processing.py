@@ -27,6 +27,7 @@ from tpu_executor.core.step import ENTRY_ALLOWED, ENTRY_BANNED, ENTRY_BIAS, ENTR
 
 RECENT = MAX_BAD_WORD_TOKENS - 1  # outputs a bad word's prefix is matched against
 ANY_TOKEN = -2  # a prefix position before the word's first token (matches anything)
+Fill = Tuple[int, tuple, int]  # (slot, the request's tokens so far, its prompt length)
 
 
 # ---- the spec ---------------------------------------------------------------------------------
@@ -149,7 +150,7 @@ class ProcessingSlots:
             self._free.append(self._slots.pop(request_id))
             self._rows.pop(request_id, None)
 
-    def prepare(self, work: Sequence, rows: int) -> Optional[Tuple[Dict[str, torch.Tensor], List[Tuple[int, tuple, int]]]]:
+    def prepare(self, work: Sequence, rows: int) -> Optional[Tuple[Dict[str, torch.Tensor], List[Fill]]]:
         """None when no row of ``work`` is processed; else (its per-row tensors padded to
         ``rows``, the fills to run first: (slot, history, prompt length) of each row whose
         history arrives now)."""
@@ -204,7 +205,7 @@ def row_arrays(processing: LogitsProcessing) -> Dict[str, np.ndarray]:
     return row
 
 
-def fill_tensors(fills: Sequence[Tuple[int, tuple, int]], rows: int, width: int, discard: int) -> Dict[str, torch.Tensor]:
+def fill_tensors(fills: Sequence[Fill], rows: int, width: int, discard: int) -> Dict[str, torch.Tensor]:
     """``fill_slots``' inputs for ``fills`` padded to ``rows`` rows of ``width`` tokens."""
     slots = np.full(rows, discard, dtype=np.int64)
     history = np.full((rows, width), -1, dtype=np.int64)

@@ -23,13 +23,13 @@ import torch
 from tqdm import tqdm
 
 from tpu_executor.models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
-from tpu_executor.core.buckets import (BucketPlan, DecodeCall, DecodeGraph, Graph, HistoryGraph, PrefillCall, PrefillGraph,
-                                      PromptLogprobsGraph, SamplerGraph)
+from tpu_executor.core.buckets import (BucketPlan, DecodeCall, DecodeGraph, Graph, HistoryGraph, PrefillCall,
+                                      PrefillGraph, PromptLogprobsGraph, SamplerGraph)
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.phase_timer import NullPhaseTimer
-from tpu_executor.core.step import (DecodeWork, ModelRunnerOutput, PaddingStats, PrefillWork, SampledTokens, SamplingMeta,
-                                     SchedulerOutput)
+from tpu_executor.core.step import (DecodeWork, ModelRunnerOutput, PaddingStats, PrefillWork, SampledTokens,
+                                     SamplingMeta, SchedulerOutput)
 from tpu_executor.worker.compile_guard import CompileGuard
 from tpu_executor.worker.decode_batch import PersistentDecodeBatch
 from tpu_executor.worker.inputs import prefill_inputs, sampling_tensors, to_device

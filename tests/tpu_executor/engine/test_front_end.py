@@ -113,7 +113,8 @@ def test_an_abort_hands_out_one_last_delta_and_drops_tokens_still_coming(checkpo
 
 def test_an_error_reported_by_the_core_ends_the_request_with_it(checkpoint):
     config, tokenizer = checkpoint
-    core = ScriptedCore([CoreOutput(tokens(("r", 7))), CoreOutput(finished={"r": Finished("error", None, "boom")})], config)
+    outputs = [CoreOutput(tokens(("r", 7))), CoreOutput(finished={"r": Finished("error", None, "boom")})]
+    core = ScriptedCore(outputs, config)
     engine = LLMEngine(config, tokenizer, core=core)
     engine.add_request({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=50, logprobs=0), request_id="r")
     first, [last] = engine.step(), engine.step()

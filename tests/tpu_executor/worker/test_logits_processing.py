@@ -49,8 +49,8 @@ def test_device_processing_equals_the_reference_row_by_row():
                   for name in ("penalties", "entry_ids", "entry_values", "entry_kinds", "min_tokens", "bad_prefixes",
                                "bad_last")}
         logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(case)) * 3
-        processed = process_logits(logits, *slots.state, torch.arange(rows), steps=torch.tensor([len(o) for o in outputs]),
-                                   **arrays)
+        steps = torch.tensor([len(o) for o in outputs])
+        processed = process_logits(logits, *slots.state, torch.arange(rows), steps=steps, **arrays)
         for row in range(rows):
             expected = process_logits_reference(logits[row], processings[row], prompts[row], outputs[row])
             torch.testing.assert_close(processed[row], expected, rtol=1e-6, atol=1e-6)

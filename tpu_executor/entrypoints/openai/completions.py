@@ -28,7 +28,8 @@ class CompletionLogprobs:
             text = token_text(self.tokenizer, token_id)
             tokens.append(text)
             token_logprobs.append(None if entries is None else entries[token_id])
-            alternatives = None if entries is None else dict(list(entries.items())[:None if width is None else width + 1])
+            keep = None if width is None else width + 1  # the token itself, then its alternatives
+            alternatives = None if entries is None else dict(list(entries.items())[:keep])
             top.append(None if alternatives is None else
                        {token_text(self.tokenizer, t): lp for t, lp in alternatives.items()})
             offsets.append(self.offset)
