@@ -59,13 +59,13 @@ COUNT_GRAPHS = textwrap.dedent("""
 def test_warmup_compiles_exactly_the_graphs_of_the_bucket_plan(checkpoints, tmp_path):
     """In a fresh process (XLA's in-memory cache would serve graphs an earlier engine compiled):
     prefill 32, 64; decode rows 2, 4 x one context width; sampler rows 2, 4 x logprobs or not
-    x greedy or not x logits processing or not; one processing-state graph = 2 + 2 + 16 + 1
-    graphs, each compiled once."""
+    x greedy or not x logits processing or not; one processing-state graph; prompt log-probs
+    per prefill bucket = 2 + 2 + 16 + 1 + 2 graphs, each compiled once."""
     result = subprocess.run([sys.executable, "-c", COUNT_GRAPHS, checkpoints["llama"]], cwd=tmp_path,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     compiled, planned = json.loads(result.stdout.strip().splitlines()[-1])
-    assert compiled == planned == 21
+    assert compiled == planned == 23
 
 
 def test_preemption_gives_the_same_tokens(checkpoints, llm):
