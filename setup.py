@@ -45,6 +45,9 @@ setup(
         "uvicorn>=0.30",
         "prometheus_client>=0.20",
         "httpx>=0.27",
+        # Structured outputs: grammars compiled to per-step token masks; schemas checked first.
+        "xgrammar>=0.2.8,<0.3",
+        "jsonschema>=4.0",
         # `tpu-executor tune` draws its padding/warm-up plot.
         "matplotlib>=3.8",
     ],

@@ -116,7 +116,8 @@ def logits_processing(params: SamplingParams, stop_token_ids: FrozenSet[int],
     ids, values, kinds = zip(*entries) if entries else ((), (), ())
     return LogitsProcessing(float(params.presence_penalty), float(params.frequency_penalty),
                             float(params.repetition_penalty), tuple(ids), tuple(values), tuple(kinds),
-                            params.min_tokens, tuple(w[:-1] for w in longer), tuple(w[-1] for w in longer))
+                            params.min_tokens, tuple(w[:-1] for w in longer), tuple(w[-1] for w in longer),
+                            params.structured_outputs is not None)
 
 
 @dataclass(slots=True)

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 # What one request may ask of the logits processing (the device holds these many per row).
 MAX_LOGIT_BIAS = 300
@@ -29,6 +30,45 @@ def _check(condition: bool, message: str) -> None:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A grammar the output must follow (vLLM's ``StructuredOutputsParams``); exactly one of:
+    ``json`` (a JSON Schema, as a dict or its text), ``regex``, ``choice`` (one of these
+    strings), ``grammar`` (EBNF, as xgrammar reads it), ``json_object`` (any JSON object).
+    ``disable_any_whitespace`` makes JSON compact (no whitespace between tokens)."""
+
+    json: Union[None, str, Mapping[str, Any]] = None
+    regex: Optional[str] = None
+    choice: Optional[Sequence[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        if self.json is not None and not isinstance(self.json, str):  # hashable, one text per schema
+            try:
+                object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"structured_outputs.json is not JSON: {err}") from None
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        _check(len(kinds) == 1, "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                                f"json_object; got {kinds or 'none'}")
+        _check(self.choice is None or (len(self.choice) > 0 and all(isinstance(c, str) and c for c in self.choice)),
+               f"structured_outputs.choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value.strip() != ""),
+                   f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which grammar this is: json, regex, choice, grammar or json_object."""
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name))
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick the output tokens of one request.
 
@@ -46,7 +86,8 @@ class SamplingParams:
     [-100, 100]); ``min_tokens`` keeps EOS and the stop token ids out until that many tokens
     are out (stop strings wait as well); ``allowed_token_ids`` restricts the choice to those
     ids; ``bad_words`` are never completed (a word's last token is banned whenever the output
-    ends with the rest of it).
+    ends with the rest of it). ``structured_outputs`` restricts every token to those its grammar
+    allows next (``StructuredOutputsParams``).
     """
 
     n: int = 1
@@ -70,6 +111,7 @@ class SamplingParams:
     allowed_token_ids: Optional[Sequence[int]] = None
     bad_words: Optional[Sequence[str]] = None
     prompt_logprobs: Optional[int] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self):
         stop = self.stop
@@ -108,6 +150,8 @@ class SamplingParams:
                f"prompt_logprobs must be None or a non-negative integer, got {self.prompt_logprobs!r}")
         _check(isinstance(self.output_kind, RequestOutputKind),
                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
 
     def _validate_processing(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -143,4 +187,5 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether the sampler changes this request's logits before it samples."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None or self.bad_words)
+                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None or self.bad_words
+                    or self.structured_outputs is not None)

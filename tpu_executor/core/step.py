@@ -7,7 +7,7 @@ to build, which at hundreds of sequences is a visible share of the host's time p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 
 # Kinds of a logits entry (``LogitsProcessing.entry_kinds``).
@@ -19,8 +19,9 @@ ENTRY_BANNED = 3  # banned always (a one-token bad word)
 
 class LogitsProcessing(NamedTuple):
     """What the sampler does to one request's logits before it picks (built once per request;
-    see ``SamplingParams``): penalties, token entries (``ENTRY_*``), ``min_tokens``, and the
-    bad words of several tokens as (all but the last token, the last token)."""
+    see ``SamplingParams``): penalties, token entries (``ENTRY_*``), ``min_tokens``, the
+    bad words of several tokens as (all but the last token, the last token), and whether a
+    grammar constrains it (its token mask comes with each step: ``SchedulerOutput``)."""
 
     presence_penalty: float
     frequency_penalty: float
@@ -31,6 +32,7 @@ class LogitsProcessing(NamedTuple):
     min_tokens: int
     bad_word_prefixes: Tuple[Tuple[int, ...], ...]
     bad_word_last: Tuple[int, ...]
+    constrained: bool = False
 
 
 class SamplingMeta(NamedTuple):
@@ -103,10 +105,13 @@ class DecodeWork(NamedTuple):
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """The work of one engine step (sent to every worker)."""
+    """The work of one engine step (sent to every worker). ``token_bitmasks``: per sampled
+    request that a grammar constrains, the tokens it may sample now (xgrammar's bitmask: bit
+    ``t % 32`` of int32 word ``t // 32`` set when token ``t`` is allowed; a numpy array)."""
 
     prefills: Tuple[PrefillWork, ...] = ()
     decodes: Tuple[DecodeWork, ...] = ()
+    token_bitmasks: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

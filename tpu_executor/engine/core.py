@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from tpu_executor.core.buckets import BucketPlan
@@ -28,6 +28,7 @@ from tpu_executor.core.request import Request, RequestStatus
 from tpu_executor.core.scheduler import Scheduler
 from tpu_executor.core.step import ModelRunnerOutput, PromptLogprobs, SampledTokens, SchedulerOutput, WorkerStats
 from tpu_executor.engine.stats import EngineStats
+from tpu_executor.engine.structured_outputs import GrammarCompiler, GrammarMatchers
 from tpu_executor.executor import Executor, WorkerFailure
 from tpu_executor.executor.base import completed_future
 
@@ -97,6 +98,7 @@ class EngineCore:
         self.timer = NullPhaseTimer()  # see attach_phase_timer
         # The step started but not yet read back (asynchronous scheduling).
         self._in_flight: Optional[Tuple[SchedulerOutput, "Future[ModelRunnerOutput]"]] = None
+        self.grammars: Optional[GrammarMatchers] = None  # see use_grammars
 
     def _timed(self, phase: str, call, *args):
         start = time.perf_counter()
@@ -125,6 +127,11 @@ class EngineCore:
         self.timer = timer
         return self.executor.attach_phase_timer(timer)
 
+    def use_grammars(self, compiler: GrammarCompiler) -> None:
+        """Constrain samples with ``structured_outputs`` through ``compiler`` (the front-end's:
+        its grammars are compiled already when their requests arrive)."""
+        self.grammars = GrammarMatchers(compiler)
+
     # ---- requests -----------------------------------------------------------------------
     def add(self, samples: Sequence[Request]) -> None:
         """Queue the samples of one request. The others wait until the first has prefilled the
@@ -132,6 +139,11 @@ class EngineCore:
         computing them again."""
         for sample in samples:
             self._requests[sample.request_id] = sample
+            spec = sample.sampling_params.structured_outputs
+            if spec is not None:
+                if self.grammars is None:
+                    raise RuntimeError("a request has structured_outputs but the core has no grammar compiler")
+                self.grammars.add(sample.request_id, spec)
         self.scheduler.add(samples[0])
         if len(samples) > 1:
             self._deferred.append((samples[0], list(samples[1:])))
@@ -140,7 +152,7 @@ class EngineCore:
         """Finish samples the front-end ended (abort, a stop string); their blocks return to
         the pool at once, and tokens still in flight for them are discarded."""
         for sample_id in sample_ids:
-            request = self._requests.pop(sample_id, None)
+            request = self._forget(sample_id)
             if request is not None:
                 self._confirmed[sample_id] = Finished(status.finish_reason)
                 if not request.is_finished:
@@ -170,10 +182,18 @@ class EngineCore:
             scheduled = self.scheduler.schedule()
         finished, self._confirmed = self._confirmed, {}
         scheduled_at = self._scheduled_at(scheduled)
+        output = None
+        if self.grammars and self.grammars.constrains_any(scheduled.sampled_request_ids):
+            if self._in_flight is not None:  # the grammars' next tokens depend on the step in flight
+                output = self._finish(*self._in_flight, finished)
+                self._in_flight = None
+            with self.timer.phase("grammar"):
+                scheduled = replace(scheduled, token_bitmasks=self.grammars.bitmasks(scheduled.sampled_request_ids))
         started = self._start(scheduled, finished) if not scheduled.is_empty else None
         if self.config.scheduler.async_scheduling:
             started, self._in_flight = self._in_flight, started  # finish the previous step instead
-        output = self._finish(*started, finished) if started is not None else None
+        if started is not None:
+            output = self._finish(*started, finished)
         with self.timer.phase("schedule"):
             self._release_deferred_samples()
         if output is None:
@@ -223,10 +243,28 @@ class EngineCore:
             tokens, ended = self.scheduler.update(output.sampled, self._requests)
             for request in ended:
                 finished[request.request_id] = Finished(request.status.finish_reason, request.stop_reason)
-                del self._requests[request.request_id]
+                self._forget(request.request_id)
+        if self.grammars:
+            self._advance_grammars(tokens, finished)
         now = time.monotonic()
         first = tuple((work.request_id, now) for work in scheduled.prefills if work.is_last_chunk)
         return tokens, first, output.prompt_logprobs
+
+    def _advance_grammars(self, tokens: SampledTokens, finished: Dict[str, Finished]) -> None:
+        """Advance the constrained samples' matchers by their recorded tokens (a token its
+        grammar refuses fails the sample: the mask let it through, which must not happen)."""
+        with self.timer.phase("grammar"):
+            for sample_id, token_id in zip(tokens.request_ids, tokens.token_ids):
+                error = self.grammars.accept(sample_id, token_id)
+                if error is not None:
+                    logger.error("%s: %s", sample_id, error)
+                    self._fail([sample_id], error, finished)
+
+    def _forget(self, sample_id: str) -> Optional[Request]:
+        """Let go of a sample the core no longer steps (its matcher too); returns it."""
+        if self.grammars is not None:
+            self.grammars.remove(sample_id)
+        return self._requests.pop(sample_id, None)
 
     def _release_deferred_samples(self) -> None:
         """Queue the remaining samples of groups whose first sample has been prefilled."""
@@ -243,7 +281,7 @@ class EngineCore:
     def _fail(self, sample_ids: Sequence[str], message: str, finished: Dict[str, Finished]) -> None:
         """Finish the given samples with an error (their blocks come back)."""
         for sample_id in sample_ids:
-            request = self._requests.pop(sample_id, None)
+            request = self._forget(sample_id)
             if request is not None and not request.is_finished:
                 request.error = message
                 self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)

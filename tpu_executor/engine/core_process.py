@@ -7,6 +7,7 @@ never waits for the front-end's work on the previous step. ``CoreProcess`` has t
 ``EngineCore`` that the front-end calls, over a pipe:
 
 - front-end -> core: ``add`` (the samples of a request), ``finish`` (abort, a stop string),
+  ``use_grammars`` (the grammar compiler, rebuilt there from its tokenizer's description),
   ``stats``, ``shutdown``; the core applies them between two steps;
 - core -> front-end: each step's ``CoreOutput`` (with the waiting count), the answer to
   ``stats``, and ``dead`` when a worker was lost.
@@ -77,6 +78,9 @@ class CoreProcess:
         still be on the way. Once the core is gone there is nothing to tell it."""
         if sample_ids and self.dead_reason is None:
             self._send("finish", list(sample_ids), status)
+
+    def use_grammars(self, compiler) -> None:
+        self._send("use_grammars", compiler)
 
     def has_sample(self, sample_id: str) -> bool:
         return sample_id in self._live
@@ -209,5 +213,5 @@ def _apply_messages(conn, core: EngineCore, wait: bool) -> bool:
         if kind == "stats":
             conn.send(("stats", core.stats()))
         else:
-            getattr(core, kind)(*args)  # add, finish
+            getattr(core, kind)(*args)  # add, finish, use_grammars
     return True

@@ -124,6 +124,7 @@ class LLMEngine:
         self.dead_reason: Optional[str] = None
         self.detokenizer = Detokenizer(tokenizer)
         self.checks = RequestChecks(self.config, tokenizer, self.vocab_size)
+        self._grammars_in_core = False  # the core has the grammar compiler (sent on first use)
         self._groups: Dict[str, RequestGroup] = {}
         self._streams: Dict[str, SampleStream] = {}  # sample id -> its stream
         self._advanced: Dict[str, RequestGroup] = {}  # groups with samples that have news, by id
@@ -193,6 +194,9 @@ class LLMEngine:
             group.prompt_logprobs = PromptLogprobsState(params.prompt_logprobs, [None] * len(token_ids),
                                                         [None] * len(token_ids), len(token_ids) - 1)
         self._groups[request_id] = group
+        if params.structured_outputs is not None and not self._grammars_in_core:
+            self.core.use_grammars(self.checks.grammar_compiler)
+            self._grammars_in_core = True
         for stream in group.samples:
             self._streams[stream.sample_id] = stream
         self.core.add([request for _, request in samples])

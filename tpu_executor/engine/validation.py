@@ -4,10 +4,12 @@ it into a 400 naming that field). They read only fixed facts (config, tokenizer,
 so any thread may run them while the engine steps."""
 from __future__ import annotations
 
-from typing import List, Tuple
+import threading
+from typing import List, Optional, Tuple
 
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, SamplingParams
+from tpu_executor.engine.structured_outputs import GrammarCompiler
 
 
 class RequestChecks:
@@ -15,6 +17,17 @@ class RequestChecks:
 
     def __init__(self, config: EngineConfig, tokenizer, vocab_size: int):
         self.config, self.tokenizer, self.vocab_size = config, tokenizer, vocab_size
+        self._grammar_compiler: Optional[GrammarCompiler] = None
+        self._lock = threading.Lock()
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's grammar compiler, made on first use (reading a large vocabulary takes
+        a moment, and most engines never see a grammar)."""
+        with self._lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler.for_tokenizer(self.tokenizer, self.vocab_size)
+            return self._grammar_compiler
 
     def prompt_token_ids(self, prompt) -> List[int]:
         """A prompt (text, or ``{'prompt_token_ids': [...]}``) as token ids."""
@@ -49,6 +62,8 @@ class RequestChecks:
             if outside:
                 raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab}): {outside[:8]}")
         self.bad_words_token_ids(params)
+        if params.structured_outputs is not None:
+            self.grammar_compiler.compile(params.structured_outputs)  # compiled once, then cached
 
     def bad_words_token_ids(self, params: SamplingParams) -> Tuple[Tuple[int, ...], ...]:
         """``params.bad_words`` as token sequences, each word as it starts the text and after a

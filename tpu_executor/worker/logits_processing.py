@@ -1,5 +1,5 @@
-"""Logits processing on the device: penalties, logit bias, ``min_tokens``, allowed token ids and
-bad words (``SamplingParams``), inside the compiled sampler, in fixed shapes.
+"""Logits processing on the device: penalties, logit bias, ``min_tokens``, allowed token ids, bad
+words and grammars (``SamplingParams``), inside the compiled sampler, in fixed shapes.
 
 What a step needs of a request's past (which tokens it has output, how often, which the prompt
 holds, its last few outputs) lives on the device, in one slot per running request whose logits
@@ -10,14 +10,16 @@ is current even while the host has not read the token back (asynchronous schedul
 request's slot is filled from its tokens so far (``PrefillWork.history``) when its prompt's
 last chunk is sampled, and freed when the request is absent from a step (finished, or
 preempted: it is prefilled again, and filled again, when it comes back). Slot S is a discard
-slot for rows without processing.
+slot for rows without processing. A grammar's bitmask is the one input made anew every step:
+the host's matcher fills it (``engine/structured_outputs.py``) and the step carries it.
 
 ``process_logits_reference`` is THE spec, one row at a time; the device functions below are
 held to it.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from types import MappingProxyType
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -28,13 +30,15 @@ from tpu_executor.core.step import ENTRY_ALLOWED, ENTRY_BANNED, ENTRY_BIAS, ENTR
 RECENT = MAX_BAD_WORD_TOKENS - 1  # outputs a bad word's prefix is matched against
 ANY_TOKEN = -2  # a prefix position before the word's first token (matches anything)
 Fill = Tuple[int, tuple, int]  # (slot, the request's tokens so far, its prompt length)
+NO_BITMASKS: Mapping[str, np.ndarray] = MappingProxyType({})
 
 
 # ---- the spec ---------------------------------------------------------------------------------
 def process_logits_reference(logits: torch.Tensor, processing: LogitsProcessing, prompt: Sequence[int],
-                             outputs: Sequence[int]) -> torch.Tensor:
+                             outputs: Sequence[int], token_bitmask: Optional[Sequence[int]] = None) -> torch.Tensor:
     """One row's logits ``[V]`` after ``processing``, given its prompt and outputs so far (vLLM's
-    order: penalties, then the bias, then the masks)."""
+    order: penalties, then the bias, then the masks; a grammar's ``token_bitmask`` bans every
+    token whose bit is clear)."""
     logits = logits.clone().float()
     counts = {t: list(outputs).count(t) for t in set(outputs)}
     for token in set(prompt) | set(outputs):
@@ -55,6 +59,8 @@ def process_logits_reference(logits: torch.Tensor, processing: LogitsProcessing,
             banned.add(last)
     if allowed:
         banned |= set(range(logits.shape[0])) - allowed
+    if token_bitmask is not None:
+        banned |= {t for t in range(logits.shape[0]) if not (int(token_bitmask[t // 32]) >> (t % 32)) & 1}
     for token in banned:
         logits[token] = float("-inf")
     return logits
@@ -64,11 +70,13 @@ def process_logits_reference(logits: torch.Tensor, processing: LogitsProcessing,
 def process_logits(logits: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor, recent: torch.Tensor,
                    state_slots: torch.Tensor, penalties: torch.Tensor, entry_ids: torch.Tensor,
                    entry_values: torch.Tensor, entry_kinds: torch.Tensor, min_tokens: torch.Tensor,
-                   steps: torch.Tensor, bad_prefixes: torch.Tensor, bad_last: torch.Tensor) -> torch.Tensor:
+                   steps: torch.Tensor, bad_prefixes: torch.Tensor, bad_last: torch.Tensor,
+                   token_bitmask: torch.Tensor) -> torch.Tensor:
     """``process_logits_reference`` for every row of ``logits [B, V]`` at once: per row its slot,
     penalties (presence, frequency, repetition), entries ``[B, K]`` (-1: none), ``min_tokens``,
     outputs so far (``steps``), bad-word prefixes ``[B, W, L]`` (right-aligned, ``ANY_TOKEN``
-    before a word) and last tokens ``[B, W]`` (-1: none)."""
+    before a word), last tokens ``[B, W]`` (-1: none) and the grammar's bitmask ``[B, ceil(V /
+    32)]`` int32 (all bits set: no grammar)."""
     row_counts = counts.index_select(0, state_slots)
     seen = (prompt_seen.index_select(0, state_slots) > 0) | (row_counts > 0)
     repetition = penalties[:, 2:3]
@@ -84,7 +92,15 @@ def process_logits(logits: torch.Tensor, counts: torch.Tensor, prompt_seen: torc
     last = recent.index_select(0, state_slots)[:, None, :]
     completes = ((bad_prefixes == last) | (bad_prefixes == ANY_TOKEN)).all(dim=-1) & (bad_last >= 0)
     banned = banned | _marked(logits, bad_last.clamp(min=0), completes)
-    return logits.masked_fill(banned, float("-inf"))
+    return logits.masked_fill(banned | ~grammar_allows(token_bitmask, logits.shape[1]), float("-inf"))
+
+
+def grammar_allows(token_bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[B, V]`` booleans from int32 bitmask words ``[B, ceil(V / 32)]``: token ``t`` is bit
+    ``t % 32`` of word ``t // 32``."""
+    tokens = torch.arange(vocab_size, device=token_bitmask.device)
+    words = token_bitmask.index_select(1, tokens // 32)
+    return torch.bitwise_and(torch.bitwise_right_shift(words, (tokens % 32).to(words.dtype)), 1) > 0
 
 
 def _marked(like: torch.Tensor, ids: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
@@ -131,6 +147,8 @@ class ProcessingSlots:
 
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device):
         self.discard = num_slots
+        self.bitmask_words = (vocab_size + 31) // 32
+        self._bitmasks: Mapping[str, np.ndarray] = {}
         self.counts = torch.zeros(num_slots + 1, vocab_size).to(device)
         self.prompt_seen = torch.zeros(num_slots + 1, vocab_size).to(device)
         self.recent = torch.full((num_slots + 1, RECENT), -1, dtype=torch.int64).to(device)
@@ -143,8 +161,10 @@ class ProcessingSlots:
         """(counts, prompt_seen, recent), as the compiled functions take them."""
         return self.counts, self.prompt_seen, self.recent
 
-    def begin_step(self, present: Sequence[str]) -> None:
-        """Free the slots of the requests that are not in this step."""
+    def begin_step(self, present: Sequence[str], token_bitmasks: Mapping[str, np.ndarray] = NO_BITMASKS) -> None:
+        """Free the slots of the requests that are not in this step; take the step's grammar
+        bitmasks."""
+        self._bitmasks = token_bitmasks
         keep = set(present)
         for request_id in [r for r in self._slots if r not in keep]:
             self._free.append(self._slots.pop(request_id))
@@ -158,7 +178,7 @@ class ProcessingSlots:
                      and (getattr(item, "history", None) is not None or item.request_id in self._slots)]
         if not processed:
             return None  # no processing, or only prompt chunks that sample nothing
-        arrays, fills = empty_rows(rows, self.discard), []
+        arrays, fills = empty_rows(rows, self.discard, self.bitmask_words), []
         for row, item in processed:
             history = getattr(item, "history", None)
             if history is not None:
@@ -167,6 +187,9 @@ class ProcessingSlots:
             arrays["state_slots"][row] = self._slots[item.request_id]
             for name, value in self._rows[item.request_id].items():
                 arrays[name][row] = value
+            bitmask = self._bitmasks.get(item.request_id)
+            if bitmask is not None:
+                arrays["token_bitmask"][row] = bitmask
         return {name: torch.from_numpy(a) for name, a in arrays.items()}, fills
 
     def _take_slot(self, request_id: str, processing: LogitsProcessing) -> int:
@@ -178,9 +201,10 @@ class ProcessingSlots:
         return self._slots[request_id]
 
 
-def empty_rows(rows: int, discard: int) -> Dict[str, np.ndarray]:
+def empty_rows(rows: int, discard: int, bitmask_words: int) -> Dict[str, np.ndarray]:
     """Per-row inputs of rows without processing."""
     return {"state_slots": np.full(rows, discard, dtype=np.int64),
+            "token_bitmask": np.full((rows, bitmask_words), -1, dtype=np.int32),
             "penalties": np.tile(np.array([0.0, 0.0, 1.0], dtype=np.float32), (rows, 1)),
             "entry_ids": np.full((rows, MAX_LOGIT_ENTRIES), -1, dtype=np.int64),
             "entry_values": np.zeros((rows, MAX_LOGIT_ENTRIES), dtype=np.float32),
@@ -192,7 +216,7 @@ def empty_rows(rows: int, discard: int) -> Dict[str, np.ndarray]:
 
 def row_arrays(processing: LogitsProcessing) -> Dict[str, np.ndarray]:
     """One request's row of every per-row input (made once, copied into each call)."""
-    row = {name: a[0] for name, a in empty_rows(1, 0).items() if name != "state_slots"}
+    row = {name: a[0] for name, a in empty_rows(1, 0, 0).items() if name not in ("state_slots", "token_bitmask")}
     row["penalties"][:] = (processing.presence_penalty, processing.frequency_penalty, processing.repetition_penalty)
     count = len(processing.entry_ids)
     row["entry_ids"][:count] = processing.entry_ids
@@ -221,9 +245,9 @@ def fill_tensors(fills: Sequence[Fill], rows: int, width: int, discard: int) -> 
             dict(slots=slots, history=history, prompt_lens=prompt_lens, recent_outputs=recent).items()}
 
 
-def empty_processing_tensors(rows: int, discard: int) -> Dict[str, torch.Tensor]:
+def empty_processing_tensors(rows: int, slots: ProcessingSlots) -> Dict[str, torch.Tensor]:
     """Per-row processing inputs of ``rows`` rows without processing (warm-up)."""
-    return {name: torch.from_numpy(a) for name, a in empty_rows(rows, discard).items()}
+    return {name: torch.from_numpy(a) for name, a in empty_rows(rows, slots.discard, slots.bitmask_words).items()}
 
 
 def processed_request_ids(step) -> List[str]:

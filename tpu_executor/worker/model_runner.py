@@ -110,13 +110,14 @@ class ModelRunner:
     @staticmethod
     def _sample_processed_step(logits, slots, feed_tokens, num_logprobs: int, all_greedy: bool, state, state_slots,
                                penalties, entry_ids, entry_values, entry_kinds, min_tokens, bad_prefixes, bad_last,
-                               **sampling):
+                               token_bitmask, **sampling):
         """``_sample_step`` over the processed logits; records the tokens in the rows' slots of
         ``state`` (counts, prompt_seen, recent: updated in place)."""
         counts, prompt_seen, recent = state
         donate(counts, recent)
         chosen = process_logits(logits, counts, prompt_seen, recent, state_slots, penalties, entry_ids,
-                                entry_values, entry_kinds, min_tokens, sampling["steps"], bad_prefixes, bad_last)
+                                entry_values, entry_kinds, min_tokens, sampling["steps"], bad_prefixes, bad_last,
+                                token_bitmask)
         out = sample(logits, num_logprobs=num_logprobs, all_greedy=all_greedy, choice_logits=chosen, **sampling)
         record_tokens(counts, recent, state_slots, out.token_ids)
         return out, write_slots(feed_tokens, slots, out.token_ids)
@@ -133,7 +134,7 @@ class ModelRunner:
         """Run the prefills (packed), then the decode batch, and sample one token for each,
         without reading anything back (on XLA this returns once the work is queued)."""
         self.feed.begin_step()
-        self.processing.begin_step(processed_request_ids(step))
+        self.processing.begin_step(processed_request_ids(step), step.token_bitmasks)
         calls = []
         try:
             for call in self.plan.model_calls(step):
@@ -288,7 +289,7 @@ class ModelRunner:
             tensors = dict(sampling_tensors([], rows), slots=self.feed.assign([], rows))
             fn = self._sample_fn
             if graph.processing:
-                tensors.update(empty_processing_tensors(rows, self.processing.discard))
+                tensors.update(empty_processing_tensors(rows, self.processing))
                 fn = partial(self._sample_processed_fn, state=self.processing.state)
             out, _ = self._run_fn(fn, tensors, "sample", logits=logits, feed_tokens=self.feed.written_tokens,
                                   num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy)

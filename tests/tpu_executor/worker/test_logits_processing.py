@@ -13,6 +13,7 @@ from tpu_executor.worker.logits_processing import (ProcessingSlots, fill_slots, 
                                                    process_logits_reference, record_tokens)
 
 VOCAB = 48
+WORDS = (VOCAB + 31) // 32
 
 
 def random_params(rng: random.Random) -> SamplingParams:
@@ -50,9 +51,14 @@ def test_device_processing_equals_the_reference_row_by_row():
                                "bad_last")}
         logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(case)) * 3
         steps = torch.tensor([len(o) for o in outputs])
+        # Some rows follow a grammar: a random bitmask (bits past the vocabulary set too).
+        bitmasks = [[rng.randrange(-2**31, 2**31) for _ in range(WORDS)] if rng.random() < 0.5 else None
+                    for _ in range(rows)]
+        arrays["token_bitmask"] = torch.tensor([b or [-1] * WORDS for b in bitmasks], dtype=torch.int32)
         processed = process_logits(logits, *slots.state, torch.arange(rows), steps=steps, **arrays)
         for row in range(rows):
-            expected = process_logits_reference(logits[row], processings[row], prompts[row], outputs[row])
+            expected = process_logits_reference(logits[row], processings[row], prompts[row], outputs[row],
+                                                bitmasks[row])
             torch.testing.assert_close(processed[row], expected, rtol=1e-6, atol=1e-6)
 
 

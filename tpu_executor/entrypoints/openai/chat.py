@@ -46,7 +46,7 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = serving.max_tokens_for(prompt, body.requested_max_tokens(), param)
     params = body.sampling_params(max_tokens, body.num_logprobs())
-    serving.validate(prompt, params, "messages")
+    await serving.validate(prompt, params, "messages", body.grammar_field())
     started = serving.start("chatcmpl", [prompt], [params])
     builder = _Response(serving, body, prompt, started.request_ids[0])
     return await serving.respond(started, builder, body.stream, http)

@@ -52,7 +52,7 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, htt
     prompts = [serving.encode(p, "prompt") for p in raw_prompts]
     params = [body.sampling_params(serving.max_tokens_for(p, body.max_tokens), body.logprobs) for p in prompts]
     for prompt, p in zip(prompts, params):
-        serving.validate(prompt, p, "prompt")
+        await serving.validate(prompt, p, "prompt", body.grammar_field())
     started = serving.start("cmpl", prompts, params)
     builder = _Response(serving, body, prompts, started.request_ids[0])
     return await serving.respond(started, builder, body.stream, http)

@@ -3,7 +3,8 @@
 
 Field names, types and defaults follow OpenAI's API and vLLM's server, including the extras
 vLLM users send through ``extra_body`` (``top_k``, ``min_p``, ``ignore_eos``,
-``stop_token_ids``, ``min_tokens``). Unknown fields are accepted (and logged by the server).
+``stop_token_ids``, ``min_tokens``, ``structured_outputs`` and the older ``guided_*`` forms of
+it). Unknown fields are accepted (and logged by the server).
 Fields we know but do not implement are refused with a 400 that names them
 (``unsupported_field``), never ignored.
 """
@@ -14,7 +15,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams
+from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 _INT64 = 2**63
 
@@ -86,6 +87,12 @@ class _GenerationRequest(BaseModel):
     allowed_token_ids: Optional[List[int]] = None
     bad_words: Optional[List[str]] = None
     prompt_logprobs: Optional[int] = Field(None, ge=0)
+    response_format: Optional[Dict[str, Any]] = None
+    structured_outputs: Optional[Dict[str, Any]] = None
+    guided_json: Optional[Union[str, Dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[List[str]] = None
+    guided_grammar: Optional[str] = None
 
     def check_supported(self) -> None:
         """Refuse what we know but do not implement (the 400 names the field)."""
@@ -93,6 +100,44 @@ class _GenerationRequest(BaseModel):
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         for text in [self.stop] if isinstance(self.stop, str) else (self.stop or []):
             checked_text(text, "stop")
+        self.grammar()
+
+    def grammar_field(self) -> str:
+        """The field that asked for a grammar (the one a 400 about it names)."""
+        named = [name for name in _GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            named.insert(0, "response_format")
+        return named[0] if named else "structured_outputs"
+
+    def grammar(self) -> Optional[StructuredOutputsParams]:
+        """The grammar the output must follow: ``response_format`` (json_object, json_schema),
+        vLLM's ``structured_outputs``, or a ``guided_*`` field; at most one of them."""
+        field = self.grammar_field()
+        specs = [spec for spec in (response_format_grammar(self.response_format), self._vllm_grammar())
+                 if spec is not None]
+        if len(specs) > 1:
+            raise bad_request("response_format, structured_outputs and guided_* each set a grammar; send one", field)
+        return specs[0] if specs else None
+
+    def _vllm_grammar(self) -> Optional[StructuredOutputsParams]:
+        fields = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        fields = {name: value for name, value in fields.items() if value is not None}
+        if self.structured_outputs is not None:
+            if fields:
+                raise bad_request("structured_outputs and guided_* each set a grammar; send one", "structured_outputs")
+            fields = self.structured_outputs
+        if not fields:
+            return None
+        known = set(StructuredOutputsParams.__dataclass_fields__)
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise bad_request(f"structured_outputs has unknown fields {unknown}; known: {sorted(known)}",
+                              self.grammar_field())
+        try:
+            return StructuredOutputsParams(**fields)
+        except (TypeError, ValueError) as err:
+            raise bad_request(str(err), self.grammar_field()) from None
 
     def unknown_fields(self) -> List[str]:
         return sorted(self.model_extra or {})
@@ -118,7 +163,7 @@ class _GenerationRequest(BaseModel):
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=self.token_bias(), min_tokens=self.min_tokens,
                 allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-                prompt_logprobs=self.wanted_prompt_logprobs())
+                prompt_logprobs=self.wanted_prompt_logprobs(), structured_outputs=self.grammar())
         except ValueError as err:
             raise bad_request(str(err), field_named_by(str(err), "sampling parameters")) from None
 
@@ -140,6 +185,28 @@ class _GenerationRequest(BaseModel):
         """Usage in every streamed chunk, not only the last (vLLM's ``continuous_usage_stats``,
         which, as there, takes effect together with ``include_usage``)."""
         return self.include_usage and self.stream_options.continuous_usage_stats
+
+
+_GRAMMAR_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def response_format_grammar(response_format: Optional[Dict[str, Any]]) -> Optional[StructuredOutputsParams]:
+    """OpenAI's ``response_format`` as a grammar: ``text`` (none), ``json_object``, or
+    ``json_schema`` with its ``json_schema.schema``."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise bad_request(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                          "response_format")
+    described = response_format.get("json_schema")
+    schema = described.get("schema") if isinstance(described, dict) else None
+    if not isinstance(schema, dict):
+        raise bad_request("response_format json_schema needs json_schema.schema: a JSON Schema object",
+                          "response_format")
+    return StructuredOutputsParams(json=schema)
 
 
 PromptInput = Union[str, List[str], List[int], List[List[int]]]
@@ -210,7 +277,6 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0)
-    response_format: Optional[Dict[str, Any]] = None
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     functions: Optional[List[Dict[str, Any]]] = None
@@ -225,9 +291,6 @@ class ChatCompletionRequest(_GenerationRequest):
             raise bad_request(f"{name} (function calling) is not supported by this server", name)
         if self.tool_choice not in (None, "none"):
             raise bad_request("tool_choice is not supported by this server", "tool_choice")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than text is not supported by this server",
-                              "response_format")
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
 

@@ -110,13 +110,19 @@ class OpenAIServing:
                                 "prompt or the completion.", param, code="context_length_exceeded")
         return room if requested is None else requested
 
-    def validate(self, prompt: Prompt, params: SamplingParams, param: str) -> None:
+    async def validate(self, prompt: Prompt, params: SamplingParams, param: str,
+                       grammar_field: str = "structured_outputs") -> None:
         """The engine's checks of a prompt and its parameters; the 400 names the field the
-        message starts with (``logit_bias``, ``bad_words``...), else ``param``."""
+        message starts with (``logit_bias``, ``bad_words``...; a grammar's error names
+        ``grammar_field``), else ``param``. A grammar compiles on a thread, off the event loop."""
         try:
-            self.engine.validate_prompt(prompt.token_ids, params)
+            if params.structured_outputs is None:
+                self.engine.validate_prompt(prompt.token_ids, params)
+            else:
+                await asyncio.to_thread(self.engine.validate_prompt, prompt.token_ids, params)
         except ValueError as err:
-            raise bad_request(str(err), field_named_by(str(err), param)) from None
+            field = field_named_by(str(err), param)
+            raise bad_request(str(err), grammar_field if field == "structured_outputs" else field) from None
 
     # ---- running ------------------------------------------------------------------------
     def start(self, kind: str, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> Started:

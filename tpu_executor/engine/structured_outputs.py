@@ -1,0 +1,165 @@
+"""Structured outputs: grammars (xgrammar) that decide, at every step, which tokens a request may
+sample next.
+
+The front-end compiles a request's grammar when the request arrives (``GrammarCompiler``: once
+per distinct grammar, then cached; one that cannot be compiled is a ValueError naming the
+field, before anything is queued). The core keeps a matcher per constrained sample
+(``GrammarMatchers``): before a step it fills each constrained row's token bitmask, which
+travels with the step to the workers; after the step it advances the matcher by the token
+recorded. The device applies the bitmask inside the compiled sampler
+(``worker/logits_processing.py``), with the rest of the logits processing.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import re
+import threading
+import time
+from typing import Dict, Optional, Sequence
+
+import numpy as np
+
+from tpu_executor.core.sampling_params import StructuredOutputsParams
+
+_CACHED_GRAMMARS = 512  # distinct grammars kept compiled (least recently used go first)
+_XGRAMMAR_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[17:25:56] /project/cpp/x.cc:83: "
+
+
+def _message(err: Exception) -> str:
+    """xgrammar's error text without its time stamp and C++ source location."""
+    return _XGRAMMAR_LOCATION.sub("", str(err).strip().splitlines()[0] if str(err).strip() else repr(err))
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """EBNF whose language is exactly ``choices`` (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def checked_schema(text: str) -> dict:
+    """The JSON Schema in ``text``, or a ValueError saying why it is not one."""
+    import jsonschema
+
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"structured_outputs.json is not valid JSON: {err}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {type(schema).__name__}")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as err:
+        where = "/".join(str(p) for p in err.absolute_path) or "the top level"
+        raise ValueError(f"structured_outputs.json is not a valid JSON Schema at {where}: {err.message}") from None
+    return schema
+
+
+class GrammarCompiler:
+    """Compiles ``StructuredOutputsParams`` into xgrammar grammars over one tokenizer's
+    vocabulary (padded to the model's). Thread-safe; compiled grammars are cached by spec.
+    Pickles as its tokenizer's description (an engine core in another process rebuilds it)."""
+
+    def __init__(self, tokenizer_info):
+        import xgrammar
+
+        self.tokenizer_info = tokenizer_info
+        self.vocab_size: int = tokenizer_info.vocab_size
+        self._compiler = xgrammar.GrammarCompiler(tokenizer_info, cache_enabled=False)
+        self._cache: "collections.OrderedDict[StructuredOutputsParams, object]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.compile_seconds: list = []  # each compilation's time, taken by the metrics
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, vocab_size: int) -> "GrammarCompiler":
+        """A compiler for a Hugging Face tokenizer and a model of ``vocab_size`` logits."""
+        import xgrammar
+
+        return cls(xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+
+    @classmethod
+    def from_serialized(cls, text: str) -> "GrammarCompiler":
+        import xgrammar
+
+        return cls(xgrammar.TokenizerInfo.deserialize_json(text))
+
+    def __reduce__(self):
+        return GrammarCompiler.from_serialized, (self.tokenizer_info.serialize_json(),)
+
+    def compile(self, spec: StructuredOutputsParams):
+        """The compiled grammar of ``spec`` (xgrammar's ``CompiledGrammar``); ValueError whose
+        message starts with the field at fault when it cannot be compiled."""
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return self._cache[spec]
+        start = time.perf_counter()
+        compiled = self._compile(spec)
+        with self._lock:
+            self.compile_seconds.append(time.perf_counter() - start)
+            self._cache[spec] = compiled
+            while len(self._cache) > _CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredOutputsParams):
+        kind, compiler = spec.kind, self._compiler
+        any_whitespace = not spec.disable_any_whitespace
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(json.dumps(checked_schema(spec.json)),
+                                                    any_whitespace=any_whitespace)
+            if kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+            if kind == "regex":
+                return compiler.compile_regex(spec.regex)
+            return compiler.compile_grammar(choice_grammar(spec.choice) if kind == "choice" else spec.grammar)
+        except ValueError:
+            raise
+        except Exception as err:  # noqa: BLE001 - xgrammar raises RuntimeError and its own kinds
+            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {_message(err)}") from None
+
+
+class GrammarMatchers:
+    """The core's side: a matcher per constrained sample, the bitmasks of a step, and the
+    matchers advanced by the tokens a step recorded."""
+
+    def __init__(self, compiler: GrammarCompiler):
+        import xgrammar
+
+        self.compiler = compiler
+        self._xgrammar = xgrammar
+        self._matchers: Dict[str, object] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._matchers)
+
+    def add(self, sample_id: str, spec: StructuredOutputsParams) -> None:
+        self._matchers[sample_id] = self._xgrammar.GrammarMatcher(self.compiler.compile(spec))
+
+    def remove(self, sample_id: str) -> None:
+        self._matchers.pop(sample_id, None)
+
+    def constrains_any(self, sample_ids: Sequence[str]) -> bool:
+        matchers = self._matchers
+        return bool(matchers) and any(sample_id in matchers for sample_id in sample_ids)
+
+    def bitmasks(self, sample_ids: Sequence[str]) -> Dict[str, np.ndarray]:
+        """The allowed-token bitmask (int32 words) of each constrained sample among
+        ``sample_ids``; a finished grammar's sample gets none (it is ending)."""
+        rows = [(sample_id, self._matchers[sample_id]) for sample_id in sample_ids
+                if sample_id in self._matchers and not self._matchers[sample_id].is_terminated()]
+        if not rows:
+            return {}
+        masks = self._xgrammar.allocate_token_bitmask(len(rows), self.compiler.vocab_size)
+        for row, (_, matcher) in enumerate(rows):
+            matcher.fill_next_token_bitmask(masks, row)
+        masks = masks.numpy()
+        return {sample_id: masks[row] for row, (sample_id, _) in enumerate(rows)}
+
+    def accept(self, sample_id: str, token_id: int) -> Optional[str]:
+        """Advance the sample's matcher by ``token_id``; an error message if its grammar does
+        not allow the token (None when it does, or the sample is not constrained)."""
+        matcher = self._matchers.get(sample_id)
+        if matcher is None or matcher.is_terminated() or matcher.accept_token(token_id):
+            return None
+        return f"token {token_id} does not follow the request's structured_outputs grammar"
