@@ -33,7 +33,8 @@ def hf_greedy(path: str, prompts: List[List[int]], max_new_tokens: int) -> Tuple
 
 
 def random_processing(rng: random.Random, i: int, max_tokens: int) -> dict:
-    """Logits-processing parameters for about half the requests, every kind mixed in."""
+    """Logits-processing parameters for about half the requests, every kind mixed in (grammars
+    too)."""
     choices = [{}, {},
                dict(presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(0, 1)),
                dict(repetition_penalty=rng.choice([0.8, 1.3])),
@@ -41,8 +42,21 @@ def random_processing(rng: random.Random, i: int, max_tokens: int) -> dict:
                dict(min_tokens=rng.randint(0, max_tokens)),
                dict(allowed_token_ids=rng.sample(range(3, 500), rng.randint(1, 40))),
                dict(bad_words=rng.sample(["ka", "lo mi", "ne", "ru ta", "shi po ve"], rng.randint(1, 3))),
-               dict(prompt_logprobs=rng.choice([0, 3]))]
+               dict(prompt_logprobs=rng.choice([0, 3])),
+               dict(structured_outputs=random_grammar(rng))]
     return choices[i % len(choices)]
+
+
+def random_grammar(rng: random.Random):
+    """A regex, a choice or a compact JSON schema (a random model's outputs stay short)."""
+    from tpu_executor.core.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "tag": {"enum": ["ka", "lo", "mi"]}},
+              "required": ["n", "tag"], "additionalProperties": False}
+    return rng.choice([StructuredOutputsParams(regex=r"[a-e]{1,4}( [a-e]{1,4}){0,5}"),
+                       StructuredOutputsParams(choice=["yes", "no", "lo mi"]),
+                       StructuredOutputsParams(json=schema, disable_any_whitespace=True)])
 
 
 def random_requests(count: int, seed: int = 1):

@@ -23,6 +23,13 @@ import numpy as np
 from tpu_executor.core.sampling_params import StructuredOutputsParams
 
 _CACHED_GRAMMARS = 512  # distinct grammars kept compiled (least recently used go first)
+# Whitespace JSON may hold between two of its tokens (unless compact): enough for any indented
+# layout, and a model that keeps choosing blanks cannot spend its max_tokens on them.
+MAX_JSON_WHITESPACE = 16
+# xgrammar writes the characters of a length-limited string as this class, which lets raw
+# control characters through (JSON requires them escaped); ours excludes them.
+_LENIENT_STRING_CHARACTER = r'[^\"\\\r\n]'
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
 _XGRAMMAR_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[17:25:56] /project/cpp/x.cc:83: "
 
 
@@ -34,6 +41,16 @@ def _message(err: Exception) -> str:
 def choice_grammar(choices: Sequence[str]) -> str:
     """EBNF whose language is exactly ``choices`` (JSON string escapes are EBNF's too)."""
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def json_grammar(schema: str, any_whitespace: bool) -> str:
+    """EBNF for JSON following ``schema`` (xgrammar's, strings free of raw control characters;
+    at most ``MAX_JSON_WHITESPACE`` blanks between tokens, none when not ``any_whitespace``)."""
+    import xgrammar
+
+    grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=any_whitespace,
+                                                max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None)
+    return str(grammar).replace(_LENIENT_STRING_CHARACTER, _JSON_STRING_CHARACTER)
 
 
 def checked_schema(text: str) -> dict:
@@ -105,11 +122,9 @@ class GrammarCompiler:
         kind, compiler = spec.kind, self._compiler
         any_whitespace = not spec.disable_any_whitespace
         try:
-            if kind == "json":
-                return compiler.compile_json_schema(json.dumps(checked_schema(spec.json)),
-                                                    any_whitespace=any_whitespace)
-            if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+            if kind in ("json", "json_object"):
+                schema = json.dumps(checked_schema(spec.json)) if kind == "json" else '{"type": "object"}'
+                return compiler.compile_grammar(json_grammar(schema, any_whitespace))
             if kind == "regex":
                 return compiler.compile_regex(spec.regex)
             return compiler.compile_grammar(choice_grammar(spec.choice) if kind == "choice" else spec.grammar)
