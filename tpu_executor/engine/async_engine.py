@@ -135,6 +135,10 @@ class AsyncLLMEngine:
         the engine's fixed limits, so any thread may call it)."""
         self.engine.validate_prompt(token_ids, params)
 
+    def observe_grammar_compiles(self, observer) -> None:
+        """Call ``observer(seconds)`` after each grammar compilation (a server's metric)."""
+        self.engine.checks.observe_grammar_compiles(observer)
+
     @property
     def is_running(self) -> bool:
         return self.dead_reason is None and self._thread is not None and self._thread.is_alive()

@@ -16,7 +16,7 @@ import json
 import re
 import threading
 import time
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 
@@ -76,22 +76,23 @@ class GrammarCompiler:
     vocabulary (padded to the model's). Thread-safe; compiled grammars are cached by spec.
     Pickles as its tokenizer's description (an engine core in another process rebuilds it)."""
 
-    def __init__(self, tokenizer_info):
+    def __init__(self, tokenizer_info, on_compiled: Optional[Callable[[float], None]] = None):
         import xgrammar
 
         self.tokenizer_info = tokenizer_info
+        self.on_compiled = on_compiled  # called with each compilation's seconds (metrics)
         self.vocab_size: int = tokenizer_info.vocab_size
         self._compiler = xgrammar.GrammarCompiler(tokenizer_info, cache_enabled=False)
         self._cache: "collections.OrderedDict[StructuredOutputsParams, object]" = collections.OrderedDict()
         self._lock = threading.Lock()
-        self.compile_seconds: list = []  # each compilation's time, taken by the metrics
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, vocab_size: int) -> "GrammarCompiler":
+    def for_tokenizer(cls, tokenizer, vocab_size: int,
+                      on_compiled: Optional[Callable[[float], None]] = None) -> "GrammarCompiler":
         """A compiler for a Hugging Face tokenizer and a model of ``vocab_size`` logits."""
         import xgrammar
 
-        return cls(xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+        return cls(xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size), on_compiled)
 
     @classmethod
     def from_serialized(cls, text: str) -> "GrammarCompiler":
@@ -111,8 +112,9 @@ class GrammarCompiler:
                 return self._cache[spec]
         start = time.perf_counter()
         compiled = self._compile(spec)
+        if self.on_compiled is not None:
+            self.on_compiled(time.perf_counter() - start)
         with self._lock:
-            self.compile_seconds.append(time.perf_counter() - start)
             self._cache[spec] = compiled
             while len(self._cache) > _CACHED_GRAMMARS:
                 self._cache.popitem(last=False)

@@ -5,7 +5,7 @@ so any thread may run them while the engine steps."""
 from __future__ import annotations
 
 import threading
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, SamplingParams
@@ -19,6 +19,7 @@ class RequestChecks:
         self.config, self.tokenizer, self.vocab_size = config, tokenizer, vocab_size
         self._grammar_compiler: Optional[GrammarCompiler] = None
         self._lock = threading.Lock()
+        self._on_grammar_compiled: Optional[Callable[[float], None]] = None  # a metric's observer
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -26,8 +27,16 @@ class RequestChecks:
         a moment, and most engines never see a grammar)."""
         with self._lock:
             if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler.for_tokenizer(self.tokenizer, self.vocab_size)
+                self._grammar_compiler = GrammarCompiler.for_tokenizer(self.tokenizer, self.vocab_size,
+                                                                       self._on_grammar_compiled)
             return self._grammar_compiler
+
+    def observe_grammar_compiles(self, observer: Callable[[float], None]) -> None:
+        """Call ``observer(seconds)`` after each grammar compilation from now on."""
+        with self._lock:
+            self._on_grammar_compiled = observer
+            if self._grammar_compiler is not None:
+                self._grammar_compiler.on_compiled = observer
 
     def prompt_token_ids(self, prompt) -> List[int]:
         """A prompt (text, or ``{'prompt_token_ids': [...]}``) as token ids."""

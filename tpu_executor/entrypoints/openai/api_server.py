@@ -132,6 +132,7 @@ def _install_auth(app: FastAPI, api_key: Optional[str]) -> None:
 def build_app(engine: AsyncLLMEngine, tokenizer, config: ServerConfig) -> FastAPI:
     """The FastAPI app; the engine thread starts with the app and the workers stop with it."""
     metrics = ServerMetrics()
+    engine.observe_grammar_compiles(metrics.grammar_compile.observe)
     serving = OpenAIServing(engine, tokenizer, config, metrics)
 
     @contextlib.asynccontextmanager

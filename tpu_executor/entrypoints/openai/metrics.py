@@ -4,7 +4,7 @@ Two sources: the engine's own figures (``EngineStats``: running and waiting requ
 usage, preemptions, prefix-cache queries and hits, compiled graphs), read fresh at every
 scrape; and per-request timings the server observes as outputs come out (time to first
 token, inter-token latency, time per output token, end-to-end latency, queue time, token
-counts, finish reasons). The time to first token is the engine's for every request (when the
+counts, finish reasons, requests by sampling feature, grammar compile times). The time to first token is the engine's for every request (when the
 step that made the token was read back, ``RequestMetrics``): a request that does not stream
 gets one output at its end (it asks the engine for ``FINAL_ONLY``, as in vLLM). Such a request
 adds to the time per output token but not to the inter-token latency, which is the gap
@@ -14,12 +14,13 @@ Each server has a registry of its own, so several servers in one process do not 
 from __future__ import annotations
 
 import time
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, List, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tpu_executor.core.request import RequestOutput
+from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.engine.stats import EngineStats
 
 PREFIX = "tpu_executor:"
@@ -77,16 +78,33 @@ class ServerMetrics:
                               "Seconds per output token after the first, per request (its longest sample).")
         self.e2e = histogram("e2e_request_latency_seconds", "Seconds from arrival to the last token.")
         self.queue_time = histogram("request_queue_time_seconds", "Seconds from arrival to first scheduling.")
+        self.requests_by_feature = Counter(PREFIX + "requests_by_feature",
+                                           "Requests admitted that use a sampling feature, by feature.", ["feature"],
+                                           registry=self.registry)
+        self.grammar_compile = histogram("grammar_compile_seconds",
+                                         "Seconds to compile a request's grammar (cached ones are not compiled).")
 
     def render(self, stats: EngineStats) -> bytes:
         """The text exposition, with the engine figures of ``stats``."""
         self.engine_stats.stats = stats
         return generate_latest(self.registry)
 
-    def tracker(self, num_prompt_tokens: int, arrival_time: float) -> "RequestTracker":
+    def tracker(self, num_prompt_tokens: int, arrival_time: float, params: SamplingParams) -> "RequestTracker":
         """Observations of one engine request, fed each delta as it goes out."""
         self.prompt_tokens.inc(num_prompt_tokens)
+        for feature in features_of(params):
+            self.requests_by_feature.labels(feature).inc()
         return RequestTracker(self, arrival_time)
+
+
+def features_of(params: SamplingParams) -> List[str]:
+    """The sampling features a request uses (the ``feature`` label of ``requests_by_feature``)."""
+    used = {"structured_outputs": params.structured_outputs is not None,
+            "penalties": bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0),
+            "logit_bias": bool(params.logit_bias), "min_tokens": params.min_tokens > 0,
+            "allowed_token_ids": params.allowed_token_ids is not None, "bad_words": bool(params.bad_words),
+            "logprobs": params.logprobs is not None, "prompt_logprobs": params.prompt_logprobs is not None}
+    return [feature for feature, on in used.items() if on]
 
 
 class RequestTracker:

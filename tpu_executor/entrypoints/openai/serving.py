@@ -134,7 +134,7 @@ class OpenAIServing:
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
                 self.engine.add_request(request_id, prompt.token_ids, p, prompt.text, arrival, stream)
-                trackers[request_id] = self.metrics.tracker(len(prompt.token_ids), arrival)
+                trackers[request_id] = self.metrics.tracker(len(prompt.token_ids), arrival, p)
         except QueueFullError as err:
             self.engine.abort_stream(stream)
             raise ApiError(503, str(err), type="server_error", code="queue_full") from None
