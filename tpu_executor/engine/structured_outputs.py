@@ -53,12 +53,16 @@ def json_grammar(schema: str, any_whitespace: bool) -> str:
     return str(grammar).replace(_LENIENT_STRING_CHARACTER, _JSON_STRING_CHARACTER)
 
 
+def _refuse_constant(name: str):
+    raise ValueError(f"structured_outputs.json holds {name}, which JSON does not allow")
+
+
 def checked_schema(text: str) -> dict:
     """The JSON Schema in ``text``, or a ValueError saying why it is not one."""
     import jsonschema
 
     try:
-        schema = json.loads(text)
+        schema = json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as err:
         raise ValueError(f"structured_outputs.json is not valid JSON: {err}") from None
     if not isinstance(schema, dict):

@@ -11,11 +11,15 @@ finish for ``--drain-timeout`` seconds, aborts the rest and releases the workers
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import time
+from typing import Optional
 
 from tpu_executor.engine.options import HelpFormatter, add_engine_arguments, engine_options_from_args
+from tpu_executor.entrypoints.openai.config import TOOL_CALL_FORMATS
+from tpu_executor.entrypoints.openai.tool_parsers import format_for_family
 
 API_KEY_ENV = "TPU_EXECUTOR_API_KEY"
 
@@ -42,6 +46,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     server.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins (default: CORS off)")
     server.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds SIGTERM lets in-flight requests run before aborting them")
+    server.add_argument("--tool-call-parser", choices=TOOL_CALL_FORMATS, default=None,
+                        help="the format chat tool calls are read in (default: the model family's: llama3_json "
+                             "for Llama, mistral for Mistral, hermes for the others)")
     add_engine_arguments(parser)
     parser.set_defaults(run=run)
     return parser
@@ -55,7 +62,17 @@ def server_config(args: argparse.Namespace, model_path: str):
         host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
         max_prompts=args.max_prompts, allowed_origins=tuple(args.allowed_origins),
-        drain_timeout_s=args.drain_timeout)
+        drain_timeout_s=args.drain_timeout,
+        tool_call_parser=args.tool_call_parser or format_for_family(model_family(model_path)))
+
+
+def model_family(model_path: str) -> Optional[str]:
+    """The checkpoint's ``model_type`` (None when its config.json cannot be read)."""
+    try:
+        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as config:
+            return json.load(config).get("model_type")
+    except (OSError, ValueError):
+        return None
 
 
 def run(args: argparse.Namespace) -> None:

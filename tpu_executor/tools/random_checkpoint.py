@@ -36,8 +36,14 @@ def _corpus(num_lines: int, seed: int, num_words: int):
 
 
 # ChatML, so the chat endpoint can be tested on random checkpoints.
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# ChatML with Hermes-style tools (as Qwen writes them): the tools listed in a system turn, an
+# assistant's calls as <tool_call> blocks.
+CHAT_TEMPLATE = ("{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
+                 "\n</tools><|im_end|>\n{% endif %}"
+                 "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+                 "{% for c in m['tool_calls'] or [] %}<tool_call>\n{{ {'name': c['function']['name'], "
+                 "'arguments': c['function']['arguments']} | tojson }}\n</tool_call>{% endfor %}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def train_tokenizer(vocab_size: int, seed: int = 0):

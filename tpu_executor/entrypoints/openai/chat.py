@@ -1,8 +1,9 @@
 """``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template."""
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from starlette.requests import Request as HttpRequest
 
@@ -10,16 +11,18 @@ from tpu_executor.core.request import CompletionOutput, RequestOutput
 from tpu_executor.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, bad_request
 from tpu_executor.entrypoints.openai.serving import (OpenAIServing, Prompt, token_ids, token_text, usage,
                                                     vllm_prompt_logprobs)
+from tpu_executor.entrypoints.openai.tools import ToolChoice, conversation_message, tool_call_json
 
 
-def render_chat(tokenizer, messages: List[ChatMessage], add_generation_prompt: bool) -> Prompt:
-    """The conversation as the model's chat template writes it, encoded. The template puts
-    in the special tokens (BOS and the like), so encoding adds none."""
+def render_chat(tokenizer, messages: List[ChatMessage], add_generation_prompt: bool,
+                tools: Optional[List[Dict[str, Any]]] = None) -> Prompt:
+    """The conversation (and the tools, when given) as the model's chat template writes it,
+    encoded. The template puts in the special tokens (BOS and the like), so encoding adds none."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
-    conversation = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+    conversation = [conversation_message(m, i) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+        text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
     except Exception as err:  # noqa: BLE001 - a template may reject a conversation (roles, order)
         raise bad_request(f"the chat template rejected these messages: {err}", "messages") from None
@@ -42,13 +45,19 @@ def chat_logprobs(tokenizer, completion: CompletionOutput, top: int) -> Dict[str
 
 async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionRequest, http: HttpRequest):
     serving.check_request(body, "chat/completions")
-    prompt = render_chat(serving.tokenizer, body.messages, body.add_generation_prompt)
+    tools = ToolChoice(body.tools, body.tool_choice, body.parallel_tool_calls, serving.config.tool_call_parser)
+    prompt = render_chat(serving.tokenizer, body.messages, body.add_generation_prompt, tools.tools)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = serving.max_tokens_for(prompt, body.requested_max_tokens(), param)
-    params = body.sampling_params(max_tokens, body.num_logprobs())
-    await serving.validate(prompt, params, "messages", body.grammar_field())
-    started = serving.start("chatcmpl", [prompt], [params])
-    builder = _Response(serving, body, prompt, started.request_ids[0])
+    params, grammar_field = body.sampling_params(max_tokens, body.num_logprobs()), body.grammar_field()
+    if tools.grammar() is not None:
+        if params.structured_outputs is not None:
+            raise bad_request(f"tool_choice {tools.mode!r} sets the output's grammar; drop {grammar_field}",
+                              grammar_field)
+        params, grammar_field = dataclasses.replace(params, structured_outputs=tools.grammar()), "tools"
+    await serving.validate(prompt, params, "messages", grammar_field)
+    started = serving.start("chatcmpl", [prompt], [params], ("tools",) if tools.calls_tools else ())
+    builder = _Response(serving, body, prompt, started.request_ids[0], tools)
     return await serving.respond(started, builder, body.stream, http)
 
 
@@ -56,11 +65,13 @@ class _Response:
     """Builds the JSON of one chat call: whole, or chunk by chunk (the first chunk of every
     choice carries the role)."""
 
-    def __init__(self, serving: OpenAIServing, body: ChatCompletionRequest, prompt: Prompt, request_id: str):
-        self.serving, self.body, self.prompt = serving, body, prompt
+    def __init__(self, serving: OpenAIServing, body: ChatCompletionRequest, prompt: Prompt, request_id: str,
+                 tools: ToolChoice):
+        self.serving, self.body, self.prompt, self.tools = serving, body, prompt, tools
         self.id, self.created = request_id, int(time.time())
         self.completion_tokens = 0
         self.started_choices: set = set()
+        self.streamed: Dict[int, StreamedChoice] = {}  # by choice index, when tools may be called
 
     def _envelope(self, obj: str, choices: List[Dict[str, Any]], usage_: Optional[Dict[str, int]] = None):
         return {"id": self.id, "object": obj, "created": self.created, "model": self.serving.config.model_name,
@@ -75,8 +86,12 @@ class _Response:
         choices = []
         for completion in outputs[0].outputs:
             self.completion_tokens += len(completion.token_ids)
-            choices.append({"index": completion.index, "message": {"role": "assistant", "content": completion.text},
-                            "logprobs": self._logprobs(completion), "finish_reason": completion.finish_reason,
+            content, calls = self.tools.parse(completion.text)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [tool_call_json(call) for call in calls]
+            choices.append({"index": completion.index, "message": message, "logprobs": self._logprobs(completion),
+                            "finish_reason": self._finish_reason(completion.finish_reason, calls),
                             "stop_reason": completion.stop_reason})
         response = self._envelope("chat.completion", choices, usage([self.prompt], self.completion_tokens))
         if self.body.prompt_logprobs is not None:
@@ -93,10 +108,19 @@ class _Response:
                     "index": completion.index, "delta": {"role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None}], self._usage_so_far())
             if completion.text or completion.finish_reason is not None or completion.token_ids:
+                delta, calls = {"content": completion.text}, []
+                if self.tools.calls_tools:
+                    streamed = self.streamed.setdefault(completion.index, StreamedChoice(self.tools))
+                    delta, calls = streamed.add(completion.text, completion.finish_reason is not None)
                 yield self._envelope("chat.completion.chunk", [{
-                    "index": completion.index, "delta": {"content": completion.text},
-                    "logprobs": self._logprobs(completion), "finish_reason": completion.finish_reason,
+                    "index": completion.index, "delta": delta, "logprobs": self._logprobs(completion),
+                    "finish_reason": self._finish_reason(completion.finish_reason, calls),
                     "stop_reason": completion.stop_reason}], self._usage_so_far())
+
+    def _finish_reason(self, reason: Optional[str], calls: list) -> Optional[str]:
+        """``tool_calls`` when a finished output called tools of the model's own choosing
+        (OpenAI keeps ``stop`` for a function the request named)."""
+        return "tool_calls" if reason == "stop" and calls and self.tools.mode != "named" else reason
 
     def _usage_so_far(self) -> Optional[Dict[str, int]]:
         return usage([self.prompt], self.completion_tokens) if self.body.continuous_usage else None
@@ -104,3 +128,38 @@ class _Response:
     def final_chunks(self):
         if self.body.include_usage:
             yield self._envelope("chat.completion.chunk", [], usage([self.prompt], self.completion_tokens))
+
+
+class StreamedChoice:
+    """One streamed choice of a request that may call tools: content streams up to where a
+    call starts or may start (``ToolChoice.held_from``); the calls go out when the output is
+    complete, in one delta. A named function's arguments stream as they come."""
+
+    def __init__(self, tools: ToolChoice):
+        self.tools = tools
+        self.text, self.sent = "", 0  # the output so far; how much of it went out as content
+
+    def add(self, new_text: str, finished: bool) -> Tuple[Dict[str, Any], list]:
+        """The delta for ``new_text``, and the calls it carries."""
+        first = not self.text and self.sent == 0
+        self.text += new_text
+        if self.tools.mode == "named":
+            call = {"index": 0, "function": {"arguments": new_text}}
+            if first:
+                call = tool_call_json(self.tools.parse("")[1][0], 0)
+                call["function"]["arguments"] = new_text
+            self.sent = len(self.text)
+            return {"tool_calls": [call]}, ([None] if finished else [])
+        if not finished:
+            held = self.tools.held_from(self.text)
+            return self._content(len(self.text) if held is None else held), []
+        content, calls = self.tools.parse(self.text)
+        delta = self._content(len(content or "") if calls else len(self.text))
+        if calls:
+            delta["tool_calls"] = [tool_call_json(call, index) for index, call in enumerate(calls)]
+        return delta, calls
+
+    def _content(self, upto: int) -> Dict[str, Any]:
+        upto = max(upto, self.sent)
+        content, self.sent = self.text[self.sent:upto], upto
+        return {"content": content}

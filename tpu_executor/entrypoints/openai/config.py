@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+# The formats of tool_parsers.py (named here: the config imports nothing of the server).
+TOOL_CALL_FORMATS = ("hermes", "llama3_json", "mistral")
+
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
@@ -19,6 +22,8 @@ class ServerConfig:
     requests not yet running (beyond it: 503 at once). ``max_body_bytes``, ``max_n`` and
     ``max_prompts`` cap one request. ``allowed_origins`` turns CORS on for those origins.
     ``drain_timeout_s`` is how long SIGTERM lets in-flight requests run before aborting them.
+    ``tool_call_parser`` reads tool calls out of a chat output (``tool_parsers.FORMATS``; the
+    serve command picks the model family's).
     """
 
     model_name: str
@@ -31,6 +36,7 @@ class ServerConfig:
     max_prompts: int = 64
     allowed_origins: Tuple[str, ...] = ()
     drain_timeout_s: float = 30.0
+    tool_call_parser: str = "hermes"
 
     def __post_init__(self):
         _require(bool(self.model_name), "served model name must not be empty")
@@ -40,4 +46,6 @@ class ServerConfig:
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer, got {value!r}")
         _require(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        _require(self.tool_call_parser in TOOL_CALL_FORMATS,
+                 f"tool_call_parser must be one of {', '.join(TOOL_CALL_FORMATS)}, got {self.tool_call_parser!r}")
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))

@@ -14,7 +14,7 @@ Each server has a registry of its own, so several servers in one process do not 
 from __future__ import annotations
 
 import time
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -89,10 +89,12 @@ class ServerMetrics:
         self.engine_stats.stats = stats
         return generate_latest(self.registry)
 
-    def tracker(self, num_prompt_tokens: int, arrival_time: float, params: SamplingParams) -> "RequestTracker":
-        """Observations of one engine request, fed each delta as it goes out."""
+    def tracker(self, num_prompt_tokens: int, arrival_time: float, params: SamplingParams,
+                features: Sequence[str] = ()) -> "RequestTracker":
+        """Observations of one engine request, fed each delta as it goes out; ``features`` are
+        what it uses beyond ``params`` (tools)."""
         self.prompt_tokens.inc(num_prompt_tokens)
-        for feature in features_of(params):
+        for feature in (*features_of(params), *features):
             self.requests_by_feature.labels(feature).inc()
         return RequestTracker(self, arrival_time)
 

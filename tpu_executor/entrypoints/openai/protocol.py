@@ -253,6 +253,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, List[Dict[str, Any]]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[List[Dict[str, Any]]] = None  # an assistant's calls earlier in the conversation
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
 
     def text(self, index: int) -> str:
         """The message's text; content parts other than text are refused."""
@@ -279,6 +281,7 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: Optional[int] = Field(None, ge=0)
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    parallel_tool_calls: bool = True
     functions: Optional[List[Dict[str, Any]]] = None
     add_generation_prompt: bool = True
 
@@ -286,11 +289,8 @@ class ChatCompletionRequest(_GenerationRequest):
         super().check_supported()
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
-        if self.tools or self.functions:
-            name = "tools" if self.tools else "functions"
-            raise bad_request(f"{name} (function calling) is not supported by this server", name)
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported by this server", "tool_choice")
+        if self.functions:
+            raise bad_request("functions (the form OpenAI deprecated) is not supported; send tools", "functions")
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
 

@@ -125,8 +125,10 @@ class OpenAIServing:
             raise bad_request(str(err), grammar_field if field == "structured_outputs" else field) from None
 
     # ---- running ------------------------------------------------------------------------
-    def start(self, kind: str, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> Started:
-        """Queue one engine request per prompt on one stream; all or none are queued."""
+    def start(self, kind: str, prompts: Sequence[Prompt], params: Sequence[SamplingParams],
+              features: Sequence[str] = ()) -> Started:
+        """Queue one engine request per prompt on one stream; all or none are queued.
+        ``features``: what the request uses beyond its sampling parameters (metrics)."""
         base = f"{kind}-{uuid.uuid4().hex}"
         ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
         arrival, stream = time.monotonic(), RequestStream()
@@ -134,7 +136,7 @@ class OpenAIServing:
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
                 self.engine.add_request(request_id, prompt.token_ids, p, prompt.text, arrival, stream)
-                trackers[request_id] = self.metrics.tracker(len(prompt.token_ids), arrival, p)
+                trackers[request_id] = self.metrics.tracker(len(prompt.token_ids), arrival, p, features)
         except QueueFullError as err:
             self.engine.abort_stream(stream)
             raise ApiError(503, str(err), type="server_error", code="queue_full") from None
