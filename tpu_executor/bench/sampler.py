@@ -1,12 +1,16 @@
 """``tpu-executor bench sampler``: what the sampler costs per step, plain and with logits
-processing (penalties and a 300-entry logit bias on every row), on the device and on the host.
+processing (penalties, a 300-entry logit bias and a grammar's token mask on every row), on the
+device and on the host.
 
-    tpu-executor bench sampler                          # XLA, 32 and 256 rows, a 49,152-token vocabulary
-    tpu-executor bench sampler --device cpu --rows 64 --vocab 128256
+    tpu-executor bench sampler                          # XLA, 32, 64 and 256 rows, SmolLM2's tokenizer
+    tpu-executor bench sampler --device cpu --rows 64 --tokenizer DIR
 
 Device: the compiled sampler on random logits (half the rows sampled, half greedy), median
-milliseconds per call after a warm-up call, synchronized. Host: building one call's processing
-inputs for rows that all process their logits (``ProcessingSlots.prepare``).
+milliseconds per call after a warm-up call, synchronized; the processing graph always applies
+a token mask (all tokens allowed for rows without a grammar), so one figure covers both. Host:
+building one call's processing inputs for rows that all process their logits
+(``ProcessingSlots.prepare``), and the grammar work of one step for rows that all follow a JSON
+schema (each matcher fills its row's bitmask and accepts a token it allows: ``GrammarMatchers``).
 """
 from __future__ import annotations
 
@@ -25,22 +29,60 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("sampler", help="the sampler's cost per step, plain and with logits processing",
                                    description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--device", default="xla", help="xla or a torch device (cpu)")
-    parser.add_argument("--rows", type=int, nargs="+", default=[32, 256], help="rows per sampler call")
-    parser.add_argument("--vocab", type=int, default=49152, help="vocabulary size (SmolLM2's by default)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[32, 64, 256], help="rows per sampler call")
+    parser.add_argument("--tokenizer", default=None, help="checkpoint directory whose tokenizer sets the vocabulary "
+                                                          "and the grammar's tokens (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--steps", type=int, default=30, help="timed calls of each kind")
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tpu_executor.tools.default_model import prepare
+
     device = torch.device("xla") if args.device == "xla" else torch.device(args.device)
     if args.device == "xla":
         import torch_xla  # noqa: F401 - registers the device
-    print("| rows | sampler ms, plain | with penalties + 300-entry bias | host ms to build the processing inputs |")
-    print("|---|---|---|---|")
+    path = args.tokenizer or prepare()
+    tokenizer, vocab = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path).vocab_size
+    print(f"Vocabulary: {vocab} tokens ({path})\n")
+    print("| rows | sampler ms, plain | with penalties + 300-entry bias + token mask | host ms, processing inputs "
+          "| host ms, grammar masks and advance |")
+    print("|---|---|---|---|---|")
     for rows in args.rows:
-        plain, processed, host = measure(rows, args.vocab, device, args.steps)
-        print(f"| {rows} | {plain:.2f} | {processed:.2f} | {host:.2f} |", flush=True)
+        plain, processed, host = measure(rows, vocab, device, args.steps)
+        grammar = grammar_step_ms(rows, tokenizer, vocab, args.steps)
+        print(f"| {rows} | {plain:.2f} | {processed:.2f} | {host:.2f} | {grammar:.2f} |", flush=True)
+
+
+def grammar_step_ms(rows: int, tokenizer, vocab: int, steps: int) -> float:
+    """Median host milliseconds of one step's grammar work for ``rows`` rows following a JSON
+    schema: fill every bitmask, then advance every matcher by a token its mask allows (the
+    choice of that token is not timed)."""
+    import numpy as np
+
+    from tpu_executor.bench.structured import RECORDS
+    from tpu_executor.core.sampling_params import StructuredOutputsParams
+    from tpu_executor.engine.structured_outputs import GrammarCompiler, GrammarMatchers
+
+    matchers = GrammarMatchers(GrammarCompiler.for_tokenizer(tokenizer, vocab))
+    ids = [f"row{r}" for r in range(rows)]
+    for sample_id in ids:
+        matchers.add(sample_id, StructuredOutputsParams(json=RECORDS))
+    rng, times = random.Random(0), []
+    for _ in range(steps):
+        start = time.perf_counter()
+        masks = matchers.bitmasks(ids)
+        elapsed = time.perf_counter() - start
+        chosen = {sample_id: int(rng.choice(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))))
+                  for sample_id, mask in masks.items()}
+        start = time.perf_counter()
+        for sample_id, token in chosen.items():
+            assert matchers.accept(sample_id, token) is None
+        times.append(elapsed + time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def measure(rows: int, vocab: int, device: torch.device, steps: int):
