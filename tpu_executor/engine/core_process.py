@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import multiprocessing
 import sys
-from typing import Deque, Optional, Sequence, Set
+from typing import Deque, Optional, Sequence, Set, Union
 
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.heap import freeze_startup_heap
@@ -31,7 +31,7 @@ from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.request import Request, RequestStatus
 from tpu_executor.engine.core import CoreOutput, EngineCore, EngineDeadError
 from tpu_executor.engine.stats import EngineStats
-from tpu_executor.executor import executor_class_for
+from tpu_executor.executor import Executor, executor_class_for
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +159,19 @@ class CoreProcess:
         output, self._num_waiting = answer
         self._live.difference_update(output.finished)
         return output
+
+
+def start_core(config: EngineConfig, executor: Optional[Executor] = None, worker_class: Optional[type] = None,
+               show_progress: bool = True) -> Union[EngineCore, CoreProcess]:
+    """The engine core the config asks for: in this process over ``executor`` (default: the
+    config's, with ``worker_class`` if given), or in a process of its own (``core_process``)."""
+    if config.scheduler.core_process:
+        if executor is not None:
+            raise ValueError("core_process runs the executor in the core's own process; do not pass one")
+        return CoreProcess(config, worker_class, show_progress)
+    if executor is None:
+        executor = executor_class_for(config)(config, worker_class=worker_class)
+    return EngineCore(config, executor, show_progress)
 
 
 def core_config(config: EngineConfig) -> EngineConfig:

@@ -25,11 +25,11 @@ from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams
 from tpu_executor.core.step import PromptLogprobs, SampledTokens
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.engine.core import CoreOutput, EngineCore, EngineDeadError, Finished
-from tpu_executor.engine.core_process import CoreProcess
+from tpu_executor.engine.core_process import CoreProcess, start_core
 from tpu_executor.engine.options import build_engine_config
 from tpu_executor.engine.stats import EngineStats
 from tpu_executor.engine.validation import RequestChecks
-from tpu_executor.executor import Executor, executor_class_for
+from tpu_executor.executor import Executor
 
 __all__ = ["EngineDeadError", "LLMEngine", "PromptType"]
 
@@ -90,19 +90,6 @@ class RequestGroup:
     @property
     def error(self) -> Optional[str]:
         return next((sample.error for sample in self.samples if sample.error), None)
-
-
-def start_core(config: EngineConfig, executor: Optional[Executor] = None, worker_class: Optional[type] = None,
-               show_progress: bool = True) -> Union[EngineCore, CoreProcess]:
-    """The engine core the config asks for: in this process over ``executor`` (default: the
-    config's, with ``worker_class`` if given), or in a process of its own (``core_process``)."""
-    if config.scheduler.core_process:
-        if executor is not None:
-            raise ValueError("core_process runs the executor in the core's own process; do not pass one")
-        return CoreProcess(config, worker_class, show_progress)
-    if executor is None:
-        executor = executor_class_for(config)(config, worker_class=worker_class)
-    return EngineCore(config, executor, show_progress)
 
 
 class LLMEngine:

@@ -72,7 +72,8 @@ def test_preemption_gives_the_same_tokens(checkpoints, llm):
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (40, 90, 130, 60, 100)]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(48), use_tqdm=False)]
     # 30 usable blocks of 16 tokens cannot hold five sequences of up to 178 tokens at once.
-    small = LLM(model=checkpoints["llama"], device="xla", **tiny_engine_options(num_blocks=31, max_num_batched_tokens=96))
+    small = LLM(model=checkpoints["llama"], device="xla",
+                **tiny_engine_options(num_blocks=31, max_num_batched_tokens=96))
     outs = small.generate(prompts, greedy(48), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert small.stats().num_preemptions > 0, "the test must exercise preemption"

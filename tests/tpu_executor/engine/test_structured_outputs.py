@@ -109,8 +109,8 @@ def test_json_with_free_whitespace_and_json_object_parse(llm):
         assert output.outputs[0].finish_reason == "stop"
         assert_follows(p.structured_outputs, output.outputs[0].text)
     # Any JSON object: unbounded, so a random model may run out of tokens; what it wrote is JSON so far.
-    text = outputs[2].outputs[0].text
-    assert text.startswith("{") and (outputs[2].outputs[0].finish_reason == "length" or isinstance(json.loads(text), dict))
+    text, finish = outputs[2].outputs[0].text, outputs[2].outputs[0].finish_reason
+    assert text.startswith("{") and (finish == "length" or isinstance(json.loads(text), dict))
 
 
 def test_regex_and_choice_outputs_match(llm):

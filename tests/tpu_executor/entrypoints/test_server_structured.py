@@ -56,12 +56,12 @@ def served(checkpoints):
     engine = LLMEngine.from_options(checkpoints["llama"], **tiny_engine_options(device="cpu", max_num_seqs=16))
     chat = engine.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     chat = {"prompt_token_ids": engine.tokenizer(chat, add_special_tokens=False)["input_ids"]}
+    def chat_ref(max_tokens: int, **grammar):
+        spec = StructuredOutputsParams(**grammar)
+        return offline(engine, [chat], [SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec)])
+
     refs = {"mixed": offline(engine, PROMPTS, [params_of(kind_of(i)) for i in range(len(PROMPTS))]),
-            "schema": offline(engine, [chat], [SamplingParams(temperature=0, max_tokens=250,
-                                                              structured_outputs=StructuredOutputsParams(json=SCHEMA))]),
-            "object": offline(engine, [chat], [SamplingParams(temperature=0, max_tokens=60,
-                                                              structured_outputs=StructuredOutputsParams(
-                                                                  json_object=True))])}
+            "schema": chat_ref(250, json=SCHEMA), "object": chat_ref(60, json_object=True)}
     with live_server(engine) as (url, async_engine):
         yield url, refs
 

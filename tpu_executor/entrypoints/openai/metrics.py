@@ -4,8 +4,9 @@ Two sources: the engine's own figures (``EngineStats``: running and waiting requ
 usage, preemptions, prefix-cache queries and hits, compiled graphs), read fresh at every
 scrape; and per-request timings the server observes as outputs come out (time to first
 token, inter-token latency, time per output token, end-to-end latency, queue time, token
-counts, finish reasons, requests by sampling feature, grammar compile times). The time to first token is the engine's for every request (when the
-step that made the token was read back, ``RequestMetrics``): a request that does not stream
+counts, finish reasons, requests by sampling feature, grammar compile times). The time to
+first token is the engine's for every request (when the step that made the token was read
+back, ``RequestMetrics``): a request that does not stream
 gets one output at its end (it asks the engine for ``FINAL_ONLY``, as in vLLM). Such a request
 adds to the time per output token but not to the inter-token latency, which is the gap
 between two deltas of a streamed request.
