@@ -81,10 +81,11 @@ def test_a_named_function_constrains_to_its_arguments_and_streams_them():
     choice = ToolChoice(TOOLS, {"type": "function", "function": {"name": "get_time"}}, True, "hermes")
     assert json.loads(choice.grammar().json) == TOOLS[1]["function"]["parameters"]
     stream = StreamedChoice(choice)
-    first, _ = stream.add('{"zone": ', False)
-    second, calls = stream.add('"CET"}', True)
-    assert first["tool_calls"][0]["function"] == {"name": "get_time", "arguments": '{"zone": '}
-    assert second["tool_calls"] == [{"index": 0, "function": {"arguments": '"CET"}'}}] and calls
+    deltas = [stream.add(text, last)[0]["tool_calls"] for text, last in (("", False), ('{"zone": ', False),
+                                                                          ('"CET"}', True))]
+    assert deltas[0][0]["function"] == {"name": "get_time", "arguments": ""} and deltas[0][0]["id"]
+    assert deltas[1:] == [[{"index": 0, "function": {"arguments": '{"zone": '}}],
+                          [{"index": 0, "function": {"arguments": '"CET"}'}}]]
 
 
 @pytest.mark.parametrize("tools, tool_choice, message", [

@@ -11,6 +11,7 @@ from tpu_executor.core.request import CompletionOutput, RequestOutput
 from tpu_executor.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, bad_request
 from tpu_executor.entrypoints.openai.serving import (OpenAIServing, Prompt, token_ids, token_text, usage,
                                                     vllm_prompt_logprobs)
+from tpu_executor.entrypoints.openai.tool_parsers import ParsedCall
 from tpu_executor.entrypoints.openai.tools import ToolChoice, conversation_message, tool_call_json
 
 
@@ -138,18 +139,16 @@ class StreamedChoice:
     def __init__(self, tools: ToolChoice):
         self.tools = tools
         self.text, self.sent = "", 0  # the output so far; how much of it went out as content
+        self.named_call_sent = False  # a named function's call went out (its id and name)
 
     def add(self, new_text: str, finished: bool) -> Tuple[Dict[str, Any], list]:
-        """The delta for ``new_text``, and the calls it carries."""
-        first = not self.text and self.sent == 0
+        """The delta for ``new_text``, and the calls of the model's choosing it carries."""
         self.text += new_text
         if self.tools.mode == "named":
             call = {"index": 0, "function": {"arguments": new_text}}
-            if first:
-                call = tool_call_json(self.tools.parse("")[1][0], 0)
-                call["function"]["arguments"] = new_text
-            self.sent = len(self.text)
-            return {"tool_calls": [call]}, ([None] if finished else [])
+            if not self.named_call_sent:  # the first delta names the call
+                call, self.named_call_sent = tool_call_json(ParsedCall(self.tools.named, new_text), 0), True
+            return {"tool_calls": [call]}, []
         if not finished:
             held = self.tools.held_from(self.text)
             return self._content(len(self.text) if held is None else held), []
