@@ -184,11 +184,7 @@ class EngineCore:
         scheduled_at = self._scheduled_at(scheduled)
         output = None
         if self.grammars and self.grammars.constrains_any(scheduled.sampled_request_ids):
-            if self._in_flight is not None:  # the grammars' next tokens depend on the step in flight
-                output = self._finish(*self._in_flight, finished)
-                self._in_flight = None
-            with self.timer.phase("grammar"):
-                scheduled = replace(scheduled, token_bitmasks=self.grammars.bitmasks(scheduled.sampled_request_ids))
+            scheduled, output = self._with_token_masks(scheduled, finished)
         started = self._start(scheduled, finished) if not scheduled.is_empty else None
         if self.config.scheduler.async_scheduling:
             started, self._in_flight = self._in_flight, started  # finish the previous step instead
@@ -200,6 +196,17 @@ class EngineCore:
             return CoreOutput(SampledTokens(), finished, scheduled_at)
         tokens, first_token_at, prompt_logprobs = output
         return CoreOutput(tokens, finished, scheduled_at, first_token_at, prompt_logprobs)
+
+    def _with_token_masks(self, scheduled: SchedulerOutput, finished: Dict[str, Finished]) -> tuple:
+        """``scheduled`` with its constrained rows' grammar bitmasks, and the output of the step
+        that was in flight (finished first: the masks depend on its tokens), or None."""
+        output = None
+        if self._in_flight is not None:
+            output = self._finish(*self._in_flight, finished)
+            self._in_flight = None
+        with self.timer.phase("schedule"):  # the grammars' share of scheduling
+            masks = self.grammars.bitmasks(scheduled.sampled_request_ids)
+        return replace(scheduled, token_bitmasks=masks), output
 
     @staticmethod
     def _scheduled_at(scheduled: SchedulerOutput) -> Tuple[Tuple[str, float], ...]:
@@ -253,7 +260,7 @@ class EngineCore:
     def _advance_grammars(self, tokens: SampledTokens, finished: Dict[str, Finished]) -> None:
         """Advance the constrained samples' matchers by their recorded tokens (a token its
         grammar refuses fails the sample: the mask let it through, which must not happen)."""
-        with self.timer.phase("grammar"):
+        with self.timer.phase("output"):
             for sample_id, token_id in zip(tokens.request_ids, tokens.token_ids):
                 error = self.grammars.accept(sample_id, token_id)
                 if error is not None:
