@@ -12,6 +12,7 @@ _EXPORTS: Dict[str, str] = {
     "LLM": "tpu_executor.entrypoints.llm",
     "SamplingParams": "tpu_executor.core.sampling_params",
     "RequestOutputKind": "tpu_executor.core.sampling_params",
+    "StructuredOutputsParams": "tpu_executor.core.sampling_params",
     "RequestOutput": "tpu_executor.core.request",
     "CompletionOutput": "tpu_executor.core.request",
     "EngineDeadError": "tpu_executor.engine.core",
@@ -22,7 +23,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from tpu_executor.core.request import CompletionOutput, RequestOutput
-    from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams
+    from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
     from tpu_executor.engine.core import EngineDeadError
     from tpu_executor.engine.stats import EngineStats
     from tpu_executor.entrypoints.llm import LLM
