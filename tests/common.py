@@ -237,3 +237,35 @@ def live_server(engine, **server_options):
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=config.max_waiting_requests)
     with serve_in_thread(async_engine, AutoTokenizer.from_pretrained(engine.config.model.model), config) as url:
         yield url, async_engine
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def replicated_server(tmp_dir: str, checkpoint: str, engine_options, cluster_nodes, data_parallel_size: int = 2,
+                      **server_options):
+    """The replicated OpenAI server (Ray Serve) over a simulated cluster of ``cluster_nodes``:
+    ``data_parallel_size`` engine replicas of ``checkpoint``. Yields its base URL; leaving
+    deletes the application, stops Serve and the cluster."""
+    import ray
+    from ray import serve
+
+    from tpu_executor.entrypoints.openai.config import ReplicaConfig, ServerConfig
+    from tpu_executor.entrypoints.openai.serve_app import build_application, shutdown
+
+    server = ServerConfig(**{"model_name": "tiny", "port": free_port(), **server_options})
+    replicas = ReplicaConfig(data_parallel_size=data_parallel_size)
+    with ray_session(tmp_dir, cluster_nodes=cluster_nodes):
+        serve.start(http_options={"host": server.host, "port": server.port})
+        try:
+            serve.run(build_application(checkpoint, engine_options, server, replicas), name=replicas.app_name,
+                      route_prefix="/", blocking=False)
+            yield f"http://{server.host}:{server.port}"
+        finally:
+            shutdown(replicas.app_name)

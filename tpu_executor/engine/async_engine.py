@@ -151,9 +151,10 @@ class AsyncLLMEngine:
     # ---- the event loop's side ----------------------------------------------------------
     def add_request(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
                     prompt: Optional[str] = None, arrival_time: Optional[float] = None,
-                    stream: Optional[RequestStream] = None) -> RequestStream:
+                    stream: Optional[RequestStream] = None, session: Optional[str] = None) -> RequestStream:
         """Queue a validated request (see ``LLMEngine.validate_prompt``); returns the stream
-        its deltas go to (``stream`` if given, to share one among several requests). Raises
+        its deltas go to (``stream`` if given, to share one among several requests).
+        ``session`` is a routing hint for replicated servers; one engine has nothing to route. Raises
         ``EngineDeadError`` if the engine is gone, ``QueueFullError`` if the waiting queue is
         full, ``ValueError`` for an id already in use."""
         if not self.is_running:
@@ -204,6 +205,10 @@ class AsyncLLMEngine:
         answer: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_Stats(answer))
         return await asyncio.wrap_future(answer)
+
+    async def health_report(self) -> None:
+        """What ``/health`` adds to "running" (a replicated server counts its replicas): nothing."""
+        return None
 
     async def shutdown(self) -> None:
         """Abort what is left, stop the engine thread and release the workers."""

@@ -3,6 +3,7 @@
     tpu-executor serve                                   # default model on 127.0.0.1:8000
     tpu-executor serve DIR --port 8080 --api-key KEY     # or KEY in $TPU_EXECUTOR_API_KEY
     tpu-executor serve DIR --tensor-parallel-size 8 --ray-address auto --host 0.0.0.0
+    tpu-executor serve DIR --data-parallel-size 4 --tensor-parallel-size 2 --ray-address auto
 
 The engine loads and compiles every bucket before the port opens, so a server that answers
 ``/health`` never compiles again. SIGTERM (or Ctrl-C) stops accepting, lets in-flight requests
@@ -49,6 +50,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", choices=TOOL_CALL_FORMATS, default=None,
                         help="the format chat tool calls are read in (default: the model family's: llama3_json "
                              "for Llama, mistral for Mistral, hermes for the others)")
+    replicas = parser.add_argument_group("replicas (Ray Serve; with --data-parallel-size above 1)")
+    replicas.add_argument("--data-parallel-size", type=int, default=1,
+                          help="engine replicas behind the one endpoint, each on --tensor-parallel-size chips")
+    replicas.add_argument("--max-replicas", type=int, default=None,
+                          help="autoscale between --data-parallel-size and this many replicas (default: fixed)")
+    replicas.add_argument("--target-ongoing-requests", type=int, default=16,
+                          help="the autoscaler's aim: requests in flight per replica")
+    replicas.add_argument("--imbalance-limit", type=int, default=8,
+                          help="requests in flight a replica may have above the least busy one and still "
+                               "get the requests whose prefix or session it holds")
     add_engine_arguments(parser)
     parser.set_defaults(run=run)
     return parser
@@ -66,6 +77,13 @@ def server_config(args: argparse.Namespace, model_path: str):
         tool_call_parser=args.tool_call_parser or format_for_family(model_family(model_path)))
 
 
+def replica_config(args: argparse.Namespace):
+    from tpu_executor.entrypoints.openai.config import ReplicaConfig
+
+    return ReplicaConfig(data_parallel_size=args.data_parallel_size, max_replicas=args.max_replicas,
+                         target_ongoing_requests=args.target_ongoing_requests, imbalance_limit=args.imbalance_limit)
+
+
 def model_family(model_path: str) -> Optional[str]:
     """The checkpoint's ``model_type`` (None when its config.json cannot be read)."""
     try:
@@ -76,6 +94,10 @@ def model_family(model_path: str) -> Optional[str]:
 
 
 def run(args: argparse.Namespace) -> None:
+    if replica_config(args).data_parallel_size > 1 or args.max_replicas is not None:
+        from tpu_executor.entrypoints.openai.serve_app import run_replicated
+
+        return run_replicated(args)
     import uvicorn
     from transformers import AutoTokenizer
 

@@ -101,17 +101,30 @@ class RayExecutor(Executor):
         if self._owns_ray:
             ray.init(address=config.parallel.ray_address, log_to_driver=False)
         try:
-            check_cluster(config.parallel.tensor_parallel_size)
+            if not self._in_reserved_group(config.parallel.tensor_parallel_size):
+                check_cluster(config.parallel.tensor_parallel_size)
             self._start_actors(config.parallel.tensor_parallel_size)
         except BaseException:
             self.shutdown()
             raise
 
-    def _start_actors(self, size: int) -> None:
+    @staticmethod
+    def _in_reserved_group(size: int) -> bool:
+        """Whether this process runs in a placement group of ``size`` one-chip bundles that
+        someone else reserved for these workers (a Ray Serve replica's)."""
+        import ray
+
+        group = ray.util.get_current_placement_group()
+        return group is not None and [b.get("TPU", 0) for b in group.bundle_specs] == [1.0] * size
+
+    def _reserve(self, size: int):
+        """A placement group of ``size`` one-chip bundles: this process's own (a Serve
+        replica's), else a new one whose first bundle is on the driver's host."""
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        if self._in_reserved_group(size):
+            return ray.util.get_current_placement_group()
         # The first bundle asks for a sliver of the driver's node resource, which pins it there.
         driver_ip = ray.util.get_node_ip_address()
         bundles = [{"TPU": 1.0, f"node:{driver_ip}": 0.001}] + [{"TPU": 1.0}] * (size - 1)
@@ -120,10 +133,17 @@ class RayExecutor(Executor):
         if not ready:
             raise ValueError(f"could not reserve {size} TPU chips within {RESERVE_TIMEOUT_S:.0f} s "
                              "(other jobs hold them?); free chips or lower tensor_parallel_size")
+        return self.placement_group
+
+    def _start_actors(self, size: int) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group = self._reserve(size)
         actor_class = ray.remote(WorkerActor)
         actors = [actor_class.options(
             num_cpus=0, resources={"TPU": 1.0},
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
         ).remote() for i in range(size)]
         nodes = ray.get([a.node_info.remote() for a in actors])
         placements = rank_placements(nodes, ray.get_runtime_context().get_node_id())

@@ -13,7 +13,7 @@ import logging
 import re
 import threading
 import time
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -129,9 +129,11 @@ def _install_auth(app: FastAPI, api_key: Optional[str]) -> None:
         return await call_next(request)
 
 
-def build_app(engine: AsyncLLMEngine, tokenizer, config: ServerConfig) -> FastAPI:
-    """The FastAPI app; the engine thread starts with the app and the workers stop with it."""
-    metrics = ServerMetrics()
+def build_app(engine: AsyncLLMEngine, tokenizer, config: ServerConfig, collectors: Sequence[Any] = ()) -> FastAPI:
+    """The FastAPI app; the engine thread starts with the app and the workers stop with it.
+    ``engine`` is one async engine, or a ``ReplicaPool`` of several (same interface);
+    ``collectors`` add their metrics to ``/metrics``."""
+    metrics = ServerMetrics(collectors)
     engine.observe_grammar_compiles(metrics.grammar_compile.observe)
     serving = OpenAIServing(engine, tokenizer, config, metrics)
 
@@ -177,10 +179,18 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.get("/health")
     async def health():
+        """200 while the engine runs; with replicas, 200 and how many serve (``degraded``
+        below the wanted count), 503 when none does."""
         if not engine.is_running:
             return error_response(ApiError(503, f"the engine is not running: {engine.dead_reason}",
                                            type="server_error", code="engine_unavailable"))
-        return Response(status_code=200)
+        report = await engine.health_report()
+        if report is None:
+            return Response(status_code=200)
+        if not report["replicas_serving"]:
+            return error_response(ApiError(503, "no engine replica is serving", type="server_error",
+                                           code="engine_unavailable"))
+        return JSONResponse(report)
 
     @app.get("/metrics")
     async def metrics_page():

@@ -9,7 +9,7 @@ from starlette.requests import Request as HttpRequest
 
 from tpu_executor.core.request import CompletionOutput, RequestOutput
 from tpu_executor.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, bad_request
-from tpu_executor.entrypoints.openai.serving import (OpenAIServing, Prompt, token_ids, token_text, usage,
+from tpu_executor.entrypoints.openai.serving import (OpenAIServing, Prompt, session_of, token_ids, token_text, usage,
                                                     vllm_prompt_logprobs)
 from tpu_executor.entrypoints.openai.tool_parsers import ParsedCall
 from tpu_executor.entrypoints.openai.tools import ToolChoice, conversation_message, tool_call_json
@@ -57,7 +57,8 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
                               grammar_field)
         params, grammar_field = dataclasses.replace(params, structured_outputs=tools.grammar()), "tools"
     await serving.validate(prompt, params, "messages", grammar_field)
-    started = serving.start("chatcmpl", [prompt], [params], ("tools",) if tools.calls_tools else ())
+    started = serving.start("chatcmpl", [prompt], [params], ("tools",) if tools.calls_tools else (),
+                            session_of(body, http))
     builder = _Response(serving, body, prompt, started.request_ids[0], tools)
     return await serving.respond(started, builder, body.stream, http)
 

@@ -8,7 +8,8 @@ from starlette.requests import Request as HttpRequest
 
 from tpu_executor.core.request import CompletionOutput, RequestOutput
 from tpu_executor.entrypoints.openai.protocol import CompletionRequest, bad_request
-from tpu_executor.entrypoints.openai.serving import OpenAIServing, Prompt, token_text, usage, vllm_prompt_logprobs
+from tpu_executor.entrypoints.openai.serving import (OpenAIServing, Prompt, session_of, token_text, usage,
+                                                     vllm_prompt_logprobs)
 
 
 class CompletionLogprobs:
@@ -53,7 +54,7 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, htt
     params = [body.sampling_params(serving.max_tokens_for(p, body.max_tokens), body.logprobs) for p in prompts]
     for prompt, p in zip(prompts, params):
         await serving.validate(prompt, p, "prompt", body.grammar_field())
-    started = serving.start("cmpl", prompts, params)
+    started = serving.start("cmpl", prompts, params, session=session_of(body, http))
     builder = _Response(serving, body, prompts, started.request_ids[0])
     return await serving.respond(started, builder, body.stream, http)
 

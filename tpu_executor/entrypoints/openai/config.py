@@ -49,3 +49,34 @@ class ServerConfig:
         _require(self.tool_call_parser in TOOL_CALL_FORMATS,
                  f"tool_call_parser must be one of {', '.join(TOOL_CALL_FORMATS)}, got {self.tool_call_parser!r}")
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """Engine replicas behind one endpoint (Ray Serve). ``data_parallel_size`` replicas, each
+    an engine on ``tensor_parallel_size`` chips; with ``max_replicas`` above it, Serve's
+    autoscaler keeps between the two, aiming at ``target_ongoing_requests`` in flight per
+    replica. The router sends a request to the replica holding its prompt's prefix (or its
+    session: the ``X-Session-Id`` header, else the body's ``user``) unless that replica has
+    ``imbalance_limit`` more requests in flight than the least busy one.
+    """
+
+    data_parallel_size: int = 1
+    max_replicas: Optional[int] = None
+    target_ongoing_requests: int = 16
+    imbalance_limit: int = 8
+    app_name: str = "tpu_executor"
+
+    def __post_init__(self):
+        for name in ("data_parallel_size", "target_ongoing_requests"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer, got {value!r}")
+        _require(self.imbalance_limit >= 0, f"imbalance_limit must be >= 0, got {self.imbalance_limit}")
+        _require(self.max_replicas is None or self.max_replicas >= self.data_parallel_size,
+                 f"max_replicas ({self.max_replicas}) must be at least data_parallel_size "
+                 f"({self.data_parallel_size}), the autoscaler's minimum")
+        _require(bool(self.app_name), "app_name must not be empty")
+
+    @property
+    def autoscales(self) -> bool:
+        return self.max_replicas is not None and self.max_replicas > self.data_parallel_size

@@ -15,7 +15,7 @@ Each server has a registry of its own, so several servers in one process do not 
 from __future__ import annotations
 
 import time
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -30,40 +30,49 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 
 
 class EngineStatsCollector:
-    """Exposes the last ``EngineStats`` snapshot (set before each scrape)."""
+    """Exposes the last ``EngineStats`` snapshot (set before each scrape): one engine's, or
+    several replicas' by name (each series then has a ``replica`` label)."""
+
+    GAUGES = {
+        "num_requests_running": ("Sequences running on the engine.", lambda s: s.num_running),
+        "num_requests_waiting": ("Sequences waiting to be scheduled.", lambda s: s.num_waiting),
+        "kv_cache_usage_perc": ("Fraction of KV-cache blocks in use (0-1).", lambda s: s.kv_cache_usage),
+        "compiled_graphs": ("Graphs compiled at warm-up.", lambda s: s.graphs_compiled_at_warmup),
+        "compilations_after_warmup": ("Graphs compiled after warm-up (must stay 0).",
+                                      lambda s: s.graphs_compiled_after_warmup),
+    }
+    COUNTERS = {
+        "num_preemptions": ("Preemptions (by recompute).", lambda s: s.num_preemptions),
+        "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries),
+        "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits),
+    }
 
     def __init__(self):
-        self.stats = EngineStats()
+        self.stats: Union[EngineStats, Mapping[str, EngineStats]] = EngineStats()
 
     def collect(self) -> Iterator[Metric]:
-        s = self.stats
-        gauges = {
-            "num_requests_running": ("Sequences running on the engine.", s.num_running),
-            "num_requests_waiting": ("Sequences waiting to be scheduled.", s.num_waiting),
-            "kv_cache_usage_perc": ("Fraction of KV-cache blocks in use (0-1).", s.kv_cache_usage),
-            "compiled_graphs": ("Graphs compiled at warm-up.", s.graphs_compiled_at_warmup),
-            "compilations_after_warmup": ("Graphs compiled after warm-up (must stay 0).",
-                                          s.graphs_compiled_after_warmup),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
-        counters = {
-            "num_preemptions": ("Preemptions (by recompute).", s.num_preemptions),
-            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
-            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
-        }
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        by_replica = self.stats if isinstance(self.stats, Mapping) else None
+        labels = ["replica"] if by_replica is not None else []
+        for kinds, family_class in ((self.GAUGES, GaugeMetricFamily), (self.COUNTERS, CounterMetricFamily)):
+            for name, (doc, value_of) in kinds.items():
+                family = family_class(PREFIX + name, doc, labels=labels)
+                if by_replica is None:
+                    family.add_metric([], value_of(self.stats))
+                else:
+                    for replica, stats in sorted(by_replica.items()):
+                        family.add_metric([replica], value_of(stats))
+                yield family
 
 
 class ServerMetrics:
     """The server's Prometheus registry and the per-request observations."""
 
-    def __init__(self):
+    def __init__(self, collectors: Iterable[Any] = ()):
         disable_created_metrics()  # no ``*_created`` series beside every counter (vLLM does the same)
         self.registry = CollectorRegistry()
         self.engine_stats = EngineStatsCollector()
-        self.registry.register(self.engine_stats)
+        for collector in (self.engine_stats, *collectors):
+            self.registry.register(collector)
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(PREFIX + name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -85,8 +94,8 @@ class ServerMetrics:
         self.grammar_compile = histogram("grammar_compile_seconds",
                                          "Seconds to compile a request's grammar (cached ones are not compiled).")
 
-    def render(self, stats: EngineStats) -> bytes:
-        """The text exposition, with the engine figures of ``stats``."""
+    def render(self, stats: Union[EngineStats, Mapping[str, EngineStats]]) -> bytes:
+        """The text exposition, with the engine figures of ``stats`` (one engine's, or by replica)."""
         self.engine_stats.stats = stats
         return generate_latest(self.registry)
 

@@ -126,16 +126,17 @@ class OpenAIServing:
 
     # ---- running ------------------------------------------------------------------------
     def start(self, kind: str, prompts: Sequence[Prompt], params: Sequence[SamplingParams],
-              features: Sequence[str] = ()) -> Started:
+              features: Sequence[str] = (), session: Optional[str] = None) -> Started:
         """Queue one engine request per prompt on one stream; all or none are queued.
-        ``features``: what the request uses beyond its sampling parameters (metrics)."""
+        ``features``: what the request uses beyond its sampling parameters (metrics);
+        ``session``: the client's session, which a replicated server keeps on one replica."""
         base = f"{kind}-{uuid.uuid4().hex}"
         ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
         arrival, stream = time.monotonic(), RequestStream()
         trackers = {}
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(request_id, prompt.token_ids, p, prompt.text, arrival, stream)
+                self.engine.add_request(request_id, prompt.token_ids, p, prompt.text, arrival, stream, session)
                 trackers[request_id] = self.metrics.tracker(len(prompt.token_ids), arrival, p, features)
         except QueueFullError as err:
             self.engine.abort_stream(stream)
@@ -208,6 +209,11 @@ class OpenAIServing:
         finally:
             self.engine.abort_stream(started.stream)
         yield sse("[DONE]")
+
+
+def session_of(body, http: HttpRequest) -> Optional[str]:
+    """The client's session: the ``X-Session-Id`` header, else the body's ``user``."""
+    return http.headers.get("x-session-id") or getattr(body, "user", None)
 
 
 async def wait_for_disconnect(http: HttpRequest) -> None:

@@ -1,0 +1,148 @@
+"""The Ray Serve application of ``tpu-executor serve --data-parallel-size N``: the engine
+replicas' deployment, the OpenAI ingress in front of them, and the ways to run it (the serve
+command, or ``app_builder`` for ``serve run`` / a KubeRay ``RayService``).
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import threading
+import time
+from typing import Any, Dict
+
+import ray
+from prometheus_client.core import CounterMetricFamily
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from tpu_executor.engine.async_engine import ServedModel
+from tpu_executor.entrypoints.openai import routing
+from tpu_executor.entrypoints.openai.config import ReplicaConfig, ServerConfig
+from tpu_executor.entrypoints.openai.replicas import BOARD_NAMESPACE, EngineReplica, ReplicaPool, board_name
+
+# Seconds between Serve's health checks of a replica: a dead engine is replaced this soon.
+HEALTH_CHECK_PERIOD_S = 2.0
+
+
+class RoutingCollector:
+    """The router's decisions in this process, by reason (session, prefix, least_loaded)."""
+
+    def collect(self):
+        family = CounterMetricFamily("tpu_executor:routed_requests", "Requests routed to a replica, by reason.",
+                                     labels=["reason"])
+        for reason, count in sorted(routing.DECISIONS.items()):
+            family.add_metric([reason], count)
+        yield family
+
+
+class OpenAIIngress:
+    """The HTTP ingress: the single-engine server's app over a ``ReplicaPool``."""
+
+    async def __init__(self, replicas, model_path: str, server: ServerConfig, wanted: int, app_name: str):
+        from transformers import AutoTokenizer
+
+        from tpu_executor.engine.validation import RequestChecks
+
+        config, vocab_size = await replicas.describe.remote()  # waits for a replica to have warmed up
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        served = ServedModel(model_path, config.max_model_len, vocab_size)
+        checks = RequestChecks(config, self.tokenizer, vocab_size)
+        self.pool = ReplicaPool(replicas, served, checks, app_name, wanted)
+        self.server = server
+
+    def __serve_build_asgi_app__(self):
+        from tpu_executor.entrypoints.openai.api_server import build_app
+
+        return build_app(self.pool, self.tokenizer, self.server, collectors=[RoutingCollector()])
+
+
+def replica_deployment_options(engine_options: Dict[str, Any], server: ServerConfig,
+                               replicas: ReplicaConfig) -> Dict[str, Any]:
+    """Serve options of the replicas' deployment: chips as placement-group bundles (a replica
+    of one chip holds it itself), health checks, the router, the replica count or autoscaler."""
+    from tpu_executor.core.config import CacheConfig
+
+    chips = engine_options.get("tensor_parallel_size", 1)
+    options: Dict[str, Any] = dict(
+        ray_actor_options={"num_cpus": 0, **({"resources": {"TPU": 1}} if chips == 1 else {})},
+        health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=60,
+        graceful_shutdown_timeout_s=server.drain_timeout_s, max_ongoing_requests=server.max_waiting_requests,
+        request_router_config=RequestRouterConfig(
+            request_router_class=routing.PrefixAwareRouter,
+            request_router_kwargs={"block_size": engine_options.get("block_size", CacheConfig.block_size),
+                                   "imbalance_limit": replicas.imbalance_limit}))
+    if chips > 1:
+        # PACK keeps a replica's chips on one host whenever one host has them all.
+        options.update(placement_group_bundles=[{"TPU": 1}] * chips, placement_group_strategy="PACK")
+    if replicas.autoscales:
+        options["autoscaling_config"] = {"min_replicas": replicas.data_parallel_size,
+                                         "max_replicas": replicas.max_replicas,
+                                         "target_ongoing_requests": replicas.target_ongoing_requests}
+    else:
+        options["num_replicas"] = replicas.data_parallel_size
+    return options
+
+
+def build_application(model_path: str, engine_options: Dict[str, Any], server: ServerConfig,
+                      replicas: ReplicaConfig):
+    """The Serve application: ``replicas.data_parallel_size`` engines behind one ingress."""
+    engine_options = {k: v for k, v in engine_options.items() if k != "ray_address"}  # replicas are on the cluster
+    replica_class = serve.deployment(name="EngineReplica")(EngineReplica)
+    replica_app = replica_class.options(**replica_deployment_options(engine_options, server, replicas)).bind(
+        model_path, engine_options, server.max_waiting_requests)
+    ingress_class = serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0},
+                                     max_ongoing_requests=100_000)(serve.ingress()(OpenAIIngress))
+    return ingress_class.bind(replica_app, model_path, server, replicas.data_parallel_size, replicas.app_name)
+
+
+def app_builder(args: Dict[str, str]):
+    """``serve run tpu_executor.entrypoints.openai.serve_app:app_builder model=/ckpt
+    data-parallel-size=4 ...`` (and a RayService's ``args``): the serve command's flags as keys."""
+    from tpu_executor.cli import build_parser
+
+    argv = ["serve"] + ([args["model"]] if "model" in args else [])
+    for key, value in args.items():
+        if key != "model":
+            argv += [f"--{key}"] + shlex.split(str(value))
+    parsed = build_parser().parse_args(argv)
+    return application_from_args(parsed)[0]
+
+
+def application_from_args(args: argparse.Namespace):
+    """(application, server config, replica config) of parsed ``serve`` arguments."""
+    from tpu_executor.engine.options import engine_options_from_args
+    from tpu_executor.entrypoints.serve import replica_config, server_config
+    from tpu_executor.tools.default_model import prepare
+
+    model_path = args.model or prepare()
+    server, replicas = server_config(args, model_path), replica_config(args)
+    return build_application(model_path, engine_options_from_args(args), server, replicas), server, replicas
+
+
+def run_replicated(args: argparse.Namespace) -> None:
+    """``tpu-executor serve --data-parallel-size N``: start the application on the Ray cluster,
+    serve until SIGTERM or Ctrl-C, then drain every replica and give the chips back."""
+    app, server, replicas = application_from_args(args)
+    ray.init(address=args.ray_address, log_to_driver=False)
+    serve.start(http_options={"host": server.host, "port": server.port})
+    start = time.perf_counter()
+    serve.run(app, name=replicas.app_name, route_prefix="/", blocking=False)
+    print(f"{replicas.data_parallel_size} replicas ready in {time.perf_counter() - start:.1f} s; serving "
+          f"{server.model_name!r} on http://{server.host}:{server.port}/v1", flush=True)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
+    shutdown(replicas.app_name)
+
+
+def shutdown(app_name: str) -> None:
+    """Drain and delete the application (each replica finishes or aborts its requests within
+    its graceful shutdown timeout), drop its stats board, stop Serve."""
+    serve.delete(app_name)
+    try:
+        ray.kill(ray.get_actor(board_name(app_name), namespace=BOARD_NAMESPACE))
+    except ValueError:
+        pass  # never created
+    serve.shutdown()
