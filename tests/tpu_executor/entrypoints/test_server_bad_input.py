@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from tests.common import live_server, tiny_engine_options
+from tests.common import live_server, replicated_server, tiny_engine_options
 from tpu_executor.engine.llm_engine import LLMEngine
 
 KEY = "secret-key"
@@ -150,10 +150,17 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(checkpoints):
+@pytest.fixture(scope="module", params=["one engine", pytest.param("replicas", marks=pytest.mark.slow)])
+def server(request, checkpoints, tmp_path_factory):
+    """The single-engine server, and the replicated one (two engines behind Ray Serve)."""
+    limits = dict(api_key=KEY, max_body_bytes=64 * 1024)
+    if request.param == "replicas":
+        with replicated_server(str(tmp_path_factory.mktemp("ray")), checkpoints["llama"],
+                               tiny_engine_options(device="cpu"), cluster_nodes=[{"TPU": 2}], **limits) as url:
+            yield url
+        return
     engine = LLMEngine.from_options(checkpoints["llama"], **tiny_engine_options(device="cpu"))
-    with live_server(engine, api_key=KEY, max_body_bytes=64 * 1024) as (url, _):
+    with live_server(engine, **limits) as (url, _):
         yield url
 
 

@@ -5,13 +5,15 @@ other request correct and the KV cache empty."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+import time
 
 import httpx
 import pytest
 
-from tests.common import live_server, run_to_end, tiny_engine_options
+from tests.common import live_server, replicated_server, run_to_end, tiny_engine_options
 from tests.tpu_executor.entrypoints.test_server import wait_until_idle
 from tpu_executor import SamplingParams
 from tpu_executor.core.request import accumulate_deltas
@@ -90,8 +92,42 @@ def test_a_dead_engine_ends_open_streams_and_answers_503(checkpoints):
     assert new.status_code == 503
 
 
+@contextlib.contextmanager
+def soak_server(kind: str, engine, tmp_dir: str):
+    """(base URL, a check that every engine is idle) of the single-engine server over
+    ``engine``, or of two replicas of its checkpoint and options behind Ray Serve."""
+    if kind == "one engine":
+        with live_server(engine) as (url, async_engine):
+            def idle():
+                wait_until_idle(async_engine)
+                assert async_engine.num_open_requests == 0
+                assert not engine.has_unfinished_requests()
+            yield url, idle
+        return
+    engine.shutdown()
+    options = tiny_engine_options(device="cpu", max_num_seqs=8)
+    with replicated_server(tmp_dir, engine.config.model.model, options, cluster_nodes=[{"TPU": 2}]) as url:
+        yield url, lambda: wait_until_replicas_idle(url)
+
+
+def wait_until_replicas_idle(url: str, timeout_s: float = 15.0) -> None:
+    """Until every replica reports no request and no KV block in use (they report each second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        busy = [line for line in text.splitlines() if line.startswith(("tpu_executor:num_requests_running{",
+                "tpu_executor:num_requests_waiting{", "tpu_executor:kv_cache_usage_perc{"))
+                and float(line.split()[-1]) != 0]
+        replicas = [line for line in text.splitlines() if line.startswith("tpu_executor:num_requests_running{")]
+        if len(replicas) == 2 and not busy:
+            return
+        assert time.monotonic() < deadline, busy or text
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
-def test_soak_1000_requests_with_cancellations(checkpoints):
+@pytest.mark.parametrize("kind", ["one engine", "replicas"])
+def test_soak_1000_requests_with_cancellations(checkpoints, kind, tmp_path_factory):
     engine = tiny_engine(checkpoints, max_num_seqs=8)
     rng = random.Random(0)
     vocab = engine.vocab_size
@@ -121,11 +157,9 @@ def test_soak_1000_requests_with_cancellations(checkpoints):
                                      limits=httpx.Limits(max_connections=32)) as client:
             return await asyncio.gather(*[one(client, gate, *p) for p in plan])
 
-    with live_server(engine) as (url, async_engine):
+    with soak_server(kind, engine, str(tmp_path_factory.mktemp("ray"))) as (url, idle):
         results = asyncio.run(soak(url))
-        wait_until_idle(async_engine)
-        assert async_engine.num_open_requests == 0
-        assert not engine.has_unfinished_requests()
+        idle()
     assert results.count("done") + results.count("cancelled") == 1000
     assert 150 <= results.count("cancelled") <= 250
 

@@ -99,14 +99,15 @@ def build_application(model_path: str, engine_options: Dict[str, Any], server: S
 def app_builder(args: Dict[str, str]):
     """``serve run tpu_executor.entrypoints.openai.serve_app:app_builder model=/ckpt
     data-parallel-size=4 ...`` (and a RayService's ``args``): the serve command's flags as keys."""
-    from tpu_executor.cli import build_parser
+    from tpu_executor.entrypoints.serve import add_parser
 
+    parser = argparse.ArgumentParser(prog="tpu-executor")
+    add_parser(parser.add_subparsers())
     argv = ["serve"] + ([args["model"]] if "model" in args else [])
     for key, value in args.items():
         if key != "model":
             argv += [f"--{key}"] + shlex.split(str(value))
-    parsed = build_parser().parse_args(argv)
-    return application_from_args(parsed)[0]
+    return application_from_args(parser.parse_args(argv))[0]
 
 
 def application_from_args(args: argparse.Namespace):
