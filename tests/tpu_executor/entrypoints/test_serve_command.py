@@ -1,17 +1,19 @@
-"""``tpu-executor serve`` as a process: it answers a real client, and SIGTERM drains (stops
-accepting, lets in-flight requests finish within the drain timeout, aborts what outlives it,
-exits cleanly)."""
+"""``tpu-executor serve`` as a process, with one engine and with two replicas behind Ray Serve:
+it answers a real client, and SIGTERM drains (stops accepting, lets in-flight requests finish
+within the drain timeout, aborts what outlives it, exits cleanly)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
-import socket
 import subprocess
 import threading
 import time
 
 import httpx
 import pytest
+
+from tests.common import free_port, ray_session
 
 SERVE_FLAGS = ["--device", "cpu", "--max-model-len", "1024", "--max-num-seqs", "8", "--prefill-buckets", "32",
                "1024", "--decode-buckets", "2", "8", "--decode-context-buckets", "1024",
@@ -24,38 +26,41 @@ pytestmark = pytest.mark.slow  # server processes, each starting an engine
 STOPPED_BY_SIGTERM = (0, -signal.SIGTERM)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture
-def start_server(checkpoints, tmp_path):
+@pytest.fixture(params=["one engine", "replicas"])
+def start_server(request, checkpoints, tmp_path_factory):
+    """Starts ``tpu-executor serve`` (one engine, or two replicas on a simulated Ray cluster)."""
     processes = []
+    tmp_path = tmp_path_factory.mktemp("serve")
+    with contextlib.ExitStack() as stack:
+        replica_flags = []
+        if request.param == "replicas":
+            cluster = stack.enter_context(ray_session(str(tmp_path_factory.mktemp("ray")),
+                                                      cluster_nodes=[{"TPU": 2}]))
+            replica_flags = ["--data-parallel-size", "2", "--ray-address", cluster.address]
+        yield lambda *extra: start(processes, checkpoints["llama"], tmp_path, *replica_flags, *extra)
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
-    def start(*extra):
-        port = free_port()
-        process = subprocess.Popen(["tpu-executor", "serve", checkpoints["llama"], "--port", str(port),
-                                    "--served-model-name", "tiny", *SERVE_FLAGS, *extra], cwd=tmp_path,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        processes.append(process)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    return process, url
-            except httpx.TransportError:
-                time.sleep(0.2)
 
-    yield start
-    for process in processes:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+def start(processes, checkpoint, tmp_path, *extra):
+    port = free_port()
+    process = subprocess.Popen(["tpu-executor", "serve", checkpoint, "--port", str(port),
+                                "--served-model-name", "tiny", *SERVE_FLAGS, *extra], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    processes.append(process)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        assert process.poll() is None, process.stdout.read()
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
 
 
 class Streamer(threading.Thread):
@@ -76,6 +81,9 @@ class Streamer(threading.Thread):
                         self.done = True
                     elif line.startswith("data: "):
                         data = json.loads(line[6:])
+                        if "error" in data:  # ended in band (the server aborted it)
+                            self.error = data["error"]["message"]
+                            continue
                         self.finish_reasons += [c["finish_reason"] for c in data["choices"] if c["finish_reason"]]
                         self.first_chunk.set()
         except httpx.HTTPError as err:
@@ -83,11 +91,15 @@ class Streamer(threading.Thread):
         self.first_chunk.set()
 
 
-def refuses_connections(url: str, timeout_s: float = 10) -> bool:
+def stops_accepting(url: str, timeout_s: float = 10) -> bool:
+    """Whether new requests are turned away within ``timeout_s``: the single-engine server
+    closes its port; the replicated one's proxy answers 404 once the application is draining."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            httpx.get(url + "/health", timeout=1)
+            if httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1},
+                          timeout=5).status_code in (404, 503):
+                return True
         except httpx.ConnectError:
             return True
         except httpx.TransportError:
@@ -102,7 +114,7 @@ def test_sigterm_lets_in_flight_requests_finish(start_server):
     streamer.start()
     assert streamer.first_chunk.wait(60)
     process.send_signal(signal.SIGTERM)
-    assert refuses_connections(url)
+    assert stops_accepting(url)
     streamer.join(120)
     assert streamer.error is None and streamer.done
     assert streamer.finish_reasons == ["length"] * 8

@@ -92,7 +92,8 @@ def build_application(model_path: str, engine_options: Dict[str, Any], server: S
     replica_app = replica_class.options(**replica_deployment_options(engine_options, server, replicas)).bind(
         model_path, engine_options, server.max_waiting_requests)
     ingress_class = serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0},
-                                     max_ongoing_requests=100_000)(serve.ingress()(OpenAIIngress))
+                                     max_ongoing_requests=100_000,
+                                     graceful_shutdown_timeout_s=server.drain_timeout_s)(serve.ingress()(OpenAIIngress))
     return ingress_class.bind(replica_app, model_path, server, replicas.data_parallel_size, replicas.app_name)
 
 
@@ -126,6 +127,7 @@ def run_replicated(args: argparse.Namespace) -> None:
     serve until SIGTERM or Ctrl-C, then drain every replica and give the chips back."""
     app, server, replicas = application_from_args(args)
     ray.init(address=args.ray_address, log_to_driver=False)
+    check_chips(replicas.data_parallel_size, getattr(args, "tensor_parallel_size", None) or 1)
     serve.start(http_options={"host": server.host, "port": server.port})
     start = time.perf_counter()
     serve.run(app, name=replicas.app_name, route_prefix="/", blocking=False)
@@ -135,7 +137,17 @@ def run_replicated(args: argparse.Namespace) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     stop.wait()
+    print("draining the replicas", flush=True)
     shutdown(replicas.app_name)
+
+
+def check_chips(replicas: int, chips_per_replica: int) -> None:
+    """Fail with what to change unless the cluster has the chips for ``replicas`` engines."""
+    needed, held = replicas * chips_per_replica, int(ray.cluster_resources().get("TPU", 0))
+    if held < needed:
+        raise SystemExit(f"{replicas} replicas of {chips_per_replica} chips need {needed} TPU chips but the Ray "
+                         f"cluster has {held}: lower --data-parallel-size or --tensor-parallel-size, or join more "
+                         "TPU hosts (without TPUs, `ray start --head --resources='{\"TPU\": 4}'` simulates 4)")
 
 
 def shutdown(app_name: str) -> None:
