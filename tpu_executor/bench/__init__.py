@@ -2,6 +2,7 @@
 (``hardware.py``: the CPU line every report names; ``profile.py``: where a step's time goes).
 
 ``throughput`` (offline, against transformers), ``serve`` (an OpenAI server under load),
+``replicas`` (the replicated server: scaling over replicas, routing overhead, prefix routing),
 ``host`` (the host's work per engine step), ``chunked-prefill`` (latency while a long prompt
 arrives), ``sampler`` (the sampler, plain and with logits processing), ``structured``
 (JSON-schema outputs against unconstrained ones), ``kernels`` (the Pallas kernels against their
@@ -11,15 +12,15 @@ from __future__ import annotations
 
 import argparse
 
-from tpu_executor.bench import chunked, host, kernels, sampler, serve, structured, throughput
+from tpu_executor.bench import chunked, host, kernels, replicas, sampler, serve, structured, throughput
 
-COMMANDS = (throughput, serve, host, chunked, sampler, structured, kernels)
+COMMANDS = (throughput, serve, replicas, host, chunked, sampler, structured, kernels)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """``bench`` and its subcommands."""
-    parser = subparsers.add_parser("bench", help="benchmarks: offline throughput, a server under load, host work, "
-                                                 "chunked prefill, the sampler, structured outputs, kernels")
+    parser = subparsers.add_parser("bench", help="benchmarks: offline throughput, a server under load, replicas, "
+                                                 "host work, chunked prefill, the sampler, structured outputs, kernels")
     benchmarks = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for module in COMMANDS:
         module.add_parser(benchmarks)

@@ -19,7 +19,7 @@ import time
 from typing import Optional
 
 from tpu_executor.engine.options import HelpFormatter, add_engine_arguments, engine_options_from_args
-from tpu_executor.entrypoints.openai.config import TOOL_CALL_FORMATS
+from tpu_executor.entrypoints.openai.config import ROUTINGS, TOOL_CALL_FORMATS
 from tpu_executor.entrypoints.openai.tool_parsers import format_for_family
 
 API_KEY_ENV = "TPU_EXECUTOR_API_KEY"
@@ -57,6 +57,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                           help="autoscale between --data-parallel-size and this many replicas (default: fixed)")
     replicas.add_argument("--target-ongoing-requests", type=int, default=16,
                           help="the autoscaler's aim: requests in flight per replica")
+    replicas.add_argument("--routing", choices=ROUTINGS, default="prefix",
+                          help="prefix: a request goes to the replica holding its prompt's prefix or its session "
+                               "(X-Session-Id, else `user`); least_loaded: to the least busy replica")
     replicas.add_argument("--imbalance-limit", type=int, default=8,
                           help="requests in flight a replica may have above the least busy one and still "
                                "get the requests whose prefix or session it holds")
@@ -81,7 +84,8 @@ def replica_config(args: argparse.Namespace):
     from tpu_executor.entrypoints.openai.config import ReplicaConfig
 
     return ReplicaConfig(data_parallel_size=args.data_parallel_size, max_replicas=args.max_replicas,
-                         target_ongoing_requests=args.target_ongoing_requests, imbalance_limit=args.imbalance_limit)
+                         target_ongoing_requests=args.target_ongoing_requests, imbalance_limit=args.imbalance_limit,
+                         routing=args.routing)
 
 
 def model_family(model_path: str) -> Optional[str]:

@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 
 # The formats of tool_parsers.py (named here: the config imports nothing of the server).
 TOOL_CALL_FORMATS = ("hermes", "llama3_json", "mistral")
+ROUTINGS = ("prefix", "least_loaded")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -56,15 +57,17 @@ class ReplicaConfig:
     """Engine replicas behind one endpoint (Ray Serve). ``data_parallel_size`` replicas, each
     an engine on ``tensor_parallel_size`` chips; with ``max_replicas`` above it, Serve's
     autoscaler keeps between the two, aiming at ``target_ongoing_requests`` in flight per
-    replica. The router sends a request to the replica holding its prompt's prefix (or its
-    session: the ``X-Session-Id`` header, else the body's ``user``) unless that replica has
-    ``imbalance_limit`` more requests in flight than the least busy one.
+    replica. With ``routing`` "prefix" the router sends a request to the replica holding its
+    prompt's prefix (or its session: the ``X-Session-Id`` header, else the body's ``user``)
+    unless that replica has ``imbalance_limit`` more requests in flight than the least busy
+    one; with "least_loaded" every request goes to the least busy replica.
     """
 
     data_parallel_size: int = 1
     max_replicas: Optional[int] = None
     target_ongoing_requests: int = 16
     imbalance_limit: int = 8
+    routing: str = "prefix"
     app_name: str = "tpu_executor"
 
     def __post_init__(self):
@@ -75,6 +78,7 @@ class ReplicaConfig:
         _require(self.max_replicas is None or self.max_replicas >= self.data_parallel_size,
                  f"max_replicas ({self.max_replicas}) must be at least data_parallel_size "
                  f"({self.data_parallel_size}), the autoscaler's minimum")
+        _require(self.routing in ROUTINGS, f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         _require(bool(self.app_name), "app_name must not be empty")
 
     @property

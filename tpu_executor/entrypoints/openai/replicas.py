@@ -71,21 +71,22 @@ def board_name(app_name: str) -> str:
 
 
 def _board(app_name: str):
-    return ray.remote(StatsBoard).options(name=board_name(app_name), namespace=BOARD_NAMESPACE, get_if_exists=True, num_cpus=0,
-                                          lifetime="detached").remote()
+    return ray.remote(StatsBoard).options(name=board_name(app_name), namespace=BOARD_NAMESPACE, get_if_exists=True,
+                                          num_cpus=0, lifetime="detached").remote()
 
 
 class EngineReplica:
     """One Serve replica: an engine on its chips, served through an ``AsyncLLMEngine`` on this
     actor's event loop."""
 
-    async def __init__(self, model_path: str, engine_options: Dict[str, Any], max_waiting_requests: int):
+    async def __init__(self, model_path: str, engine_options: Dict[str, Any], max_waiting_requests: int,
+                       worker_class: Optional[Any] = None):
         from tpu_executor.engine.async_engine import AsyncLLMEngine
         from tpu_executor.engine.llm_engine import LLMEngine
 
         self._publisher: Optional[asyncio.Task] = None
         self.async_engine: Optional[AsyncLLMEngine] = None
-        options = {"show_progress": False, **engine_options}  # a replica's log is no terminal
+        options = {"show_progress": False, **engine_options, "worker_class": worker_class}  # a log is no terminal
         engine = await asyncio.to_thread(lambda: LLMEngine.from_options(model_path, **options))
         self.async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
         self.async_engine.start()

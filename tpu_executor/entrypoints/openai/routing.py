@@ -42,42 +42,48 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> List[int]:
 
 
 class PrefixAffinity:
-    """Which replica was last sent each prefix (by block hash) and each session, the
-    ``capacity`` most recent of each kept."""
+    """Which replicas were sent each prefix (by block hash; the latest last) and which replica
+    each session's last request went to, the ``capacity`` most recent of each kept."""
 
     def __init__(self, block_size: int, capacity: int = 100_000):
         if block_size < 1 or capacity < 1:
             raise ValueError(f"block_size and capacity must be positive, got {block_size}, {capacity}")
         self.block_size = block_size
         self.capacity = capacity
-        self._prefixes: "collections.OrderedDict[int, Hashable]" = collections.OrderedDict()
+        self._prefixes: "collections.OrderedDict[int, Dict[Hashable, None]]" = collections.OrderedDict()
         self._sessions: "collections.OrderedDict[str, Hashable]" = collections.OrderedDict()
 
     def preferred(self, token_ids: Sequence[int], session: Optional[str],
                   replicas: Sequence[Hashable]) -> "Preference":
         """The replica (among ``replicas``) a request should go to and why: its session's,
-        else the one sent the longest prefix of it, else none."""
+        else the one sent the longest prefix of it most recently, else none."""
         alive = set(replicas)
         if session is not None and self._sessions.get(session) in alive:
             return Preference(self._sessions[session], "session")
         for block_hash in reversed(block_hashes(token_ids, self.block_size)):
-            holder = self._prefixes.get(block_hash)
-            if holder in alive:
-                return Preference(holder, "prefix")
+            holders = [r for r in self._prefixes.get(block_hash, ()) if r in alive]
+            if holders:
+                return Preference(holders[-1], "prefix")
         return Preference(None, "least_loaded")
 
     def record(self, token_ids: Sequence[int], session: Optional[str], replica: Hashable) -> None:
         """``replica`` was sent this request: it now holds the prompt's prefix (and session)."""
         for block_hash in block_hashes(token_ids, self.block_size):
-            _remember(self._prefixes, block_hash, replica, self.capacity)
+            holders = self._prefixes.pop(block_hash, {})
+            holders.pop(replica, None)
+            holders[replica] = None
+            _remember(self._prefixes, block_hash, holders, self.capacity)
         if session is not None:
             _remember(self._sessions, session, replica, self.capacity)
 
     def forget(self, replica: Hashable) -> None:
         """A replica is gone: nothing is routed to it for what it held."""
-        for table in (self._prefixes, self._sessions):
-            for key in [k for k, holder in table.items() if holder == replica]:
-                del table[key]
+        for block_hash in list(self._prefixes):
+            self._prefixes[block_hash].pop(replica, None)
+            if not self._prefixes[block_hash]:
+                del self._prefixes[block_hash]
+        for session in [s for s, holder in self._sessions.items() if holder == replica]:
+            del self._sessions[session]
 
 
 def _remember(table: collections.OrderedDict, key, value, capacity: int) -> None:
@@ -106,16 +112,20 @@ def routing_key(pending: PendingRequest):
 class PrefixAwareRouter(RequestRouter):
     """Ray Serve request router: prefix or session affinity, bounded by load (see the
     module's docstring). ``request_router_kwargs``: ``block_size`` (the engine's KV block),
-    ``imbalance_limit`` (requests in flight)."""
+    ``imbalance_limit`` (requests in flight), ``affinity`` (False: always the least busy)."""
 
-    def initialize_state(self, block_size: int = 16, imbalance_limit: int = 8, capacity: int = 100_000):
+    def initialize_state(self, block_size: int = 16, imbalance_limit: int = 8, capacity: int = 100_000,
+                         affinity: bool = True):
         self.affinity = PrefixAffinity(block_size, capacity)
         self.imbalance_limit = imbalance_limit
+        self.uses_affinity = affinity
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         request = routing_key(pending_request) if pending_request is not None else None
-        if request is None or not candidate_replicas:
+        if request is None or not candidate_replicas or not self.uses_affinity:
+            if request is not None:
+                count_decision("least_loaded")
             return [candidate_replicas]
         by_id = {r.replica_id: r for r in candidate_replicas}
         choice = self.affinity.preferred(request.token_ids, request.session, list(by_id))

@@ -9,7 +9,7 @@ import shlex
 import signal
 import threading
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import ray
 from prometheus_client.core import CounterMetricFamily
@@ -71,7 +71,8 @@ def replica_deployment_options(engine_options: Dict[str, Any], server: ServerCon
         request_router_config=RequestRouterConfig(
             request_router_class=routing.PrefixAwareRouter,
             request_router_kwargs={"block_size": engine_options.get("block_size", CacheConfig.block_size),
-                                   "imbalance_limit": replicas.imbalance_limit}))
+                                   "imbalance_limit": replicas.imbalance_limit,
+                                   "affinity": replicas.routing == "prefix"}))
     if chips > 1:
         # PACK keeps a replica's chips on one host whenever one host has them all.
         options.update(placement_group_bundles=[{"TPU": 1}] * chips, placement_group_strategy="PACK")
@@ -85,12 +86,13 @@ def replica_deployment_options(engine_options: Dict[str, Any], server: ServerCon
 
 
 def build_application(model_path: str, engine_options: Dict[str, Any], server: ServerConfig,
-                      replicas: ReplicaConfig):
-    """The Serve application: ``replicas.data_parallel_size`` engines behind one ingress."""
+                      replicas: ReplicaConfig, worker_class: Optional[Any] = None):
+    """The Serve application: ``replicas.data_parallel_size`` engines behind one ingress.
+    ``worker_class`` swaps in a ``Worker`` maker in every replica (the benchmark's held device)."""
     engine_options = {k: v for k, v in engine_options.items() if k != "ray_address"}  # replicas are on the cluster
     replica_class = serve.deployment(name="EngineReplica")(EngineReplica)
     replica_app = replica_class.options(**replica_deployment_options(engine_options, server, replicas)).bind(
-        model_path, engine_options, server.max_waiting_requests)
+        model_path, engine_options, server.max_waiting_requests, worker_class)
     ingress_class = serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0},
                                      max_ongoing_requests=100_000,
                                      graceful_shutdown_timeout_s=server.drain_timeout_s)(serve.ingress()(OpenAIIngress))
