@@ -96,3 +96,21 @@ def test_a_replicas_request_times_keep_their_durations_on_the_local_clock():
     moved = in_local_time(RequestMetrics(1000.0, 1000.5, 1002.0), arrival_time=7.0)
     assert (moved.arrival_time, moved.first_scheduled_time, moved.first_token_time) == (7.0, 7.5, 9.0)
     assert in_local_time(RequestMetrics(1000.0), 7.0).first_token_time is None
+
+
+def test_the_rayservice_example_builds_the_application():
+    """docs/serving.md's RayService: its import path is ``app_builder`` and its args are flags
+    the serve command takes."""
+    import importlib
+    import pathlib
+    import re
+
+    import yaml
+    from ray.serve import Application
+
+    text = (pathlib.Path(__file__).resolve().parents[3] / "docs" / "serving.md").read_text()
+    service = yaml.safe_load(re.search(r"```yaml\n(.*?)```", text, re.S).group(1))
+    application = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]
+    module, name = application["import_path"].split(":")
+    app = getattr(importlib.import_module(module), name)(application["args"])
+    assert isinstance(app, Application)
