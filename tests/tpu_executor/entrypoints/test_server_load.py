@@ -46,7 +46,8 @@ async def stream_completion(client: httpx.AsyncClient, body, cancel_after=None):
     return text, finish, None
 
 
-def test_a_full_waiting_queue_answers_503_at_once(checkpoints):
+@pytest.mark.parametrize("kind", ["one engine", pytest.param("replicas", marks=pytest.mark.slow)])
+def test_a_full_waiting_queue_answers_503_at_once(checkpoints, kind, tmp_path_factory):
     engine = tiny_engine(checkpoints, max_num_seqs=2)
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 200, "ignore_eos": True}
 
@@ -55,9 +56,10 @@ def test_a_full_waiting_queue_answers_503_at_once(checkpoints):
             responses = await asyncio.gather(*[client.post("/v1/completions", json=body) for _ in range(12)])
         return [r.status_code for r in responses], [r.json() for r in responses if r.status_code != 200]
 
-    with live_server(engine, max_waiting_requests=3) as (url, async_engine):
+    # Two replicas take 3 requests each and 3 more wait for one: the rest are turned away.
+    with soak_server(kind, engine, str(tmp_path_factory.mktemp("ray")), max_waiting_requests=3) as (url, idle):
         statuses, errors = asyncio.run(burst(url))
-        wait_until_idle(async_engine)
+        idle()
     # At least the queue's worth is admitted (more if the engine moved some to running first).
     assert statuses.count(200) >= 3 and statuses.count(503) >= 1, statuses
     assert set(statuses) == {200, 503}
@@ -93,11 +95,11 @@ def test_a_dead_engine_ends_open_streams_and_answers_503(checkpoints):
 
 
 @contextlib.contextmanager
-def soak_server(kind: str, engine, tmp_dir: str):
+def soak_server(kind: str, engine, tmp_dir: str, **server_options):
     """(base URL, a check that every engine is idle) of the single-engine server over
     ``engine``, or of two replicas of its checkpoint and options behind Ray Serve."""
     if kind == "one engine":
-        with live_server(engine) as (url, async_engine):
+        with live_server(engine, **server_options) as (url, async_engine):
             def idle():
                 wait_until_idle(async_engine)
                 assert async_engine.num_open_requests == 0
@@ -105,8 +107,9 @@ def soak_server(kind: str, engine, tmp_dir: str):
             yield url, idle
         return
     engine.shutdown()
-    options = tiny_engine_options(device="cpu", max_num_seqs=8)
-    with replicated_server(tmp_dir, engine.config.model.model, options, cluster_nodes=[{"TPU": 2}]) as url:
+    options = tiny_engine_options(device="cpu", max_num_seqs=engine.config.scheduler.max_num_seqs)
+    with replicated_server(tmp_dir, engine.config.model.model, options, cluster_nodes=[{"TPU": 2}],
+                           **server_options) as url:
         yield url, lambda: wait_until_replicas_idle(url)
 
 

@@ -19,10 +19,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import ray
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 
 from tpu_executor.core.request import RequestMetrics
 from tpu_executor.core.sampling_params import SamplingParams
-from tpu_executor.engine.async_engine import RequestStream, ServedModel
+from tpu_executor.engine.async_engine import QueueFullError, RequestStream, ServedModel
 from tpu_executor.engine.llm_engine import EngineDeadError
 from tpu_executor.engine.stats import EngineStats
 from tpu_executor.entrypoints.openai.config import ReplicaConfig, ServerConfig
@@ -142,8 +143,10 @@ class ReplicaPool:
     deployment. Requests are checked here (with the replicas' config) and streamed from the
     replica the router picks; aborting one cancels its call, which aborts it on the replica."""
 
-    def __init__(self, handle, served: ServedModel, checks, app_name: str, replicas_wanted: int):
+    def __init__(self, handle, served: ServedModel, checks, app_name: str, replicas_wanted: int,
+                 max_waiting_requests: int):
         self.handle = handle.options(stream=True)
+        self.max_waiting_requests = max_waiting_requests
         self.served, self.checks, self.replicas_wanted = served, checks, replicas_wanted
         self.board = _board(app_name)
         self.dead_reason: Optional[str] = None
@@ -189,6 +192,9 @@ class ReplicaPool:
                 stream.put(delta)
         except asyncio.CancelledError:
             raise
+        except BackPressureError:
+            stream.put(QueueFullError(f"the waiting queue is full (every replica busy and {self.max_waiting_requests} "
+                                      "requests waiting for one); retry later"))
         except Exception as err:  # noqa: BLE001 - the replica died or failed: the stream says so
             cause = getattr(err, "cause", None) or err
             stream.put(EngineDeadError(f"the replica serving this request failed: {type(cause).__name__}: "

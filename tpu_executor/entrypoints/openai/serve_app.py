@@ -48,7 +48,7 @@ class OpenAIIngress:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         served = ServedModel(model_path, config.max_model_len, vocab_size)
         checks = RequestChecks(config, self.tokenizer, vocab_size)
-        self.pool = ReplicaPool(replicas, served, checks, app_name, wanted)
+        self.pool = ReplicaPool(replicas, served, checks, app_name, wanted, server.max_waiting_requests)
         self.server = server
 
     def __serve_build_asgi_app__(self):
@@ -68,6 +68,8 @@ def replica_deployment_options(engine_options: Dict[str, Any], server: ServerCon
         ray_actor_options={"num_cpus": 0, **({"resources": {"TPU": 1}} if chips == 1 else {})},
         health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=60,
         graceful_shutdown_timeout_s=server.drain_timeout_s, max_ongoing_requests=server.max_waiting_requests,
+        # Requests no replica can take wait at the ingress up to this many, then get 503.
+        max_queued_requests=server.max_waiting_requests,
         request_router_config=RequestRouterConfig(
             request_router_class=routing.PrefixAwareRouter,
             request_router_kwargs={"block_size": engine_options.get("block_size", CacheConfig.block_size),

@@ -55,6 +55,10 @@ def engine_unavailable(reason: str) -> ApiError:
     return ApiError(503, f"the engine is not available: {reason}", type="server_error", code="engine_unavailable")
 
 
+def queue_full(err: QueueFullError) -> ApiError:
+    return ApiError(503, str(err), type="server_error", code="queue_full")
+
+
 def sse(payload: Union[str, Dict[str, Any]]) -> str:
     """One server-sent event in OpenAI's framing."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
@@ -140,7 +144,7 @@ class OpenAIServing:
                 trackers[request_id] = self.metrics.tracker(len(prompt.token_ids), arrival, p, features)
         except QueueFullError as err:
             self.engine.abort_stream(stream)
-            raise ApiError(503, str(err), type="server_error", code="queue_full") from None
+            raise queue_full(err) from None
         except EngineDeadError as err:
             self.engine.abort_stream(stream)
             raise engine_unavailable(str(err)) from None
@@ -178,6 +182,8 @@ class OpenAIServing:
             raise asyncio.CancelledError("client disconnected")
         try:
             totals = work.result()
+        except QueueFullError as err:  # a replicated server learns it after the request was sent
+            raise queue_full(err) from None
         except EngineDeadError as err:
             raise engine_unavailable(str(err)) from None
         outputs = [totals[i] for i in started.request_ids]
@@ -201,6 +207,8 @@ class OpenAIServing:
                 yield sse(chunk)
         except ApiError as err:
             yield sse(err.body())
+        except QueueFullError as err:
+            yield sse(queue_full(err).body())
         except EngineDeadError as err:
             yield sse(engine_unavailable(str(err)).body())
         except Exception:  # noqa: BLE001 - the client gets a message, the log gets the trace
