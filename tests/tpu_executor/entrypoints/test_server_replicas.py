@@ -1,8 +1,8 @@
 """The replicated server (Ray Serve) over a simulated cluster, read by HTTP clients: greedy
 outputs equal one offline engine's; requests spread over the replicas; requests sharing a long
-prefix, or a session, stay on one replica and hit its prefix cache; a replica that dies fails
-only its own streams, /health says degraded until Serve has replaced it; tensor-parallel
-replicas keep their ranks on one host; every chip comes back at shutdown."""
+prefix, or a session, stay on one replica and hit its prefix cache; ``bench serve`` loads it as
+it is; a replica that dies fails only its own streams, /health says degraded until Serve has
+replaced it."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +13,7 @@ from typing import Dict
 import httpx
 import pytest
 
-from tests.common import mixed_prompts, replicated_server, run_to_end, tensor_parallel_options, tiny_engine_options
+from tests.common import mixed_prompts, replicated_server, run_to_end, tiny_engine_options
 from tests.tpu_executor.entrypoints.test_server_load import stream_completion
 from tpu_executor import SamplingParams
 from tpu_executor.core.request import accumulate_deltas
@@ -111,6 +111,16 @@ def test_a_session_stays_on_one_replica(served):
     assert routed(served, "session") - session_before == 4
 
 
+def test_bench_serve_loads_the_replicated_server_unchanged(served):
+    from tpu_executor.bench.serve import random_workload, run_load, summarize
+
+    workload = random_workload(8, 12, 6, 0.5, 400, seed=2)
+    results, seconds = asyncio.run(run_load(served, "tiny", None, workload, float("inf"), 1.0, None, 0))
+    summary = summarize(results, seconds, workload, {})
+    assert summary["completed"] == 8 and summary["failed"] == 0
+    assert [r.output_tokens for r in results] == [n for _, n in workload]
+
+
 def test_a_dead_replica_fails_its_own_streams_and_is_replaced(served):
     import ray
 
@@ -133,29 +143,3 @@ def test_a_dead_replica_fails_its_own_streams_and_is_replaced(served):
     assert wait_for_health(served, "degraded")["replicas_serving"] == 1
     assert wait_for_health(served, "ok", timeout_s=180)["replicas_serving"] == 2
     assert complete(served, [1, 2, 3], max_tokens=4)["choices"][0]["finish_reason"] == "length"
-
-
-def test_tensor_parallel_replicas_keep_their_ranks_on_one_host_and_give_the_chips_back(tmp_path_factory,
-                                                                                          checkpoints):
-    import ray
-    from ray import serve
-
-    prompts = mixed_prompts(4, 5, 40, vocab=500, seed=8)
-    options = tensor_parallel_options(device="cpu", tensor_parallel_size=2)
-    expected = offline_texts(checkpoints["llama"], prompts, **tensor_parallel_options(device="cpu"))
-    with replicated_server(str(tmp_path_factory.mktemp("ray")), checkpoints["llama"], options,
-                           cluster_nodes=[{"TPU": 2}, {"TPU": 2}]) as url:
-        wait_for_health(url, "ok", timeout_s=240)
-        texts = [complete(url, p)["choices"][0]["text"] for p in prompts]
-        groups = [g for g in ray.util.placement_group_table().values()
-                  if g["state"] == "CREATED" and [b.get("TPU") for b in g["bundles"].values()] == [1.0, 1.0]]
-        assert len(groups) == 2
-        assert all(len(set(g["bundles_to_node_id"].values())) == 1 for g in groups), groups
-        assert {n for g in groups for n in g["bundles_to_node_id"].values()} == {
-            n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        assert texts == expected
-        serve.delete("tpu_executor")  # drains the replicas; their workers and chips go back
-        deadline = time.monotonic() + 60
-        while ray.available_resources().get("TPU", 0) < 4:
-            assert time.monotonic() < deadline, ray.available_resources()
-            time.sleep(0.5)
