@@ -121,17 +121,32 @@ def test_bench_serve_loads_the_replicated_server_unchanged(served):
     assert [r.output_tokens for r in results] == [n for _, n in workload]
 
 
+async def replicas_running_requests(client: httpx.AsyncClient, timeout_s: float = 15.0):
+    """The replicas that report requests running, once two do (they report each second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = (await client.get("/metrics")).text
+        busy = re.findall(r'^tpu_executor:num_requests_running{replica="([^"]+)"} ([1-9]\S*)$', text, re.M)
+        if len(busy) == 2 or time.monotonic() > deadline:
+            return [replica for replica, _ in busy]
+        await asyncio.sleep(0.2)
+
+
 def test_a_dead_replica_fails_its_own_streams_and_is_replaced(served):
     import ray
 
-    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 150, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 300, "ignore_eos": True}
 
     async def stream_then_kill():
         async with httpx.AsyncClient(base_url=served, timeout=120) as client:
-            streams = [asyncio.ensure_future(stream_completion(client, body)) for _ in range(4)]
-            await asyncio.sleep(1.0)
+            streams = []
+            for _ in range(4):  # one at a time, so that the least busy replica alternates
+                streams.append(asyncio.ensure_future(stream_completion(client, body)))
+                await asyncio.sleep(0.3)
+            busy = await replicas_running_requests(client)
+            assert len(busy) == 2, f"the streams did not spread over both replicas: {busy}"
             victim = next(a for a in ray.util.list_named_actors(all_namespaces=True)
-                          if "EngineReplica" in a["name"])
+                          if a["name"].endswith("#" + busy[0]))
             ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
             return await asyncio.gather(*streams)
 

@@ -122,9 +122,10 @@ class EngineReplica:
             raise RuntimeError(f"the engine of replica {self.name} died: {self.async_engine.dead_reason}")
 
     async def __del__(self):
-        """Serve's graceful shutdown: abort what is left, release the workers."""
+        """Serve's graceful shutdown: leave the board, abort what is left, release the workers."""
         if self._publisher is not None:
             self._publisher.cancel()
+            await self.board.remove.remote(self.name)
         if self.async_engine is not None:
             await self.async_engine.shutdown()
 

@@ -19,6 +19,7 @@ from ray.serve.config import RequestRouterConfig
 from tpu_executor.engine.async_engine import ServedModel
 from tpu_executor.entrypoints.openai import routing
 from tpu_executor.entrypoints.openai.config import ReplicaConfig, ServerConfig
+from tpu_executor.entrypoints.openai.metrics import PREFIX
 from tpu_executor.entrypoints.openai.replicas import BOARD_NAMESPACE, EngineReplica, ReplicaPool, board_name
 
 # Seconds between Serve's health checks of a replica: a dead engine is replaced this soon.
@@ -29,7 +30,7 @@ class RoutingCollector:
     """The router's decisions in this process, by reason (session, prefix, least_loaded)."""
 
     def collect(self):
-        family = CounterMetricFamily("tpu_executor:routed_requests", "Requests routed to a replica, by reason.",
+        family = CounterMetricFamily(PREFIX + "routed_requests", "Requests routed to a replica, by reason.",
                                      labels=["reason"])
         for reason, count in sorted(routing.DECISIONS.items()):
             family.add_metric([reason], count)
