@@ -269,3 +269,11 @@ def replicated_server(tmp_dir: str, checkpoint: str, engine_options, cluster_nod
             yield f"http://{server.host}:{server.port}"
         finally:
             shutdown(replicas.app_name)
+
+
+def replica_figures(metrics_text: str, metric: str):
+    """``tpu_executor:<metric>`` of each replica (by its label) in a /metrics page."""
+    import re
+
+    pattern = re.compile(rf'^tpu_executor:{metric}{{replica="([^"]+)"}} (\S+)$', re.M)
+    return {replica: float(value) for replica, value in pattern.findall(metrics_text)}

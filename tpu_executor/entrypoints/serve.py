@@ -98,7 +98,7 @@ def model_family(model_path: str) -> Optional[str]:
 
 
 def run(args: argparse.Namespace) -> None:
-    if replica_config(args).data_parallel_size > 1 or args.max_replicas is not None:
+    if replica_config(args).replicated:
         from tpu_executor.entrypoints.openai.serve_app import run_replicated
 
         return run_replicated(args)

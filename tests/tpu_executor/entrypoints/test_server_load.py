@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.common import live_server, replicated_server, run_to_end, tiny_engine_options
+from tests.common import live_server, replica_figures, replicated_server, run_to_end, tiny_engine_options
 from tests.tpu_executor.entrypoints.test_server import wait_until_idle
 from tpu_executor import SamplingParams
 from tpu_executor.core.request import accumulate_deltas
@@ -118,11 +118,10 @@ def wait_until_replicas_idle(url: str, timeout_s: float = 15.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         text = httpx.get(url + "/metrics", timeout=30).text
-        busy = [line for line in text.splitlines() if line.startswith(("tpu_executor:num_requests_running{",
-                "tpu_executor:num_requests_waiting{", "tpu_executor:kv_cache_usage_perc{"))
-                and float(line.split()[-1]) != 0]
-        replicas = [line for line in text.splitlines() if line.startswith("tpu_executor:num_requests_running{")]
-        if len(replicas) == 2 and not busy:
+        figures = {metric: replica_figures(text, metric)
+                   for metric in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
+        busy = {metric: values for metric, values in figures.items() if any(values.values())}
+        if len(figures["num_requests_running"]) == 2 and not busy:
             return
         assert time.monotonic() < deadline, busy or text
         time.sleep(0.5)

@@ -13,7 +13,7 @@ from typing import Dict
 import httpx
 import pytest
 
-from tests.common import mixed_prompts, replicated_server, run_to_end, tiny_engine_options
+from tests.common import mixed_prompts, replica_figures, replicated_server, run_to_end, tiny_engine_options
 from tests.tpu_executor.entrypoints.test_server_load import stream_completion
 from tpu_executor import SamplingParams
 from tpu_executor.core.request import accumulate_deltas
@@ -35,9 +35,7 @@ def offline_texts(checkpoint, prompts, max_tokens=12, **options):
 
 def by_replica(url: str, metric: str) -> Dict[str, float]:
     """``tpu_executor:<metric>`` of each replica, from /metrics."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    pattern = re.compile(rf'^tpu_executor:{metric}{{replica="([^"]+)"}} (\S+)$', re.M)
-    return {replica: float(value) for replica, value in pattern.findall(text)}
+    return replica_figures(httpx.get(url + "/metrics", timeout=30).text, metric)
 
 
 def routed(url: str, reason: str) -> float:
@@ -125,10 +123,10 @@ async def replicas_running_requests(client: httpx.AsyncClient, timeout_s: float 
     """The replicas that report requests running, once two do (they report each second)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        text = (await client.get("/metrics")).text
-        busy = re.findall(r'^tpu_executor:num_requests_running{replica="([^"]+)"} ([1-9]\S*)$', text, re.M)
+        running = replica_figures((await client.get("/metrics")).text, "num_requests_running")
+        busy = [replica for replica, count in running.items() if count > 0]
         if len(busy) == 2 or time.monotonic() > deadline:
-            return [replica for replica, _ in busy]
+            return busy
         await asyncio.sleep(0.2)
 
 

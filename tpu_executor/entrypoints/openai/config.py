@@ -82,5 +82,10 @@ class ReplicaConfig:
         _require(bool(self.app_name), "app_name must not be empty")
 
     @property
+    def replicated(self) -> bool:
+        """Whether this is the replicated server (else the single-engine one)."""
+        return self.data_parallel_size > 1 or self.max_replicas is not None
+
+    @property
     def autoscales(self) -> bool:
         return self.max_replicas is not None and self.max_replicas > self.data_parallel_size

@@ -198,8 +198,9 @@ class ReplicaPool:
                                       "requests waiting for one); retry later"))
         except Exception as err:  # noqa: BLE001 - the replica died or failed: the stream says so
             cause = getattr(err, "cause", None) or err
+            first_line = next(iter(str(cause).splitlines()), "")  # not the remote traceback
             stream.put(EngineDeadError(f"the replica serving this request failed: {type(cause).__name__}: "
-                                       f"{str(cause).splitlines()[0] if str(cause) else ''}"))
+                                       f"{first_line}"))
         finally:
             self._calls.pop(request.request_id, None)
             self._streams.pop(request.request_id, None)
