@@ -38,6 +38,11 @@ def is_xla_tensor(tensor) -> bool:
     return isinstance(tensor, torch.Tensor) and tensor.device.type == "xla"
 
 
+def is_jax_tensor(tensor) -> bool:
+    """A torchax tensor (the JAX path): traced under ``jax.jit``, its values never on the host."""
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "jax"
+
+
 def on_xla_if_fits(problem_fn: Callable) -> Callable[..., bool]:
     """A provider's ``supports_args``: XLA tensors whose shapes ``problem_fn`` finds no fault in."""
     def supports_args(first, *args, **kwargs):
@@ -46,9 +51,9 @@ def on_xla_if_fits(problem_fn: Callable) -> Callable[..., bool]:
 
 
 def eager_only(*args, **kwargs) -> bool:
-    """A provider's ``supports_args`` for data-dependent eager code: untraced, non-XLA calls
-    (the native path), where reading a tensor's values on the host is allowed."""
-    return not torch.compiler.is_compiling() and not any(is_xla_tensor(a) for a in args)
+    """A provider's ``supports_args`` for data-dependent eager code: untraced calls on a torch
+    device (the native path), where reading a tensor's values on the host is allowed."""
+    return not torch.compiler.is_compiling() and not any(is_xla_tensor(a) or is_jax_tensor(a) for a in args)
 
 
 def first_problem(*checks: Callable[[], None]) -> Optional[str]:

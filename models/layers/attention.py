@@ -57,8 +57,14 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         torch.ops.xla.dynamo_set_buffer_donor_(v_cache, True)
     head_offsets = torch.arange(kv_heads, device=k.device)[:, None] * (num_blocks * block_size)
     index = (head_offsets + slot_mapping[None, :]).reshape(-1)
-    k_cache.view(-1, head_dim).index_copy_(0, index, k.transpose(0, 1).reshape(-1, head_dim))
-    v_cache.view(-1, head_dim).index_copy_(0, index, v.transpose(0, 1).reshape(-1, head_dim))
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        rows = new.transpose(0, 1).reshape(-1, head_dim)
+        if cache.device.type == "jax":
+            # torchax's view() is a copy, so an in-place write through it would be lost: the
+            # whole tensor is replaced instead (in place all the same: the JAX path donates it).
+            cache.copy_(cache.reshape(-1, head_dim).index_copy(0, index, rows).reshape(cache.shape))
+        else:
+            cache.view(-1, head_dim).index_copy_(0, index, rows)
 
 
 def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,

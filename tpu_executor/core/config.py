@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional, Tuple
 
 # "xla": compiled graphs through torch_xla; any other torch device runs the native eager path.
-DEVICE_PATTERN = re.compile(r"^(xla|cpu|cuda(:\d+)?)$")
+DEVICE_PATTERN = re.compile(r"^(xla|jax|cpu|cuda(:\d+)?)$")
 DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("int8",)
 
@@ -156,19 +156,30 @@ class CompileConfig:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """``"xla"`` runs compiled graphs through torch_xla (TPU, or XLA's CPU backend); a torch
-    device (``"cpu"``, ``"cuda"``, ``"cuda:1"``) runs the native eager path there."""
+    """``"xla"`` runs compiled graphs through torch_xla (TPU, or XLA's CPU backend); ``"jax"``
+    traces the same model through torchax and compiles it with ``jax.jit`` (a persistent
+    compile cache that loads, SPMD tensor parallelism); a torch device (``"cpu"``, ``"cuda"``,
+    ``"cuda:1"``) runs the native eager path there."""
 
-    device: str = option("xla", "xla (TPU or XLA's CPU backend), or a torch device for the native "
-                                "eager path: cpu, cuda, cuda:N")
+    device: str = option("xla", "xla (torch_xla: TPU or XLA's CPU backend), jax (torchax + jax.jit), "
+                                "or a torch device for the native eager path: cpu, cuda, cuda:N")
 
     def __post_init__(self):
         _require(isinstance(self.device, str) and DEVICE_PATTERN.match(self.device) is not None,
-                 f"device must be 'xla', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+                 f"device must be 'xla', 'jax', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 
     @property
     def is_xla(self) -> bool:
         return self.device == "xla"
+
+    @property
+    def is_jax(self) -> bool:
+        return self.device == "jax"
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the path compiles graphs per bucket (XLA and JAX) or runs eagerly."""
+        return self.device in ("xla", "jax")
 
 
 @dataclass(frozen=True)
@@ -222,6 +233,15 @@ class EngineConfig:
                  f"max_num_batched_tokens {self.scheduler.max_num_batched_tokens} is below "
                  f"max_model_len {self.max_model_len}: a full-length prompt could never run "
                  "(enable chunked prefill, or raise max_num_batched_tokens)")
+        _require(not (self.device.is_jax and self.parallel.ray_address is not None),
+                 "device 'jax' runs one process over this host's chips (SPMD); it does not start Ray "
+                 "workers: leave ray_address unset")
+
+    @property
+    def uses_ray(self) -> bool:
+        """Workers in Ray actors: tensor parallelism over chips with a worker each, or a named
+        cluster. The JAX path shards over this host's chips from one process (SPMD)."""
+        return self.parallel.uses_ray and not self.device.is_jax
 
     @property
     def max_blocks_per_seq(self) -> int:

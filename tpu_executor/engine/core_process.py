@@ -179,7 +179,7 @@ def core_config(config: EngineConfig) -> EngineConfig:
     joins the cluster its process is connected to: for a spawned core that is the cluster the
     front-end's process is connected to, so it is named by address."""
     ray = sys.modules.get("ray")  # connected only if already imported: never import Ray for this
-    if not config.parallel.uses_ray or config.parallel.ray_address is not None or ray is None \
+    if not config.uses_ray or config.parallel.ray_address is not None or ray is None \
             or not ray.is_initialized():
         return config
     parallel = dataclasses.replace(config.parallel, ray_address=ray.get_runtime_context().gcs_address)

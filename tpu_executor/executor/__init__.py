@@ -12,7 +12,7 @@ from tpu_executor.executor.uniproc import UniprocExecutor
 
 def executor_class_for(config: EngineConfig) -> type:
     """Ray actors for tensor parallelism (or when a Ray cluster is named), else in-process."""
-    if config.parallel.uses_ray:
+    if config.uses_ray:
         from tpu_executor.executor.ray_executor import RayExecutor
 
         return RayExecutor

@@ -2,14 +2,16 @@
 
 XLA compiles one graph per input shape, so every dynamic size is padded up to a bucket of the
 plan (``core/buckets.py``) and every graph of the plan is compiled at start-up. After warm-up
-the guard reads torch_xla's ``UncachedCompile`` counter and dynamo's graph count: any growth
+the guard reads the path's compile counters (torch_xla's ``UncachedCompile`` and dynamo's
+graph count; on the JAX path, JAX's compile events less its persistent-cache hits): any growth
 means a shape escaped the buckets. Strict mode raises; default mode logs each time.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Tuple
+import threading
+from typing import Callable, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,48 @@ def compile_counts() -> Tuple[int, int]:
     return int(xla), int(dynamo)
 
 
+class JaxCompileEvents:
+    """JAX's compile events in this process: programs compiled by XLA, programs loaded from
+    the persistent cache instead, and the seconds both took (``jax.monitoring`` listeners)."""
+
+    def __init__(self):
+        self.compiled = 0
+        self.cache_hits = 0
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+
+    def counts(self) -> Tuple[int, int]:
+        """(programs compiled, 0): the guard's pair of counters."""
+        return self.compiled, 0
+
+    def _on_event(self, event: str, **_) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            with self._lock:
+                self.cache_hits += 1
+                self.compiled -= 1  # the compile event that wraps the load counted it
+
+    def _on_duration(self, event: str, seconds: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            with self._lock:
+                self.compiled += 1
+                self.seconds += seconds
+
+
+_JAX_EVENTS: Optional[JaxCompileEvents] = None
+
+
+def jax_compile_events() -> JaxCompileEvents:
+    """The process's JAX compile counters (listening starts on the first call)."""
+    global _JAX_EVENTS
+    if _JAX_EVENTS is None:
+        import jax.monitoring
+
+        _JAX_EVENTS = JaxCompileEvents()
+        jax.monitoring.register_event_listener(_JAX_EVENTS._on_event)
+        jax.monitoring.register_event_duration_secs_listener(_JAX_EVENTS._on_duration)
+    return _JAX_EVENTS
+
+
 class CompileGuard:
     """Counts the compilations that happen inside this runner's steps after warm-up.
 
@@ -35,9 +79,10 @@ class CompileGuard:
     calls (another engine in the same process compiling in between does not count).
     """
 
-    def __init__(self, strict: bool, enabled: bool = True):
+    def __init__(self, strict: bool, enabled: bool = True, counts: Callable[[], Tuple[int, int]] = compile_counts):
         self.strict = strict
         self.enabled = enabled  # False on the native path: nothing compiles, torch_xla stays unloaded
+        self.counts = counts
         self.warmed_up = False
         self.compiled_during_warmup = 0
         self.compiled_after_warmup = 0
@@ -45,11 +90,11 @@ class CompileGuard:
 
     def begin_warmup(self) -> None:
         if self.enabled:
-            self._warmup_start = compile_counts()
+            self._warmup_start = self.counts()
 
     def end_warmup(self) -> None:
         if self.enabled:
-            self.compiled_during_warmup = compile_counts()[0] - self._warmup_start[0]
+            self.compiled_during_warmup = self.counts()[0] - self._warmup_start[0]
         self.warmed_up = True
 
     @contextlib.contextmanager
@@ -58,11 +103,11 @@ class CompileGuard:
         if not self.enabled:
             yield
             return
-        before = compile_counts()
+        before = self.counts()
         yield
         if not self.warmed_up:
             return
-        after = compile_counts()
+        after = self.counts()
         new = (after[0] - before[0]) + (after[1] - before[1])
         if new == 0:
             return

@@ -13,6 +13,7 @@ decode inputs on the device, through the token feed (``worker/token_feed.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
@@ -30,7 +31,7 @@ from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.step import (DecodeWork, ModelRunnerOutput, PaddingStats, PrefillWork, SampledTokens,
                                      SamplingMeta, SchedulerOutput)
-from tpu_executor.worker.compile_guard import CompileGuard
+from tpu_executor.worker.compile_guard import CompileGuard, compile_counts, jax_compile_events
 from tpu_executor.worker.decode_batch import PersistentDecodeBatch
 from tpu_executor.worker.inputs import prefill_inputs, sampling_tensors, to_device
 from tpu_executor.worker.logits_processing import (ProcessingSlots, donate, empty_processing_tensors, fill_slots,
@@ -48,15 +49,21 @@ KVCaches = List[Tuple[torch.Tensor, torch.Tensor]]
 class ModelRunner:
     """Runs scheduled work on one device and returns one sampled token per request."""
 
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device):
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device, runtime=None):
         self.config = config
         self.model = model
         self.device = device
+        self.runtime = runtime  # the JAX path's JaxRuntime (worker/jax_runtime.py), else None
         self.plan = BucketPlan.from_config(config)
         self.block_size = config.cache.block_size
         self.kv_caches: KVCaches = []
-        compiled = device.type == "xla"
-        self.guard = CompileGuard(config.compile.strict, enabled=compiled)
+        compiled = device.type in ("xla", "jax")
+        self.guard = CompileGuard(config.compile.strict, enabled=compiled, counts=self._compile_counter())
+        self.jax_graphs = None
+        if runtime is not None:
+            from tpu_executor.worker.jax_graphs import JaxGraphs  # imports JAX and torchax
+
+            self.jax_graphs = JaxGraphs(model, runtime.env)
         self.padding = PaddingStats()
         self.timer = NullPhaseTimer()  # see LLMEngine.attach_phase_timer
         # On XLA a call only queues work: reading tokens back can wait for the next launch.
@@ -65,7 +72,7 @@ class ModelRunner:
         self.processing = ProcessingSlots(config.scheduler.max_num_seqs, model.config.vocab_size, device)
         self.decode_batch = PersistentDecodeBatch(self.plan.decode_row_buckets[-1],
                                                   self.plan.decode_context_block_buckets[-1])
-        if compiled:
+        if device.type == "xla":
             _raise_dynamo_limits(len(self.plan.graphs()))
         # Host-side collectives (gloo on CPU) split the model step into one graph per piece
         # between collectives; each piece is still compiled once per bucket.
@@ -77,11 +84,21 @@ class ModelRunner:
         self._fill_fn = self._compile(self._fill_step, compiled, True)
         self._prompt_logprobs_fn = self._compile(partial(prompt_logprobs_step, model), compiled, one_graph)
 
-    @staticmethod
-    def _compile(fn, compiled: bool, fullgraph: bool):
+    def _compile(self, fn, compiled: bool, fullgraph: bool):
         if not compiled:
             return fn
+        if self.jax_graphs is not None:
+            return self.jax_graphs.function(fn)
         return torch.compile(fn, backend="openxla", fullgraph=fullgraph, dynamic=False)
+
+    def _compile_counter(self):
+        if self.runtime is None:
+            return compile_counts
+        return jax_compile_events().counts
+
+    def device_context(self):
+        """Where the runner's torch code runs: torchax's environment on the JAX path."""
+        return self.runtime.context() if self.runtime is not None else contextlib.nullcontext()
 
     def bind_kv_caches(self, kv_caches: KVCaches) -> None:
         """The per-layer K/V pages every later step reads and writes in place."""
@@ -161,7 +178,7 @@ class ModelRunner:
     def _run_fn(self, fn, host_inputs: Dict[str, torch.Tensor], phase: str, **static):
         """Copy ``host_inputs`` to the device and call ``fn`` on them (timed as ``phase``)."""
         with self.timer.phase("transfer"):
-            inputs = to_device(host_inputs, self.device)
+            inputs = self.runtime.put(host_inputs) if self.runtime is not None else to_device(host_inputs, self.device)
         with self.timer.phase(phase):
             return fn(**inputs, **static)
 

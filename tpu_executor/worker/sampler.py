@@ -6,17 +6,16 @@ whatever else is in its batch and whichever bucket pads it, and no RNG state liv
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 _MASK32 = 0xFFFFFFFF
 
 
-@dataclass
-class SamplerOutput:
-    """Sampled ids ``[B]``, their log-probs ``[B]`` and the top-N ``[B, N]`` (None if N == 0)."""
+class SamplerOutput(NamedTuple):
+    """Sampled ids ``[B]``, their log-probs ``[B]`` and the top-N ``[B, N]`` (None if N == 0).
+    A named tuple: a pytree node for ``jax.jit`` as for torch.compile."""
 
     token_ids: torch.Tensor
     token_logprobs: torch.Tensor

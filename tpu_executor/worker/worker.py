@@ -5,6 +5,7 @@ environment variables. Executors call the methods named in ``executor/base.py``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -51,6 +52,7 @@ class Worker:
         self.weight_bytes = 0
         self.kv_cache_bytes = 0
         self.runner: Optional[ModelRunner] = None
+        self.jax = None  # the JAX path's JaxRuntime (device, mesh, torchax environment)
         self._launched: Deque[LaunchedStep] = collections.deque()  # launched, not yet collected
 
     @property
@@ -62,6 +64,8 @@ class Worker:
         """Pick the device and start its runtime; returns a description of it."""
         if self.config.device.is_xla:
             self._init_xla_device()
+        elif self.config.device.is_jax:
+            self._init_jax_device()
         else:
             self._init_torch_device()
         torch.manual_seed(self.config.model.seed)
@@ -77,6 +81,33 @@ class Worker:
                              "use device='cpu' or 'xla'")
         self._init_cpu_group()
         register_all()
+
+    def _init_jax_device(self) -> None:
+        """The JAX path: torchax traces the model, ``jax.jit`` compiles it, over a mesh of
+        ``tensor_parallel_size`` of this process's devices; JAX's persistent cache is used."""
+        from tpu_executor.kernels import register_all
+        from tpu_executor.worker.jax_runtime import JaxRuntime
+
+        registry = register_all()
+        self.jax = JaxRuntime(self.config.parallel.tensor_parallel_size)
+        self.device = self.jax.device
+        if self.config.compile.cache_dir is not None:
+            path = self.jax.use_compile_cache(self.config.compile.cache_dir,
+                                              self._compile_cache_key(registry.fingerprint()))
+            logger.info("JAX compile cache: %s", path)
+
+    def _compile_cache_key(self, kernels_fingerprint: str) -> str:
+        from tpu_executor.core.buckets import BucketPlan
+        from tpu_executor.worker.jax_runtime import compile_cache_key
+
+        cfg = self.config
+        return compile_cache_key((os.path.abspath(cfg.model.model), cfg.model.dtype, cfg.model.quantization,
+                                  cfg.max_model_len, cfg.cache.block_size, cfg.parallel.tensor_parallel_size,
+                                  BucketPlan.from_config(cfg).describe(), kernels_fingerprint))
+
+    def device_context(self):
+        """Where the worker's torch code runs: torchax's environment on the JAX path."""
+        return self.jax.context() if self.jax is not None else contextlib.nullcontext()
 
     def _init_xla_device(self) -> None:
         os.environ.setdefault("PJRT_DEVICE", "TPU" if _tpu_present() else "CPU")
@@ -151,11 +182,17 @@ class Worker:
             pack_for_cpu(model)
         elif self.device.type == "xla" and not self.on_tpu:
             use_xla_cpu_forms(model)
-        self.model = model.to(self.device)
-        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
+        tensors = itertools.chain(model.parameters(), model.buffers())
         self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        self.runner = self.runner_class(self.config, self.model, self.device)
+        with self.device_context():
+            self.model = self.jax.place_model(model) if self.jax is not None else model.to(self.device)
+            self.runner = self._new_runner()
         return self.model.config.vocab_size
+
+    def _new_runner(self) -> ModelRunner:
+        if self.jax is not None:
+            return self.runner_class(self.config, self.model, self.device, runtime=self.jax)
+        return self.runner_class(self.config, self.model, self.device)
 
     def cache_block_bytes(self) -> int:
         """Bytes of one KV block across all layers (K and V)."""
@@ -188,6 +225,11 @@ class Worker:
             self.runner.profile_run(self._allocate_cache(self.config.max_blocks_per_seq + 1))
             info = xm.get_memory_info(self.device)
             return int(info["bytes_limit"] * cache.memory_utilization) - int(info["peak_bytes_used"])
+        if self.jax is not None and self.jax.platform != "cpu":
+            with self.device_context():
+                self.runner.profile_run(self._allocate_cache(self.config.max_blocks_per_seq + 1))
+            limit, peak = self.jax.memory_figures()
+            return int(limit * cache.memory_utilization) - peak
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self.runner.profile_run(self._allocate_cache(self.config.max_blocks_per_seq + 1))
@@ -198,6 +240,11 @@ class Worker:
 
     def _allocate_cache(self, num_blocks: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         shape = (self.model.num_kv_heads, num_blocks, self.config.cache.block_size, self.model.head_dim)
+        if self.jax is not None:
+            # Split over the heads when they divide evenly over the chips, else replicated.
+            heads = 0 if self.model.num_kv_heads % self.jax.ranks == 0 else None
+            return [(self.jax.zeros(shape, self.dtype, heads), self.jax.zeros(shape, self.dtype, heads))
+                    for _ in range(self.model.num_layers)]
         caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                    torch.zeros(shape, dtype=self.dtype, device=self.device))
                   for _ in range(self.model.num_layers)]
@@ -212,25 +259,29 @@ class Worker:
     def init_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate per-layer K/V tensors (donated buffers) for the model runner, whose bucket
         plan follows ``max_model_len`` (lowered to what the cache holds, if it was a default)."""
-        if max_model_len != self.config.max_model_len:
-            self.config = dataclasses.replace(self.config, max_model_len=max_model_len)
-            self.runner = self.runner_class(self.config, self.model, self.device)
-        self.runner.bind_kv_caches(self._allocate_cache(num_blocks))
+        with self.device_context():
+            if max_model_len != self.config.max_model_len:
+                self.config = dataclasses.replace(self.config, max_model_len=max_model_len)
+                self.runner = self._new_runner()
+            self.runner.bind_kv_caches(self._allocate_cache(num_blocks))
         self.kv_cache_bytes = num_blocks * self.cache_block_bytes()
 
     def warmup(self, show_progress: bool = True) -> None:
         """Compile every graph of the bucket plan (nothing to compile on the native path)."""
-        if self.device.type == "xla":
-            self.runner.warmup(show_progress and self.rank == 0)
+        if self.config.device.compiles:
+            with self.device_context():
+                self.runner.warmup(show_progress and self.rank == 0)
 
     def time_graphs(self, graphs: List[Graph], repeats: int) -> List[float]:
         """Median seconds of each graph on padding-only inputs (the cost model's check)."""
-        return [self.runner.time_graph(graph, repeats) for graph in graphs]
+        with self.device_context():
+            return [self.runner.time_graph(graph, repeats) for graph in graphs]
 
     # ---- serving ------------------------------------------------------------------------
     def start_step(self, step: SchedulerOutput) -> LaunchedStep:
         """Hand one step to the device; its exceptions propagate."""
-        return self.runner.launch(step)
+        with self.device_context():
+            return self.runner.launch(step)
 
     def launch_step(self, step: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         """Start one step. Returns its output when there is one already: on eager devices (the
@@ -251,7 +302,8 @@ class Worker:
         """The tokens of the oldest step ``launch_step`` left on the device (waits for it)."""
         launched = self._launched.popleft()
         try:
-            return launched.collect()
+            with self.device_context():
+                return launched.collect()
         except Exception as err:  # noqa: BLE001 - a device error fails this step's requests
             return self._failed(err)
 

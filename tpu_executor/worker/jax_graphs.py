@@ -1,0 +1,158 @@
+"""Compiled graphs on the JAX path: the runner's torch step functions, traced by torchax and
+compiled with ``jax.jit``, one executable per bucket.
+
+A ``JaxFunction`` takes the same keyword arguments as the torch function it wraps. Tensor
+arguments (torchax tensors) are the executable's inputs; every other argument (ints, bools,
+None) is static and part of the executable's key, like the bucket's shapes. The model's
+weights are inputs too, never constants baked into the program. An input the function
+updates in place (the KV cache, the logits-processing state) comes back as an output and is
+donated, so XLA writes it where it lies instead of copying it each step; after the call the
+caller's tensor holds the new buffer, as after an in-place torch op.
+
+Executables are built in two moves: ``lower`` (tracing the torch code: Python, one at a time)
+and ``compile`` (XLA: releases the GIL, so a thread pool compiles several at once). JAX's
+persistent cache answers ``compile`` when an identical program was compiled before.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import jax
+import torch
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import _pytree as pytree
+
+from torchax import interop
+from torchax.tensor import Tensor as JaxTensor
+
+
+class CallSignature(NamedTuple):
+    """What picks an executable: the arguments' structure, static values, shapes and dtypes."""
+
+    treedef: Any
+    static: Tuple
+    shapes: Tuple
+
+
+class _Call(NamedTuple):
+    signature: CallSignature
+    leaves: List[Any]
+    tensor_positions: Tuple[int, ...]
+
+
+class Pending(NamedTuple):
+    """A lowered program waiting for XLA (``JaxFunction.compile`` finishes it)."""
+
+    function: "JaxFunction"
+    signature: CallSignature
+    lowered: Any
+    donated: Tuple[int, ...]
+
+
+def _split(kwargs: Dict[str, Any]) -> _Call:
+    leaves, treedef = pytree.tree_flatten(kwargs)
+    positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+    for i in positions:
+        if not isinstance(leaves[i], JaxTensor):
+            raise TypeError(f"argument tensor on {leaves[i].device}: the JAX path takes tensors on the 'jax' device")
+    static = tuple(None if i in positions else leaves[i] for i in range(len(leaves)))
+    shapes = tuple((tuple(leaves[i].shape), leaves[i].dtype) for i in positions)
+    return _Call(CallSignature(treedef, static, shapes), leaves, positions)
+
+
+class JaxGraphs:
+    """The compiled functions of one model runner: the weights they read, the torchax
+    environment they trace in, and the executables built so far (shared by its functions)."""
+
+    def __init__(self, model: torch.nn.Module, env):
+        self.model = model
+        self.env = env
+        self.lock = threading.Lock()
+        self._weights: Optional[Dict[str, Any]] = None
+
+    def weights(self) -> Dict[str, Any]:
+        """The model's parameters and buffers as JAX arrays (inputs of every executable)."""
+        if self._weights is None:
+            named = dict(self.model.named_parameters(remove_duplicate=False))
+            named.update(self.model.named_buffers(remove_duplicate=False))
+            self._weights = {name: tensor.jax() for name, tensor in named.items()}
+        return self._weights
+
+    def function(self, fn: Callable) -> "JaxFunction":
+        return JaxFunction(fn, self)
+
+
+class JaxFunction:
+    """``fn`` (a torch function of keyword arguments) compiled per call signature."""
+
+    def __init__(self, fn: Callable, graphs: JaxGraphs):
+        self.fn = fn
+        self.graphs = graphs
+        self.executables: Dict[CallSignature, Tuple[Any, Tuple[int, ...]]] = {}
+        self._mutated: Dict[Tuple, Tuple[int, ...]] = {}  # (treedef, static) -> updated inputs
+
+    def __call__(self, **kwargs):
+        call = _split(kwargs)
+        entry = self.executables.get(call.signature)
+        if entry is None:
+            self.compile(self.lower(**kwargs))
+            entry = self.executables[call.signature]
+        executable, donated = entry
+        arrays = [call.leaves[i].jax() for i in call.tensor_positions]
+        kept = [a for k, a in enumerate(arrays) if k not in donated]
+        outputs, updated = executable(self.graphs.weights(), kept, [arrays[k] for k in donated])
+        for k, array in zip(donated, updated):
+            call.leaves[call.tensor_positions[k]]._elem = array
+        return interop.torch_view(outputs)
+
+    def lower(self, **kwargs) -> Optional[Pending]:
+        """Trace ``fn`` for these arguments' signature; None when it is compiled already."""
+        call = _split(kwargs)
+        if call.signature in self.executables:
+            return None
+        arrays = [call.leaves[i].jax() for i in call.tensor_positions]
+        weights = self.graphs.weights()
+        donated = self._updated_inputs(call, weights, arrays)
+        kept = [a for k, a in enumerate(arrays) if k not in donated]
+        program = jax.jit(self._program(call, donated), donate_argnums=(2,))
+        with self.graphs.lock:
+            lowered = program.trace(weights, kept, [arrays[k] for k in donated]).lower()
+        return Pending(self, call.signature, lowered, donated)
+
+    def compile(self, pending: Optional[Pending]) -> None:
+        """Compile a lowered program (XLA's work: safe on a worker thread)."""
+        if pending is not None:
+            self.executables[pending.signature] = (pending.lowered.compile(), pending.donated)
+
+    def _updated_inputs(self, call: _Call, weights, arrays) -> Tuple[int, ...]:
+        """Which tensor inputs ``fn`` updates in place (found by tracing it once per structure)."""
+        key = (call.signature.treedef, call.signature.static)
+        if key not in self._mutated:
+            found: List[int] = []
+            program = self._program(call, (), report=found)
+            with self.graphs.lock:
+                jax.jit(program).trace(weights, arrays, [])
+            self._mutated[key] = tuple(found)
+        return self._mutated[key]
+
+    def _program(self, call: _Call, donated: Sequence[int], report: Optional[List[int]] = None):
+        """The JAX function of (weights, kept inputs, donated inputs) -> (outputs, donated inputs
+        as ``fn`` left them). ``report`` collects the inputs ``fn`` updated."""
+        graphs, fn = self.graphs, self.fn
+
+        def program(weights, kept, donated_arrays):
+            kept_iter, donated_iter = iter(kept), iter(donated_arrays)
+            arrays = [next(donated_iter) if k in donated else next(kept_iter)
+                      for k in range(len(call.tensor_positions))]
+            leaves = list(call.signature.static)
+            inputs = [JaxTensor(a, graphs.env) for a in arrays]
+            for position, tensor in zip(call.tensor_positions, inputs):
+                leaves[position] = tensor
+            kwargs = pytree.tree_unflatten(leaves, call.signature.treedef)
+            with graphs.env, _reparametrize_module(graphs.model, interop.torch_view(weights)):
+                outputs = fn(**kwargs)
+            if report is not None:
+                report.extend(k for k, (tensor, a) in enumerate(zip(inputs, arrays)) if tensor.jax() is not a)
+            return interop.jax_view(outputs), [inputs[k].jax() for k in donated]
+        return program

@@ -1,0 +1,152 @@
+"""The JAX path's device side: torchax's environment, the device mesh, where weights, caches
+and inputs live, and the persistent compile cache.
+
+Tensor parallelism here is SPMD inside one process: the model is built whole (one rank), its
+weights are placed over a ``("tp",)`` mesh with Megatron's shardings (column-parallel layers
+split their output features, row-parallel layers their input features, the embedding and the
+LM head the vocabulary, experts their intermediate features), the KV cache over its heads when
+they divide evenly (else replicated), and XLA's partitioner inserts the collectives.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import logging
+import os
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+# (layer class name, parameter name) -> the dimension split over the mesh. Weights are stored
+# [in, out]; the embedding and LM head [hidden, vocab]; experts [E, H, 2I] and [E, I, H].
+SPLIT_DIMS = {
+    ("ColumnParallelLinear", "weight"): 1, ("ColumnParallelLinear", "bias"): 0,
+    ("MergedColumnParallelLinear", "weight"): 1, ("MergedColumnParallelLinear", "bias"): 0,
+    ("QKVParallelLinear", "weight"): 1, ("QKVParallelLinear", "bias"): 0,
+    ("RowParallelLinear", "weight"): 0,
+    ("VocabParallelEmbedding", "weight"): 1, ("ParallelLMHead", "weight"): 1,
+    ("ExpertWeights", "w13"): 2, ("ExpertWeights", "w2"): 1,
+}
+LIBRARIES = ("jax", "jaxlib", "torch", "torchax")
+
+
+def split_dim(module: torch.nn.Module, name: str, shape: Tuple[int, ...], ranks: int) -> Optional[int]:
+    """The dimension of ``module.<name>`` split over ``ranks`` chips, or None (replicated):
+    layers Megatron does not split (norms, the router), and sizes that do not divide evenly."""
+    dim = SPLIT_DIMS.get((type(module).__name__, name))
+    if ranks == 1 or dim is None or shape[dim] % ranks:
+        return None
+    return dim
+
+
+def compile_cache_key(parts: Tuple) -> str:
+    """A directory name for one engine's executables: a change of model, config, bucket
+    plan, kernel sources or library version gives another directory (never a stale hit)."""
+    versions = tuple(importlib.metadata.version(name) for name in LIBRARIES)
+    return hashlib.sha256(repr(parts + versions).encode()).hexdigest()[:20]
+
+
+class JaxRuntime:
+    """One process's JAX devices for one engine: ``tensor_parallel_size`` of them in a mesh."""
+
+    def __init__(self, tensor_parallel_size: int):
+        import jax
+        import torchax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        devices = jax.devices()
+        if len(devices) < tensor_parallel_size:
+            hint = (" (on a CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count="
+                    f"{tensor_parallel_size})" if devices[0].platform == "cpu" else "")
+            raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs {tensor_parallel_size} JAX devices, "
+                             f"this process sees {len(devices)}{hint}")
+        self.env = torchax.default_env()
+        self.mesh = Mesh(np.array(devices[:tensor_parallel_size]), ("tp",))
+        self.ranks = tensor_parallel_size
+        self.platform = devices[0].platform
+        self.device = torch.device("jax")
+        self._spec, self._named = PartitionSpec, NamedSharding
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+
+    @contextlib.contextmanager
+    def context(self):
+        """Where the JAX path's torch code runs: torchax's environment, with 64-bit integers on
+        (the sampler hashes 64-bit seeds; token ids are int64 as on every path). Both are
+        scoped, not process-wide: the torch_xla path in the same process keeps JAX's defaults."""
+        from jax.experimental import enable_x64
+
+        with enable_x64(), self.env:
+            yield
+
+    def sharding(self, shape: Tuple[int, ...], dim: Optional[int]):
+        """Split ``dim`` of an array of ``shape`` over the mesh (None: replicated)."""
+        if dim is None:
+            return self.replicated
+        spec = [None] * len(shape)
+        spec[dim] = "tp"
+        return self._named(self.mesh, self._spec(*spec))
+
+    def place_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move every parameter and buffer onto the mesh, split as ``split_dim`` says."""
+        import jax
+        from torchax.tensor import Tensor as JaxTensor
+
+        from tpu_executor.kernels.binding import torch_to_jax
+
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, tensor in table.items():
+                    if tensor is None:
+                        continue
+                    where = self.sharding(tuple(tensor.shape), split_dim(module, name, tuple(tensor.shape), self.ranks))
+                    placed = JaxTensor(jax.device_put(torch_to_jax(tensor.detach()), where), self.env)
+                    table[name] = torch.nn.Parameter(placed, requires_grad=False) \
+                        if isinstance(tensor, torch.nn.Parameter) else placed
+        return model
+
+    def zeros(self, shape: Tuple[int, ...], dtype: torch.dtype, split: Optional[int] = None):
+        """A torchax tensor of zeros on the mesh (``split``: the dimension split over it)."""
+        import jax
+        import jax.numpy as jnp
+        from torchax.ops.mappings import t2j_dtype
+        from torchax.tensor import Tensor as JaxTensor
+
+        array = jax.device_put(jnp.zeros(shape, t2j_dtype(dtype)), self.sharding(shape, split))
+        return JaxTensor(array, self.env)
+
+    def put(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Host tensors of one call onto every chip of the mesh, in one transfer."""
+        import jax
+        from torchax.tensor import Tensor as JaxTensor
+
+        from tpu_executor.kernels.binding import torch_to_jax
+
+        arrays = jax.device_put([torch_to_jax(t) for t in tensors.values()], self.replicated)
+        return {name: JaxTensor(array, self.env) for name, array in zip(tensors, arrays)}
+
+    def memory_figures(self) -> Tuple[int, int]:
+        """(bytes the first chip can hold, its peak bytes in use so far), from the runtime."""
+        stats = self.mesh.devices.flat[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            raise ValueError(f"the {self.platform} runtime reports no memory figures: set num_blocks")
+        return int(stats["bytes_limit"]), int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)))
+
+    @staticmethod
+    def use_compile_cache(root: str, key: str) -> str:
+        """Point JAX's persistent cache at ``root/key`` (every compiled graph is kept, however
+        fast it compiled). Process-wide: the engine started last in a process decides."""
+        import jax
+        from jax.experimental.compilation_cache import compilation_cache
+
+        path = os.path.join(root, key)
+        os.makedirs(path, exist_ok=True)
+        if jax.config.jax_compilation_cache_dir != path:
+            compilation_cache.reset_cache()
+            jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        return path
