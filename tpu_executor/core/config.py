@@ -128,8 +128,8 @@ class CompileConfig:
     batch sizes (sequences); ``decode_context_buckets`` are token widths of a decode batch's
     longest context (the attention reads that many cache slots per sequence); ``bucket_config``
     names the file they were read from, if any (``engine/options.py``). ``strict`` makes
-    any compilation after warm-up an error. ``cache_dir`` holds the persistent XLA cache
-    (``None`` disables it).
+    any compilation after warm-up an error. ``cache_dir`` holds the persistent compile cache
+    (``None`` disables it). ``compile_threads``: the JAX path compiles that many graphs at once.
     """
 
     prefill_buckets: Tuple[int, ...] = option((64, 128, 256, 512, 1024, 2048),
@@ -139,7 +139,8 @@ class CompileConfig:
     strict: bool = option(False, "raise on any compilation after warm-up")
     cache_dir: Optional[str] = option(
         default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "tpu_executor", "xla"),
-        help="persistent XLA compile cache (TPU)")
+        help="persistent compile cache (torch_xla: TPU only; the jax path: every platform)")
+    compile_threads: int = option(0, "graphs the jax path compiles at once at start-up (0: one per host core)")
     max_logprobs: int = option(20, "largest logprobs a request may ask for")
     max_prefill_seqs: int = option(8, "prompts packed into one prefill call")
     bucket_config: Optional[str] = option(None, "bucket file from `tpu-executor tune`: sets the three "
@@ -151,6 +152,8 @@ class CompileConfig:
         object.__setattr__(self, "decode_context_buckets",
                            _sorted_positive("decode_context_buckets", self.decode_context_buckets))
         _require(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        _require(isinstance(self.compile_threads, int) and self.compile_threads >= 0,
+                 f"compile_threads must be an integer >= 0, got {self.compile_threads!r}")
         _require(self.max_prefill_seqs >= 1, f"max_prefill_seqs must be >= 1, got {self.max_prefill_seqs}")
 
 

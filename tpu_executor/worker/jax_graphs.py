@@ -15,7 +15,9 @@ persistent cache answers ``compile`` when an identical program was compiled befo
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
@@ -65,11 +67,28 @@ class JaxGraphs:
     """The compiled functions of one model runner: the weights they read, the torchax
     environment they trace in, and the executables built so far (shared by its functions)."""
 
-    def __init__(self, model: torch.nn.Module, env):
+    def __init__(self, model: torch.nn.Module, env, replicated):
         self.model = model
         self.env = env
+        # Every output is replicated over the mesh (logits are gathered, as Megatron's LM head
+        # does), so the next graph that takes it always finds the placement it was compiled for.
+        self.replicated = replicated
         self.lock = threading.Lock()
         self._weights: Optional[Dict[str, Any]] = None
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self.compiling: List[Future] = []
+
+    @contextlib.contextmanager
+    def ahead_of_time(self, threads: int):
+        """Within this block a call that finds no executable lowers its program, hands the
+        compilation to a pool of ``threads`` and returns zeros of its outputs' shapes (the
+        inputs it would update are left as they were); ``compiling`` holds the futures."""
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="jax-compile") as pool:
+            self._pool, self.compiling = pool, []
+            try:
+                yield self.compiling
+            finally:
+                self._pool = None
 
     def weights(self) -> Dict[str, Any]:
         """The model's parameters and buffers as JAX arrays (inputs of every executable)."""
@@ -91,10 +110,13 @@ class JaxFunction:
         self.graphs = graphs
         self.executables: Dict[CallSignature, Tuple[Any, Tuple[int, ...]]] = {}
         self._mutated: Dict[Tuple, Tuple[int, ...]] = {}  # (treedef, static) -> updated inputs
+        self._out_info: Dict[CallSignature, Any] = {}  # outputs' shapes, while compiling ahead
 
     def __call__(self, **kwargs):
         call = _split(kwargs)
         entry = self.executables.get(call.signature)
+        if entry is None and self.graphs._pool is not None:
+            return self._compile_ahead(call, kwargs)
         if entry is None:
             self.compile(self.lower(**kwargs))
             entry = self.executables[call.signature]
@@ -111,19 +133,45 @@ class JaxFunction:
         call = _split(kwargs)
         if call.signature in self.executables:
             return None
+        self._onto_mesh(call)
         arrays = [call.leaves[i].jax() for i in call.tensor_positions]
         weights = self.graphs.weights()
         donated = self._updated_inputs(call, weights, arrays)
         kept = [a for k, a in enumerate(arrays) if k not in donated]
-        program = jax.jit(self._program(call, donated), donate_argnums=(2,))
+        # State updated in place stays where it was placed (a KV cache split over its heads).
+        out_shardings = (self.graphs.replicated, [arrays[k].sharding for k in donated])
+        program = jax.jit(self._program(call, donated), donate_argnums=(2,), out_shardings=out_shardings)
         with self.graphs.lock:
             lowered = program.trace(weights, kept, [arrays[k] for k in donated]).lower()
         return Pending(self, call.signature, lowered, donated)
+
+    def _compile_ahead(self, call: _Call, kwargs):
+        """Lower now, compile on the pool, answer with zeros shaped like the outputs."""
+        import numpy as np
+
+        if call.signature not in self._out_info:
+            pending = self.lower(**kwargs)
+            self._out_info[call.signature] = pending.lowered.out_info[0]
+            self.graphs.compiling.append(self.graphs._pool.submit(self.compile, pending))
+        # Host zeros moved over: an eager jnp.zeros would compile a program of its own.
+        zeros = jax.tree_util.tree_map(lambda info: jax.device_put(np.zeros(info.shape, info.dtype),
+                                                                   self.graphs.replicated),
+                                       self._out_info[call.signature])
+        return interop.torch_view(zeros)
 
     def compile(self, pending: Optional[Pending]) -> None:
         """Compile a lowered program (XLA's work: safe on a worker thread)."""
         if pending is not None:
             self.executables[pending.signature] = (pending.lowered.compile(), pending.donated)
+
+    def _onto_mesh(self, call: _Call) -> None:
+        """Replicate over the mesh the inputs made elsewhere (a tensor moved with ``.to("jax")``
+        sits on one chip), once: the tensor keeps the replicated array for later calls."""
+        mesh_devices = self.graphs.replicated.device_set
+        for i in call.tensor_positions:
+            tensor = call.leaves[i]
+            if tensor.jax().sharding.device_set != mesh_devices:
+                tensor._elem = jax.device_put(tensor.jax(), self.graphs.replicated)
 
     def _updated_inputs(self, call: _Call, weights, arrays) -> Tuple[int, ...]:
         """Which tensor inputs ``fn`` updates in place (found by tracing it once per structure)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import statistics
 import time
 from functools import partial
@@ -63,7 +64,7 @@ class ModelRunner:
         if runtime is not None:
             from tpu_executor.worker.jax_graphs import JaxGraphs  # imports JAX and torchax
 
-            self.jax_graphs = JaxGraphs(model, runtime.env)
+            self.jax_graphs = JaxGraphs(model, runtime.env, runtime.replicated)
         self.padding = PaddingStats()
         self.timer = NullPhaseTimer()  # see LLMEngine.attach_phase_timer
         # On XLA a call only queues work: reading tokens back can wait for the next launch.
@@ -270,9 +271,23 @@ class ModelRunner:
         """Compile every graph of the bucket plan, with a progress bar."""
         self.guard.begin_warmup()
         graphs = self.plan.graphs()
-        for graph in tqdm(graphs, desc="compiling buckets", disable=not show_progress):
+        if self.jax_graphs is not None:
+            self._compile_ahead(graphs, show_progress)
+        for graph in tqdm(graphs, desc="compiling buckets", disable=not show_progress or self.jax_graphs is not None):
             self._run_dummy(graph)
         self.guard.end_warmup()
+
+    def _compile_ahead(self, graphs: Sequence[Graph], show_progress: bool) -> None:
+        """JAX path: trace every graph of the plan, then let XLA compile them on a thread pool
+        (several at once; each is loaded from the persistent cache when it is there)."""
+        threads = self.config.compile.compile_threads or os.cpu_count() or 1
+        with self.jax_graphs.ahead_of_time(threads) as compiling:
+            with tqdm(total=len(graphs), desc="tracing buckets", disable=not show_progress) as bar:
+                for graph in graphs:
+                    self._run_dummy(graph)
+                    bar.update()
+            for future in tqdm(compiling, desc=f"compiling buckets ({threads} threads)", disable=not show_progress):
+                future.result()
 
     @torch.no_grad()
     def time_graph(self, graph: Graph, repeats: int) -> float:
