@@ -50,6 +50,17 @@ def compile_cache_key(parts: Tuple) -> str:
     return hashlib.sha256(repr(parts + versions).encode()).hexdigest()[:20]
 
 
+def _give_thread_state(env) -> None:
+    """torchax keeps its environment's per-run properties in a thread-local that only the
+    thread which built the environment has; an engine's worker runs on its executor's thread,
+    and a later engine in the same process on another one. Give this thread the same start."""
+    import jax
+    from torchax.tensor import RuntimeProperty
+
+    if not hasattr(env._property, "content"):
+        env._property.content = [RuntimeProperty(mesh=None, prng=jax.random.key(0), autocast_dtype=None)]
+
+
 class JaxRuntime:
     """One process's JAX devices for one engine: ``tensor_parallel_size`` of them in a mesh."""
 
@@ -79,6 +90,7 @@ class JaxRuntime:
         scoped, not process-wide: the torch_xla path in the same process keeps JAX's defaults."""
         from jax.experimental import enable_x64
 
+        _give_thread_state(self.env)
         with enable_x64(), self.env:
             yield
 
