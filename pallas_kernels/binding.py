@@ -34,6 +34,15 @@ def on_tpu() -> bool:
         return False
 
 
+def on_jax_tpu() -> bool:
+    """True when this process's JAX (already loaded: the JAX path) runs on TPU chips."""
+    if sys.modules.get("torchax") is None:
+        return False
+    import jax
+
+    return jax.devices()[0].platform == "tpu"
+
+
 def is_xla_tensor(tensor) -> bool:
     return isinstance(tensor, torch.Tensor) and tensor.device.type == "xla"
 
@@ -75,6 +84,26 @@ def tpu_provider(name: str, priority: int, op_factory: Callable, problem_fn: Cal
     return Provider(name, with_int32_indices(op_factory), priority=priority, supported=on_tpu,
                     supports_args=on_xla_if_fits(problem_fn),
                     sources=(op_factory.__module__,) + tuple(sources))
+
+
+def jax_tpu_provider(name: str, priority: int, jax_fn: Callable, problem_fn: Callable,
+                     sources: Tuple[str, ...]) -> Provider:
+    """The JAX path's provider of a Pallas kernel: only where JAX runs on TPU, only for
+    torchax tensors whose shapes ``problem_fn`` accepts. ``jax_fn`` (the same adapter the
+    torch_xla binding calls) runs inline in the traced program, int64 metadata cast to int32."""
+    def supports_args(first, *args, **kwargs):
+        return is_jax_tensor(first) and problem_fn(first, *args, **kwargs) is None
+
+    return Provider(name, functools.partial(call_on_jax, jax_fn), priority=priority, supported=on_jax_tpu,
+                    supports_args=supports_args, sources=(jax_fn.__module__,) + tuple(sources))
+
+
+def call_on_jax(jax_fn: Callable, *args, **kwargs):
+    """``jax_fn`` on torchax tensors (keyword arguments static), integer tensors as int32."""
+    from torchax import interop
+
+    args = [a.to(torch.int32) if isinstance(a, torch.Tensor) and a.dtype == torch.int64 else a for a in args]
+    return interop.call_jax(functools.partial(jax_fn, **kwargs), *args)
 
 
 @functools.lru_cache(maxsize=None)

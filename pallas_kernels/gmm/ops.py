@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tpu_executor.kernels.binding import eager_only, first_problem, jax_backed_op, tpu_provider
+from tpu_executor.kernels.binding import eager_only, first_problem, jax_backed_op, jax_tpu_provider, tpu_provider
 from tpu_executor.kernels.gmm import reference
 from tpu_executor.kernels.registry import REGISTRY, Provider
 from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
@@ -117,10 +117,11 @@ def megablox_op():
 
 
 def register(registry=REGISTRY) -> None:
-    """Our Pallas kernel first, then megablox (both TPU), the eager slicing path for untraced
+    """Our Pallas kernel first (through torch_xla, or inline on the JAX path), then megablox (TPU), the eager slicing path for untraced
     non-XLA calls, then the reference (which accepts everything)."""
     registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem,
                                             sources=(KERNEL_MODULE,)))
+    registry.register(OP_NAME, jax_tpu_provider("pallas_jax", 20, _pallas_gmm, shape_problem, sources=(KERNEL_MODULE,)))
     registry.register(OP_NAME, tpu_provider(
         "jax_megablox", 10, megablox_op,
         lambda *a, **kw: shape_problem(*a, require_whole_tiles=True, **kw),

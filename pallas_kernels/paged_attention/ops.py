@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tpu_executor.kernels.binding import eager_only, first_problem, jax_backed_op, tpu_provider
+from tpu_executor.kernels.binding import eager_only, first_problem, jax_backed_op, jax_tpu_provider, tpu_provider
 from tpu_executor.kernels.paged_attention import cpu_native, eager, reference
 from tpu_executor.kernels.registry import REGISTRY, Provider
 from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
@@ -123,11 +123,13 @@ def jax_shipped_op():
 
 
 def register(registry=REGISTRY) -> None:
-    """Our Pallas kernel first, JAX's shipped kernel next (both TPU), then for untraced non-XLA
-    calls (the native path) the C kernel on fp32 CPU tensors and the pages-in-use path for the
-    rest, the reference last."""
+    """Our Pallas kernel first (through torch_xla, or inline on the JAX path), JAX's shipped
+    kernel next (all on TPU), then for untraced calls on a torch device (the native path) the
+    C kernel on fp32 CPU tensors and the pages-in-use path for the rest, the reference last."""
     registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem,
                                             sources=(KERNEL_MODULE,)))
+    registry.register(OP_NAME, jax_tpu_provider("pallas_jax", 20, _pallas_paged_attention, shape_problem,
+                                                sources=(KERNEL_MODULE,)))
     # Below ours: it rounds K/V to bf16 and has no sliding window.
     registry.register(OP_NAME, tpu_provider(
         "jax_paged_attention", 10, jax_shipped_op, shipped_kernel_problem,

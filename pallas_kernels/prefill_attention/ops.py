@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tpu_executor.kernels.binding import eager_only, first_problem, jax_backed_op, tpu_provider
+from tpu_executor.kernels.binding import eager_only, first_problem, jax_backed_op, jax_tpu_provider, tpu_provider
 from tpu_executor.kernels.paged_attention.ops import random_block_tables
 from tpu_executor.kernels.prefill_attention import eager, reference
 from tpu_executor.kernels.registry import REGISTRY, Provider
@@ -12,6 +12,7 @@ from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
 from tpu_executor.kernels.tpu_layout import check_attention_operands, torch_dtype_name
 
 OP_NAME = "prefill_attention"
+KERNEL_MODULE = "tpu_executor.kernels.prefill_attention.kernel"
 SCHEMA = ("(Tensor q, Tensor k_pages, Tensor v_pages, Tensor context_slots, Tensor key_positions, "
           "Tensor key_segments, Tensor query_positions, Tensor query_segments, *, float scale, "
           "float? soft_cap=None, int? sliding_window=None, bool interpret=False) -> Tensor")
@@ -100,11 +101,12 @@ def pallas_op():
 
 
 def register(registry=REGISTRY) -> None:
-    """Our Pallas kernel (TPU), attention segment by segment for untraced non-XLA calls (the
+    """Our Pallas kernel (TPU: through torch_xla, or inline on the JAX path), attention segment by segment for untraced non-XLA calls (the
     native path), then the reference. JAX ships no kernel with this contract (its flash
     attention knows neither pages, packed positions, soft-cap nor windows)."""
-    registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem,
-                                            sources=("tpu_executor.kernels.prefill_attention.kernel",)))
+    registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem, sources=(KERNEL_MODULE,)))
+    registry.register(OP_NAME, jax_tpu_provider("pallas_jax", 20, _pallas_prefill_attention, shape_problem,
+                                                sources=(KERNEL_MODULE,)))
     registry.register(OP_NAME, Provider("eager_segments", eager.prefill_attention, priority=5,
                                         supports_args=eager_only))
     registry.register(OP_NAME, Provider("reference", reference.prefill_attention, priority=0,

@@ -1,6 +1,6 @@
 """Greedy tokens identical to transformers (fp32) and logits within tolerance, for a tiny random
 checkpoint of every supported architecture (prompts of 16-256 tokens, longer than the sliding
-windows), on the XLA path and the native eager path (on the CPU, and on a CUDA GPU where torch
+windows), on the XLA path, the JAX path and the native eager path (on the CPU, and on a CUDA GPU where torch
 sees one), with nothing compiled after warm-up."""
 import pytest
 import torch
@@ -25,7 +25,8 @@ def reference(path, prompts):
 NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA GPU")
 
 
-@pytest.mark.parametrize("device", [pytest.param("xla", marks=pytest.mark.slow), "cpu",
+@pytest.mark.parametrize("device", [pytest.param("xla", marks=pytest.mark.slow),
+                                    pytest.param("jax", marks=pytest.mark.slow), "cpu",
                                     pytest.param("cuda", marks=NO_GPU)])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_matches_transformers(checkpoints, arch, device):
@@ -48,3 +49,4 @@ def test_greedy_matches_transformers(checkpoints, arch, device):
             torch.testing.assert_close(torch.tensor(list(top.values())), expected_lp[step][ids],
                                        atol=LOGPROB_ATOL, rtol=0)
     assert llm.stats().graphs_compiled_after_warmup == 0
+    llm.shutdown()

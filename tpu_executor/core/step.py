@@ -6,6 +6,7 @@ to build, which at hundreds of sequences is a visible share of the host's time p
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
@@ -211,17 +212,21 @@ class PaddingStats:
 
 @dataclass(frozen=True)
 class WorkerStats:
-    """One worker's figures: graphs compiled at warm-up and after it, padding, cache size."""
+    """One worker's figures: graphs compiled at warm-up and after it, padding, cache size, and
+    at warm-up the persistent compile cache's hits and misses and the seconds spent compiling
+    or loading (the JAX path; 0 elsewhere)."""
 
     graphs_compiled_at_warmup: int = 0
     graphs_compiled_after_warmup: int = 0
     padding: PaddingStats = field(default_factory=PaddingStats)
     kv_cache_bytes: int = 0
+    compile_cache_hits: int = 0
+    compile_cache_misses: int = 0
+    compile_seconds: float = 0.0
 
     @staticmethod
     def combine(ranks: Sequence["WorkerStats"]) -> "WorkerStats":
         """The group's figures: the worst rank's compilations, rank 0's padding and cache
         (every rank runs the same shapes over its own slice of the heads)."""
-        return WorkerStats(max(s.graphs_compiled_at_warmup for s in ranks),
-                           max(s.graphs_compiled_after_warmup for s in ranks),
-                           ranks[0].padding, ranks[0].kv_cache_bytes)
+        return dataclasses.replace(ranks[0], graphs_compiled_at_warmup=max(s.graphs_compiled_at_warmup for s in ranks),
+                                   graphs_compiled_after_warmup=max(s.graphs_compiled_after_warmup for s in ranks))

@@ -21,7 +21,9 @@ class EngineStats:
     warmup). Compilation: graphs compiled at warm-up and after it (the worst rank's; after
     warm-up must stay 0). Padding of the bucketed shapes. Scheduling: preemptions,
     prefix-cache queries and hits (tokens, counted at admission), sequences running and
-    waiting. KV cache: blocks in use and in all, and the bytes of one worker's cache.
+    waiting. KV cache: blocks in use and in all, and the bytes of one worker's cache. The
+    persistent compile cache at warm-up (JAX path): graphs loaded from it, graphs it lacked,
+    and the seconds XLA spent compiling or loading (summed over the compile threads).
     """
 
     startup_seconds: Dict[str, float] = field(default_factory=dict)
@@ -36,6 +38,9 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     kv_cache_bytes: int = 0
+    compile_cache_hits: int = 0
+    compile_cache_misses: int = 0
+    compile_seconds: float = 0.0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -47,7 +52,11 @@ def startup_report(config: EngineConfig, stats: EngineStats, seconds: float) -> 
     """What ``serve`` and ``generate`` print once the engine is ready: the context it serves,
     its KV cache and the bucket plan it compiled."""
     plan = BucketPlan.from_config(config)
-    if config.device.is_xla:
+    if config.device.is_jax:
+        warm = "warm start" if stats.compile_cache_hits and not stats.graphs_compiled_at_warmup else "cold start"
+        compiled = (f"{stats.graphs_compiled_at_warmup} graphs compiled and {stats.compile_cache_hits} loaded from "
+                    f"the compile cache at warm-up ({warm})")
+    elif config.device.is_xla:
         compiled = f"{stats.graphs_compiled_at_warmup} graphs compiled at warm-up"
     else:
         compiled = f"native {config.device.device} path, nothing compiled"

@@ -37,6 +37,7 @@ class JaxCompileEvents:
     def __init__(self):
         self.compiled = 0
         self.cache_hits = 0
+        self.cache_misses = 0
         self.seconds = 0.0
         self._lock = threading.Lock()
 
@@ -44,11 +45,18 @@ class JaxCompileEvents:
         """(programs compiled, 0): the guard's pair of counters."""
         return self.compiled, 0
 
+    def cache_figures(self) -> Tuple[int, int, float]:
+        """(persistent-cache hits, misses, seconds spent compiling or loading) so far."""
+        return self.cache_hits, self.cache_misses, self.seconds
+
     def _on_event(self, event: str, **_) -> None:
         if event == "/jax/compilation_cache/cache_hits":
             with self._lock:
                 self.cache_hits += 1
                 self.compiled -= 1  # the compile event that wraps the load counted it
+        elif event == "/jax/compilation_cache/cache_misses":
+            with self._lock:
+                self.cache_misses += 1
 
     def _on_duration(self, event: str, seconds: float, **_) -> None:
         if event == "/jax/core/compile/backend_compile_duration":
@@ -79,10 +87,14 @@ class CompileGuard:
     calls (another engine in the same process compiling in between does not count).
     """
 
-    def __init__(self, strict: bool, enabled: bool = True, counts: Callable[[], Tuple[int, int]] = compile_counts):
+    def __init__(self, strict: bool, enabled: bool = True, counts: Callable[[], Tuple[int, int]] = compile_counts,
+                 cache_figures: Callable[[], Tuple[int, int, float]] = lambda: (0, 0, 0.0)):
         self.strict = strict
         self.enabled = enabled  # False on the native path: nothing compiles, torch_xla stays unloaded
         self.counts = counts
+        self.cache_figures = cache_figures
+        # At warm-up: persistent-cache hits and misses, seconds compiling or loading (JAX path).
+        self.warmup_cache_figures: Tuple[int, int, float] = (0, 0, 0.0)
         self.warmed_up = False
         self.compiled_during_warmup = 0
         self.compiled_after_warmup = 0
@@ -91,10 +103,13 @@ class CompileGuard:
     def begin_warmup(self) -> None:
         if self.enabled:
             self._warmup_start = self.counts()
+            self._warmup_cache_start = self.cache_figures()
 
     def end_warmup(self) -> None:
         if self.enabled:
             self.compiled_during_warmup = self.counts()[0] - self._warmup_start[0]
+            self.warmup_cache_figures = tuple(now - then for now, then in
+                                              zip(self.cache_figures(), self._warmup_cache_start))
         self.warmed_up = True
 
     @contextlib.contextmanager

@@ -53,7 +53,8 @@ class Pending(NamedTuple):
 
 
 def _split(kwargs: Dict[str, Any]) -> _Call:
-    leaves, treedef = pytree.tree_flatten(kwargs)
+    # Keyword order is no part of a call's meaning, but it is of a dict's tree structure.
+    leaves, treedef = pytree.tree_flatten(dict(sorted(kwargs.items())))
     positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
     for i in positions:
         if not isinstance(leaves[i], JaxTensor):

@@ -32,7 +32,7 @@ from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.step import (DecodeWork, ModelRunnerOutput, PaddingStats, PrefillWork, SampledTokens,
                                      SamplingMeta, SchedulerOutput)
-from tpu_executor.worker.compile_guard import CompileGuard, compile_counts, jax_compile_events
+from tpu_executor.worker.compile_guard import CompileGuard, jax_compile_events
 from tpu_executor.worker.decode_batch import PersistentDecodeBatch
 from tpu_executor.worker.inputs import prefill_inputs, sampling_tensors, to_device
 from tpu_executor.worker.logits_processing import (ProcessingSlots, donate, empty_processing_tensors, fill_slots,
@@ -59,7 +59,10 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.kv_caches: KVCaches = []
         compiled = device.type in ("xla", "jax")
-        self.guard = CompileGuard(config.compile.strict, enabled=compiled, counts=self._compile_counter())
+        events = jax_compile_events() if runtime is not None else None
+        self.guard = CompileGuard(config.compile.strict, enabled=compiled,
+                                  **({} if events is None else dict(counts=events.counts,
+                                                                    cache_figures=events.cache_figures)))
         self.jax_graphs = None
         if runtime is not None:
             from tpu_executor.worker.jax_graphs import JaxGraphs  # imports JAX and torchax
@@ -91,11 +94,6 @@ class ModelRunner:
         if self.jax_graphs is not None:
             return self.jax_graphs.function(fn)
         return torch.compile(fn, backend="openxla", fullgraph=fullgraph, dynamic=False)
-
-    def _compile_counter(self):
-        if self.runtime is None:
-            return compile_counts
-        return jax_compile_events().counts
 
     def device_context(self):
         """Where the runner's torch code runs: torchax's environment on the JAX path."""

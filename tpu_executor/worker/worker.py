@@ -88,8 +88,8 @@ class Worker:
         from tpu_executor.kernels import register_all
         from tpu_executor.worker.jax_runtime import JaxRuntime
 
-        registry = register_all()
         self.jax = JaxRuntime(self.config.parallel.tensor_parallel_size)
+        registry = register_all()  # after JAX has started, so its TPU providers see the chips
         self.device = self.jax.device
         if self.config.compile.cache_dir is not None:
             path = self.jax.use_compile_cache(self.config.compile.cache_dir,
@@ -318,8 +318,9 @@ class Worker:
 
     def stats(self) -> WorkerStats:
         guard = self.runner.guard
+        hits, misses, seconds = guard.warmup_cache_figures
         return WorkerStats(guard.compiled_during_warmup, guard.compiled_after_warmup,
-                           self.runner.padding, self.kv_cache_bytes)
+                           self.runner.padding, self.kv_cache_bytes, hits, misses, seconds)
 
     def close(self) -> None:
         """Leave the tensor-parallel group."""

@@ -1,6 +1,7 @@
-"""Engine behaviour on the XLA path with a tiny Llama: zero recompilation over 200 random
-requests, preemption that changes nothing, n samples, seeds, stop strings, abort, prefix cache;
-with a token budget of 96, so that longer prompts run as chunks."""
+"""Engine behaviour on the compiled paths (torch_xla and JAX) with a tiny Llama: zero
+recompilation over 200 random requests, preemption that changes nothing, n samples, seeds,
+stop strings, abort, prefix cache; with a token budget of 96, so that longer prompts run as
+chunks."""
 import json
 import random
 import subprocess
@@ -18,9 +19,16 @@ from tpu_executor.core.request import accumulate_deltas
 pytestmark = pytest.mark.slow  # XLA compilation
 
 
-@pytest.fixture(scope="module")
-def llm(checkpoints):
-    return LLM(model=checkpoints["llama"], device="xla", **tiny_engine_options(strict=True, max_num_batched_tokens=96))
+@pytest.fixture(scope="module", params=["xla", "jax"])
+def llm(checkpoints, request):
+    llm = LLM(model=checkpoints["llama"], device=request.param,
+              **tiny_engine_options(strict=True, max_num_batched_tokens=96))
+    yield llm
+    llm.shutdown()
+
+
+def device_of(llm) -> str:
+    return llm.engine.config.device.device
 
 
 def greedy(max_tokens):
@@ -49,19 +57,20 @@ COUNT_GRAPHS = textwrap.dedent("""
     import json, sys
     from tpu_executor import LLM
     from tpu_executor.core.buckets import BucketPlan
-    llm = LLM(sys.argv[1], device="xla", max_model_len=64, max_num_seqs=4, prefill_buckets=(32, 64),
+    llm = LLM(sys.argv[1], device=sys.argv[2], max_model_len=64, max_num_seqs=4, prefill_buckets=(32, 64),
               decode_buckets=(2, 4), decode_context_buckets=(64,), max_prefill_seqs=4, cache_dir=None,
               num_blocks=32, show_progress=False)
     print(json.dumps([llm.stats().graphs_compiled_at_warmup, len(BucketPlan.from_config(llm.engine.config).graphs())]))
 """)
 
 
-def test_warmup_compiles_exactly_the_graphs_of_the_bucket_plan(checkpoints, tmp_path):
+@pytest.mark.parametrize("device", ["xla", "jax"])
+def test_warmup_compiles_exactly_the_graphs_of_the_bucket_plan(checkpoints, tmp_path, device):
     """In a fresh process (XLA's in-memory cache would serve graphs an earlier engine compiled):
     prefill 32, 64; decode rows 2, 4 x one context width; sampler rows 2, 4 x logprobs or not
     x greedy or not x logits processing or not; one processing-state graph; prompt log-probs
     per prefill bucket = 2 + 2 + 16 + 1 + 2 graphs, each compiled once."""
-    result = subprocess.run([sys.executable, "-c", COUNT_GRAPHS, checkpoints["llama"]], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-c", COUNT_GRAPHS, checkpoints["llama"], device], cwd=tmp_path,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     compiled, planned = json.loads(result.stdout.strip().splitlines()[-1])
@@ -72,7 +81,7 @@ def test_preemption_gives_the_same_tokens(checkpoints, llm):
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (40, 90, 130, 60, 100)]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(48), use_tqdm=False)]
     # 30 usable blocks of 16 tokens cannot hold five sequences of up to 178 tokens at once.
-    small = LLM(model=checkpoints["llama"], device="xla",
+    small = LLM(model=checkpoints["llama"], device=device_of(llm),
                 **tiny_engine_options(num_blocks=31, max_num_batched_tokens=96))
     outs = small.generate(prompts, greedy(48), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -81,7 +90,7 @@ def test_preemption_gives_the_same_tokens(checkpoints, llm):
 
 
 def test_tokens_read_back_a_step_late_change_nothing(checkpoints, llm):
-    """On XLA the worker queues step N+1 before it reads step N's tokens back (its pending
+    """On a compiled path the worker queues step N+1 before it reads step N's tokens back (its pending
     inputs come from the device's token feed); outputs equal the synchronous engine's, with
     preemption, chunks, stops, n = 2, seeds and log-probs."""
     worker = llm.engine.core.executor.workers[0]
@@ -94,7 +103,7 @@ def test_tokens_read_back_a_step_late_change_nothing(checkpoints, llm):
     finally:
         del worker.collect_step
     # 30 usable blocks: the synchronous engine preempts, the asynchronous one does not.
-    sync = LLM(model=checkpoints["llama"], device="xla", async_scheduling=False,
+    sync = LLM(model=checkpoints["llama"], device=device_of(llm), async_scheduling=False,
                **tiny_engine_options(num_blocks=31, max_num_batched_tokens=96))
     expected = sync.generate(prompts, params, use_tqdm=False)
     assert output_summary(got) == output_summary(expected)

@@ -1,0 +1,85 @@
+"""The JAX path's kernel providers: each op's Pallas kernel called inline on torchax tensors,
+inside a ``jax.jit``-traced program as the JAX path runs it, against THE reference on the op's
+generated cases (TPU interpret mode, in a fresh interpreter); and their dispatch rules."""
+import importlib
+
+import pytest
+import torch
+
+from tests.pallas_kernels.kernel_cases import generated_cases, in_fresh_process
+from tpu_executor.kernels import register_all
+from tpu_executor.kernels.registry import OpRegistry
+
+KERNEL_OPS = ("paged_attention", "prefill_attention", "gmm")
+CASES_PER_OP = 6
+
+
+def ops_module(op: str):
+    return importlib.import_module(f"tpu_executor.kernels.{op}.ops")
+
+
+def jax_provider(op: str):
+    return next(p for p in register_all(OpRegistry()).providers(op) if p.name == "pallas_jax")
+
+
+def run_traced(provider, case):
+    """``provider`` on the case's tensors as torchax tensors, traced and compiled by jax.jit."""
+    import jax
+    import torchax
+    from jax.experimental import enable_x64
+    from jax.experimental.pallas import tpu as pltpu
+    from torchax import interop
+
+    from tpu_executor.kernels.binding import jax_to_torch, torch_to_jax
+
+    env = torchax.default_env()
+    tensors = [torch_to_jax(a) for a in case.args]
+
+    def program(*arrays):
+        with env:
+            return interop.jax_view(provider.fn(*interop.torch_view(arrays), **case.kwargs))
+
+    with enable_x64(), pltpu.force_tpu_interpret_mode():
+        return jax_to_torch(jax.jit(program)(*tensors))
+
+
+def check_op(op: str) -> int:
+    """The provider within tolerance of the reference on the first cases its kernel takes."""
+    module = ops_module(op)
+    provider = jax_provider(op)
+    checked = 0
+    for case in generated_cases(module.SPEC, seed=7):
+        if module.shape_problem(*case.args, **case.kwargs) is not None:
+            continue
+        module.SPEC.assert_close(run_traced(provider, case), case.run(module.SPEC.reference), case.label)
+        checked += 1
+        if checked == CASES_PER_OP:
+            break
+    return checked
+
+
+@pytest.mark.slow  # TPU interpret mode
+@pytest.mark.parametrize("op", KERNEL_OPS)
+def test_jax_provider_matches_reference_on_generated_cases(op):
+    assert in_fresh_process(check_op, op) == CASES_PER_OP
+
+
+@pytest.mark.parametrize("op", KERNEL_OPS)
+def test_jax_provider_takes_torchax_tensors_only_and_only_on_tpu(op):
+    provider = jax_provider(op)
+    assert provider.supported() is False  # no TPU here
+    case = next(c for c in generated_cases(ops_module(op).SPEC, seed=7)
+                if ops_module(op).shape_problem(*c.args, **c.kwargs) is None)
+    assert not provider.supports_args(*case.args, **case.kwargs)  # CPU tensors: not the JAX path
+    assert ops_module(op).KERNEL_MODULE in provider.sources
+
+
+def test_eager_providers_decline_torchax_tensors():
+    """Data-dependent eager providers read values on the host: never under jax.jit."""
+    import torchax
+
+    from tpu_executor.kernels.binding import eager_only
+
+    with torchax.default_env():
+        assert not eager_only(torch.zeros(2, device="jax"))
+    assert eager_only(torch.zeros(2))
