@@ -1,0 +1,127 @@
+"""The JAX path (torchax + jax.jit): its persistent compile cache (a second start compiles
+nothing; a changed bucket plan or kernel source misses; a corrupt entry is compiled again with
+a warning), SPMD tensor parallelism over virtual CPU devices equal to one device, and its
+configuration errors. Greedy parity per architecture is in tests/models/test_parity.py."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.common import greedy_tokens, mixed_prompts, tiny_engine_options
+from tpu_executor import LLM
+from tpu_executor.core.buckets import BucketPlan
+from tpu_executor.engine.stats import startup_report
+
+pytestmark = pytest.mark.slow  # XLA compilation
+
+PROMPTS = mixed_prompts(4, 16, 200, vocab=500)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def start(path, cache_dir, **overrides):
+    """An engine on the JAX path with its compile cache under ``cache_dir``, and its tokens."""
+    llm = LLM(model=path, device="jax", **tiny_engine_options(strict=True, cache_dir=str(cache_dir), **overrides))
+    return llm, greedy_tokens(llm, PROMPTS, 24)
+
+
+def planned(llm) -> int:
+    return len(BucketPlan.from_config(llm.engine.config).graphs())
+
+
+def test_second_start_compiles_nothing_and_changes_miss(checkpoints, tmp_path, monkeypatch):
+    path = checkpoints["llama"]
+    cold, cold_tokens = start(path, tmp_path)
+    stats = cold.stats()
+    assert stats.graphs_compiled_at_warmup == planned(cold) and stats.compile_cache_hits == 0
+    assert stats.compile_cache_misses >= planned(cold) and stats.compile_seconds > 0
+    assert "(cold start)" in startup_report(cold.engine.config, stats, 1.0)
+    cold.shutdown()
+
+    warm, warm_tokens = start(path, tmp_path)
+    stats = warm.stats()
+    assert stats.graphs_compiled_at_warmup == 0 and stats.compile_cache_hits == planned(warm)
+    assert warm_tokens == cold_tokens and all(len(set(t)) > 4 for t in warm_tokens)
+    assert "(warm start)" in startup_report(warm.engine.config, stats, 1.0)
+    assert warm.stats().graphs_compiled_after_warmup == 0
+    warm.shutdown()
+
+    other_plan, _ = start(path, tmp_path, decode_buckets=(2, 4, 8))
+    assert other_plan.stats().compile_cache_hits == 0
+    assert other_plan.stats().graphs_compiled_at_warmup == planned(other_plan)
+    other_plan.shutdown()
+
+    from tpu_executor.kernels.registry import OpRegistry
+
+    monkeypatch.setattr(OpRegistry, "fingerprint", lambda self: "a-changed-kernel-source")
+    other_kernels, _ = start(path, tmp_path)
+    assert other_kernels.stats().compile_cache_hits == 0
+    assert len(os.listdir(tmp_path)) == 3  # one directory per (model, config, plan, kernels, versions)
+    other_kernels.shutdown()
+
+
+def test_a_corrupt_cache_entry_is_compiled_again_with_a_warning(checkpoints, tmp_path):
+    path = checkpoints["llama"]
+    first, expected = start(path, tmp_path)
+    first.shutdown()
+    entries = [os.path.join(root, name) for root, _, names in os.walk(tmp_path) for name in names]
+    assert len(entries) >= planned(first)
+    for entry in entries:
+        with open(entry, "wb") as f:
+            f.write(b"not an executable")
+    with pytest.warns(UserWarning, match="persistent compilation cache"):
+        again, tokens = start(path, tmp_path)
+    assert tokens == expected
+    assert again.stats().graphs_compiled_at_warmup == planned(again)
+    again.shutdown()
+
+
+SPMD_RUN = textwrap.dedent("""
+    import json, sys
+    from tests.common import greedy_tokens, mixed_prompts, tiny_engine_options
+    from tpu_executor import LLM
+    path, result = sys.argv[1], {}
+    for tp in (1, 2, 4):
+        llm = LLM(model=path, device="jax", tensor_parallel_size=tp, **tiny_engine_options(strict=True))
+        tokens = greedy_tokens(llm, mixed_prompts(4, 16, 200, vocab=500), 24)
+        model = llm.engine.core.executor.workers[0].model
+        layer = model.model.layers[0]
+        mlp = layer.mlp.experts.w13 if hasattr(layer.mlp, "experts") else layer.mlp.gate_up_proj.weight
+        shardings = [str(t.jax().sharding.spec) for t in (layer.self_attn.o_proj.weight, mlp,
+                                                           model.model.embed_tokens.weight)]
+        runner = llm.engine.core.executor.workers[0].runner
+        texts = [executable.as_text() for executable, _ in runner._decode_fn.executables.values()]
+        result[tp] = dict(tokens=tokens, shardings=shardings, all_reduce=all("all-reduce" in t for t in texts),
+                          after=llm.stats().graphs_compiled_after_warmup)
+        llm.shutdown()
+    print(json.dumps(result))
+""")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_spmd_tensor_parallel_equals_one_device(checkpoints, arch):
+    """tp = 2 and 4 over virtual CPU devices: the same greedy tokens as tp = 1, weights split as
+    Megatron places them (row-parallel over input features, column-parallel and experts over
+    output features, the embedding over the vocabulary), all-reduces inside the compiled step."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    result = subprocess.run([sys.executable, "-c", SPMD_RUN, checkpoints[arch]], env=env, capture_output=True,
+                            text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = json.loads(result.stdout.strip().splitlines()[-1])
+    assert runs["2"]["tokens"] == runs["4"]["tokens"] == runs["1"]["tokens"]
+    assert all(len(set(t)) > 4 for t in runs["1"]["tokens"])
+    assert runs["1"]["shardings"] == ["PartitionSpec()"] * 3
+    split = ["PartitionSpec('tp', None)", "PartitionSpec(None, None, 'tp')" if arch == "qwen3_moe"
+             else "PartitionSpec(None, 'tp')", "PartitionSpec(None, 'tp')"]
+    assert runs["2"]["shardings"] == runs["4"]["shardings"] == split
+    assert runs["2"]["all_reduce"] and runs["4"]["all_reduce"] and not runs["1"]["all_reduce"]
+    assert all(run["after"] == 0 for run in runs.values())
+
+
+def test_configuration_errors_name_the_fix(checkpoints):
+    with pytest.raises(ValueError, match="xla_force_host_platform_device_count=8"):
+        LLM(model=checkpoints["llama"], device="jax", tensor_parallel_size=8, **tiny_engine_options())
+    with pytest.raises(ValueError, match="leave ray_address unset"):
+        LLM(model=checkpoints["llama"], device="jax", ray_address="auto", **tiny_engine_options())
