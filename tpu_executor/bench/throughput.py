@@ -13,6 +13,7 @@ depend on the CPU generation, see docs/benchmarks.md).
     tpu-executor bench throughput --models mixtral-small smollm2 --quantizations none int8
     tpu-executor bench throughput --models gemma-100m --scheduling async sync
     tpu-executor bench throughput --models gemma-100m --devices cpu --profile
+    tpu-executor bench throughput --models gemma-100m --devices jax xla cpu
 
 ``--profile`` runs the workload a second time (other prompts of the same lengths, so the prefix
 cache cannot help) with a phase timer attached, and prints where that run's time went:
@@ -51,7 +52,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("throughput", help="throughput versus transformers' generate",
                                    description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--models", nargs="+", default=["gemma-100m", "smollm2"], choices=MODELS)
-    parser.add_argument("--devices", nargs="+", default=["xla", "cpu"], help="xla, cpu, cuda, ...")
+    parser.add_argument("--devices", nargs="+", default=["xla", "cpu"], help="xla, jax, cpu, cuda, ...")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1])
     parser.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "int8"])
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> None:
 
     if args.profile and max(args.tensor_parallel_sizes) > 1:
         raise SystemExit("--profile times an in-process engine: use --tensor-parallel-sizes 1")
-    if max(args.tensor_parallel_sizes) > 1:
+    if max(args.tensor_parallel_sizes) > 1 and set(args.devices) != {"jax"}:  # the JAX path shards in-process
         start_local_ray(max(args.tensor_parallel_sizes))
     base = engine_options_from_args(args)
     gflops, rows = [on_own_thread(matmul_gflops)], []
@@ -202,7 +203,7 @@ def print_table(rows, gflops: List[float]) -> None:
     for name, device, ours, theirs in rows:
         ref = f"{theirs['tokens_per_s']:.1f}" if theirs else "-"
         ratio = f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x" if theirs else "-"
-        path = "XLA" if device == "xla" else f"native eager ({device})"
+        path = {"xla": "XLA (torch_xla)", "jax": "JAX (torchax)"}.get(device, f"native eager ({device})")
         stats = ours["stats"]
         waste = stats.padding.waste()
         print(f"| {name} | {path} | {ours['tp']} | {ours['quantization']} | {ours['scheduling']} | "
