@@ -31,6 +31,8 @@ setup(
         # flax; 0.12.0 is the newest flax that accepts jax 0.7.1.
         "torchax==0.0.13",
         "flax==0.12.0",
+        # The JAX path keeps its traced programs (jax.export's serialization needs flatbuffers).
+        "flatbuffers>=24.3",
         # Ray runs the per-chip workers; its Serve library runs the replicas behind one endpoint.
         "ray[serve]>=2.50,<3",
         "transformers>=5.0,<6",

@@ -7,11 +7,14 @@ None) is static and part of the executable's key, like the bucket's shapes. The 
 weights are inputs too, never constants baked into the program. An input the function
 updates in place (the KV cache, the logits-processing state) comes back as an output and is
 donated, so XLA writes it where it lies instead of copying it each step; after the call the
-caller's tensor holds the new buffer, as after an in-place torch op.
+caller's tensor holds the new buffer, as after an in-place torch op. Every other output is
+replicated over the mesh, so the next graph that takes it finds the placement it was compiled
+for (logits are gathered, as Megatron's LM head does).
 
-Executables are built in two moves: ``lower`` (tracing the torch code: Python, one at a time)
-and ``compile`` (XLA: releases the GIL, so a thread pool compiles several at once). JAX's
-persistent cache answers ``compile`` when an identical program was compiled before.
+Executables are built in two moves: ``lower`` (tracing the torch code, or reading the traced
+program back from the ``ProgramStore``: Python, one at a time) and ``compile`` (XLA, which
+releases the GIL, so a thread pool compiles several at once; JAX's persistent cache answers
+when the same program was compiled before).
 """
 from __future__ import annotations
 
@@ -21,12 +24,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
+import numpy as np
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
-
 from torchax import interop
 from torchax.tensor import Tensor as JaxTensor
+
+from tpu_executor.worker.jax_programs import OutputStructure, ProgramStore, TracedProgram, program_key
 
 
 class CallSignature(NamedTuple):
@@ -42,14 +47,16 @@ class _Call(NamedTuple):
     leaves: List[Any]
     tensor_positions: Tuple[int, ...]
 
+    def arrays(self) -> List[Any]:
+        return [self.leaves[i].jax() for i in self.tensor_positions]
+
 
 class Pending(NamedTuple):
     """A lowered program waiting for XLA (``JaxFunction.compile`` finishes it)."""
 
-    function: "JaxFunction"
     signature: CallSignature
     lowered: Any
-    donated: Tuple[int, ...]
+    program: TracedProgram
 
 
 def _split(kwargs: Dict[str, Any]) -> _Call:
@@ -64,16 +71,20 @@ def _split(kwargs: Dict[str, Any]) -> _Call:
     return _Call(CallSignature(treedef, static, shapes), leaves, positions)
 
 
+def _split_donated(arrays: Sequence[Any], donated: Sequence[int]) -> Tuple[List[Any], List[Any]]:
+    return [a for k, a in enumerate(arrays) if k not in donated], [arrays[k] for k in donated]
+
+
 class JaxGraphs:
     """The compiled functions of one model runner: the weights they read, the torchax
-    environment they trace in, and the executables built so far (shared by its functions)."""
+    environment they trace in, where traced programs are kept, and the mesh placement of
+    their outputs."""
 
-    def __init__(self, model: torch.nn.Module, env, replicated):
+    def __init__(self, model: torch.nn.Module, env, replicated, store: ProgramStore):
         self.model = model
         self.env = env
-        # Every output is replicated over the mesh (logits are gathered, as Megatron's LM head
-        # does), so the next graph that takes it always finds the placement it was compiled for.
         self.replicated = replicated
+        self.store = store
         self.lock = threading.Lock()
         self._weights: Optional[Dict[str, Any]] = None
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -108,62 +119,72 @@ class JaxFunction:
 
     def __init__(self, fn: Callable, graphs: JaxGraphs):
         self.fn = fn
+        self.name = getattr(fn, "__qualname__", None) or fn.func.__qualname__  # a method, or a partial
         self.graphs = graphs
-        self.executables: Dict[CallSignature, Tuple[Any, Tuple[int, ...]]] = {}
+        self.executables: Dict[CallSignature, Tuple[Any, TracedProgram]] = {}
         self._mutated: Dict[Tuple, Tuple[int, ...]] = {}  # (treedef, static) -> updated inputs
-        self._out_info: Dict[CallSignature, Any] = {}  # outputs' shapes, while compiling ahead
+        self._ahead: Dict[CallSignature, Any] = {}  # outputs' shapes, while compiling ahead
 
     def __call__(self, **kwargs):
         call = _split(kwargs)
         entry = self.executables.get(call.signature)
         if entry is None and self.graphs._pool is not None:
-            return self._compile_ahead(call, kwargs)
+            return self._compile_ahead(call)
         if entry is None:
-            self.compile(self.lower(**kwargs))
+            self.compile(self._lower(call))
             entry = self.executables[call.signature]
-        executable, donated = entry
-        arrays = [call.leaves[i].jax() for i in call.tensor_positions]
-        kept = [a for k, a in enumerate(arrays) if k not in donated]
-        outputs, updated = executable(self.graphs.weights(), kept, [arrays[k] for k in donated])
-        for k, array in zip(donated, updated):
+        executable, program = entry
+        kept, donated = _split_donated(call.arrays(), program.donated)
+        outputs, updated = executable(self.graphs.weights(), kept, donated)
+        for k, array in zip(program.donated, updated):
             call.leaves[call.tensor_positions[k]]._elem = array
-        return interop.torch_view(outputs)
-
-    def lower(self, **kwargs) -> Optional[Pending]:
-        """Trace ``fn`` for these arguments' signature; None when it is compiled already."""
-        call = _split(kwargs)
-        if call.signature in self.executables:
-            return None
-        self._onto_mesh(call)
-        arrays = [call.leaves[i].jax() for i in call.tensor_positions]
-        weights = self.graphs.weights()
-        donated = self._updated_inputs(call, weights, arrays)
-        kept = [a for k, a in enumerate(arrays) if k not in donated]
-        # State updated in place stays where it was placed (a KV cache split over its heads).
-        out_shardings = (self.graphs.replicated, [arrays[k].sharding for k in donated])
-        program = jax.jit(self._program(call, donated), donate_argnums=(2,), out_shardings=out_shardings)
-        with self.graphs.lock:
-            lowered = program.trace(weights, kept, [arrays[k] for k in donated]).lower()
-        return Pending(self, call.signature, lowered, donated)
-
-    def _compile_ahead(self, call: _Call, kwargs):
-        """Lower now, compile on the pool, answer with zeros shaped like the outputs."""
-        import numpy as np
-
-        if call.signature not in self._out_info:
-            pending = self.lower(**kwargs)
-            self._out_info[call.signature] = pending.lowered.out_info[0]
-            self.graphs.compiling.append(self.graphs._pool.submit(self.compile, pending))
-        # Host zeros moved over: an eager jnp.zeros would compile a program of its own.
-        zeros = jax.tree_util.tree_map(lambda info: jax.device_put(np.zeros(info.shape, info.dtype),
-                                                                   self.graphs.replicated),
-                                       self._out_info[call.signature])
-        return interop.torch_view(zeros)
+        return program.outputs.rebuild([JaxTensor(a, self.graphs.env) for a in outputs])
 
     def compile(self, pending: Optional[Pending]) -> None:
         """Compile a lowered program (XLA's work: safe on a worker thread)."""
         if pending is not None:
-            self.executables[pending.signature] = (pending.lowered.compile(), pending.donated)
+            self.executables[pending.signature] = (pending.lowered.compile(), pending.program)
+
+    def _compile_ahead(self, call: _Call):
+        """Lower now, compile on the pool, answer with zeros shaped like the outputs."""
+        if call.signature not in self._ahead:
+            pending = self._lower(call)
+            self._ahead[call.signature] = (pending.lowered.out_info[0], pending.program.outputs)
+            self.graphs.compiling.append(self.graphs._pool.submit(self.compile, pending))
+        shapes, outputs = self._ahead[call.signature]
+        # Host zeros moved over: an eager jnp.zeros would compile a program of its own.
+        zeros = [jax.device_put(np.zeros(info.shape, info.dtype), self.graphs.replicated) for info in shapes]
+        return outputs.rebuild([JaxTensor(a, self.graphs.env) for a in zeros])
+
+    def _lower(self, call: _Call) -> Pending:
+        """The call's program, read back or traced (and kept), lowered for its inputs."""
+        self._onto_mesh(call)
+        key = program_key(self.name, call.signature)
+        program = self.graphs.store.load(key)
+        if program is None:
+            program = self._trace(call)
+            self.graphs.store.save(key, program)
+        arrays = call.arrays()
+        kept, donated = _split_donated(arrays, program.donated)
+        # State updated in place stays where it was placed (a KV cache split over its heads).
+        out_shardings = (self.graphs.replicated, [a.sharding for a in donated])
+        jitted = jax.jit(program.exported.call, donate_argnums=(2,), out_shardings=out_shardings)
+        lowered = jitted.trace(self.graphs.weights(), kept, donated).lower()
+        return Pending(call.signature, lowered, program)
+
+    def _trace(self, call: _Call) -> TracedProgram:
+        """Trace ``fn`` through torchax and export the program (StableHLO)."""
+        from jax import export
+
+        arrays, weights = call.arrays(), self.graphs.weights()
+        donated = self._updated_inputs(call, weights, arrays)
+        kept, donated_arrays = _split_donated(arrays, donated)
+        structure: List[OutputStructure] = []
+        out_shardings = (self.graphs.replicated, [a.sharding for a in donated_arrays])
+        jitted = jax.jit(self._program(call, donated, structure), donate_argnums=(2,), out_shardings=out_shardings)
+        with self.graphs.lock:
+            exported = export.export(jitted)(weights, kept, donated_arrays)
+        return TracedProgram(exported, donated, structure[0])
 
     def _onto_mesh(self, call: _Call) -> None:
         """Replicate over the mesh the inputs made elsewhere (a tensor moved with ``.to("jax")``
@@ -179,15 +200,16 @@ class JaxFunction:
         key = (call.signature.treedef, call.signature.static)
         if key not in self._mutated:
             found: List[int] = []
-            program = self._program(call, (), report=found)
             with self.graphs.lock:
-                jax.jit(program).trace(weights, arrays, [])
+                jax.jit(self._program(call, (), [], report=found)).trace(weights, arrays, [])
             self._mutated[key] = tuple(found)
         return self._mutated[key]
 
-    def _program(self, call: _Call, donated: Sequence[int], report: Optional[List[int]] = None):
-        """The JAX function of (weights, kept inputs, donated inputs) -> (outputs, donated inputs
-        as ``fn`` left them). ``report`` collects the inputs ``fn`` updated."""
+    def _program(self, call: _Call, donated: Sequence[int], structure: List[OutputStructure],
+                 report: Optional[List[int]] = None):
+        """The JAX function of (weights, kept inputs, donated inputs) -> (output arrays, donated
+        inputs as ``fn`` left them); ``structure`` receives the outputs' structure, ``report``
+        the inputs ``fn`` updated."""
         graphs, fn = self.graphs, self.fn
 
         def program(weights, kept, donated_arrays):
@@ -200,8 +222,9 @@ class JaxFunction:
                 leaves[position] = tensor
             kwargs = pytree.tree_unflatten(leaves, call.signature.treedef)
             with graphs.env, _reparametrize_module(graphs.model, interop.torch_view(weights)):
-                outputs = fn(**kwargs)
+                outputs, tensors = OutputStructure.of(fn(**kwargs))
+            structure.append(outputs)
             if report is not None:
                 report.extend(k for k, (tensor, a) in enumerate(zip(inputs, arrays)) if tensor.jax() is not a)
-            return interop.jax_view(outputs), [inputs[k].jax() for k in donated]
+            return [t.jax() for t in tensors], [inputs[k].jax() for k in donated]
         return program

@@ -43,11 +43,34 @@ def split_dim(module: torch.nn.Module, name: str, shape: Tuple[int, ...], ranks:
     return dim
 
 
-def compile_cache_key(parts: Tuple) -> str:
-    """A directory name for one engine's executables: a change of model, config, bucket
-    plan, kernel sources or library version gives another directory (never a stale hit)."""
+def compile_cache_key(parts: Tuple, checkpoint: str) -> str:
+    """A directory name for one engine's traced programs and executables: a change of the
+    checkpoint's config, the engine config (``parts``: bucket plan, kernel fingerprint, ...),
+    this package's source or a library version gives another directory (never a stale hit).
+    The weights are inputs of every program, so they are no part of it."""
     versions = tuple(importlib.metadata.version(name) for name in LIBRARIES)
-    return hashlib.sha256(repr(parts + versions).encode()).hexdigest()[:20]
+    digest = hashlib.sha256(repr(parts + versions).encode())
+    with open(os.path.join(checkpoint, "config.json"), "rb") as config:
+        digest.update(config.read())
+    digest.update(source_fingerprint().encode())
+    return digest.hexdigest()[:20]
+
+
+def source_fingerprint() -> str:
+    """Hash of every Python file of tpu_executor, its models and its kernels: the traced
+    programs come from this code."""
+    import tpu_executor
+    import tpu_executor.kernels
+    import tpu_executor.models
+
+    digest = hashlib.sha256()
+    for package in (tpu_executor, tpu_executor.models, tpu_executor.kernels):
+        root = os.path.dirname(package.__file__)
+        for folder, _, names in sorted(os.walk(root)):
+            for name in sorted(n for n in names if n.endswith(".py")):
+                with open(os.path.join(folder, name), "rb") as source:
+                    digest.update(source.read())
+    return digest.hexdigest()
 
 
 def _give_thread_state(env) -> None:
@@ -69,6 +92,8 @@ class JaxRuntime:
         import torchax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+        from tpu_executor.worker.jax_programs import ProgramStore
+
         devices = jax.devices()
         if len(devices) < tensor_parallel_size:
             hint = (" (on a CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count="
@@ -82,6 +107,7 @@ class JaxRuntime:
         self.device = torch.device("jax")
         self._spec, self._named = PartitionSpec, NamedSharding
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.programs = ProgramStore(None)  # traced programs: kept once a compile cache is set
 
     @contextlib.contextmanager
     def context(self):
@@ -147,14 +173,17 @@ class JaxRuntime:
             raise ValueError(f"the {self.platform} runtime reports no memory figures: set num_blocks")
         return int(stats["bytes_limit"]), int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)))
 
-    @staticmethod
-    def use_compile_cache(root: str, key: str) -> str:
+    def use_compile_cache(self, root: str, key: str) -> str:
         """Point JAX's persistent cache at ``root/key`` (every compiled graph is kept, however
-        fast it compiled). Process-wide: the engine started last in a process decides."""
+        fast it compiled), and keep traced programs in its ``programs/``. JAX's cache is
+        process-wide: the engine started last in a process decides where it lies."""
         import jax
         from jax.experimental.compilation_cache import compilation_cache
 
+        from tpu_executor.worker.jax_programs import ProgramStore
+
         path = os.path.join(root, key)
+        self.programs = ProgramStore(os.path.join(path, "programs"))
         os.makedirs(path, exist_ok=True)
         if jax.config.jax_compilation_cache_dir != path:
             compilation_cache.reset_cache()

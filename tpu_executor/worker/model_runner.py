@@ -67,7 +67,7 @@ class ModelRunner:
         if runtime is not None:
             from tpu_executor.worker.jax_graphs import JaxGraphs  # imports JAX and torchax
 
-            self.jax_graphs = JaxGraphs(model, runtime.env, runtime.replicated)
+            self.jax_graphs = JaxGraphs(model, runtime.env, runtime.replicated, runtime.programs)
         self.padding = PaddingStats()
         self.timer = NullPhaseTimer()  # see LLMEngine.attach_phase_timer
         # On XLA a call only queues work: reading tokens back can wait for the next launch.
@@ -270,14 +270,15 @@ class ModelRunner:
         self.guard.begin_warmup()
         graphs = self.plan.graphs()
         if self.jax_graphs is not None:
-            self._compile_ahead(graphs, show_progress)
-        for graph in tqdm(graphs, desc="compiling buckets", disable=not show_progress or self.jax_graphs is not None):
-            self._run_dummy(graph)
+            self._compile_ahead(graphs, show_progress)  # compiled, not run: nothing is left to do at a first call
+        else:
+            for graph in tqdm(graphs, desc="compiling buckets", disable=not show_progress):
+                self._run_dummy(graph)
         self.guard.end_warmup()
 
     def _compile_ahead(self, graphs: Sequence[Graph], show_progress: bool) -> None:
-        """JAX path: trace every graph of the plan, then let XLA compile them on a thread pool
-        (several at once; each is loaded from the persistent cache when it is there)."""
+        """JAX path: trace every graph of the plan (or read its traced program back), handing
+        each to a thread pool where XLA compiles several at once (or loads it from the cache)."""
         threads = self.config.compile.compile_threads or os.cpu_count() or 1
         with self.jax_graphs.ahead_of_time(threads) as compiling:
             with tqdm(total=len(graphs), desc="tracing buckets", disable=not show_progress) as bar:

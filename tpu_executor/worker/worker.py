@@ -101,9 +101,9 @@ class Worker:
         from tpu_executor.worker.jax_runtime import compile_cache_key
 
         cfg = self.config
-        return compile_cache_key((os.path.abspath(cfg.model.model), cfg.model.dtype, cfg.model.quantization,
-                                  cfg.max_model_len, cfg.cache.block_size, cfg.parallel.tensor_parallel_size,
-                                  BucketPlan.from_config(cfg).describe(), kernels_fingerprint))
+        return compile_cache_key((cfg.model.dtype, cfg.model.quantization, cfg.max_model_len, cfg.cache.block_size,
+                                  cfg.parallel.tensor_parallel_size, BucketPlan.from_config(cfg).describe(),
+                                  kernels_fingerprint), cfg.model.model)
 
     def device_context(self):
         """Where the worker's torch code runs: torchax's environment on the JAX path."""

@@ -1,6 +1,6 @@
-"""The JAX path (torchax + jax.jit): its persistent compile cache (a second start compiles
-nothing; a changed bucket plan or kernel source misses; a corrupt entry is compiled again with
-a warning), SPMD tensor parallelism over virtual CPU devices equal to one device, and its
+"""The JAX path (torchax + jax.jit): its persistent compile cache (a second start traces and
+compiles nothing; a changed bucket plan or kernel source misses; a corrupt entry is traced and
+compiled again with a warning), SPMD tensor parallelism over virtual CPU devices equal to one device, and its
 configuration errors. Greedy parity per architecture is in tests/models/test_parity.py."""
 import json
 import os
@@ -40,7 +40,11 @@ def test_second_start_compiles_nothing_and_changes_miss(checkpoints, tmp_path, m
     assert "(cold start)" in startup_report(cold.engine.config, stats, 1.0)
     cold.shutdown()
 
-    warm, warm_tokens = start(path, tmp_path)
+    from tpu_executor.worker.jax_graphs import JaxFunction
+
+    with monkeypatch.context() as patched:  # a warm start reads every traced program back
+        patched.setattr(JaxFunction, "_trace", lambda *_: pytest.fail("a warm start traced a graph"))
+        warm, warm_tokens = start(path, tmp_path)
     stats = warm.stats()
     assert stats.graphs_compiled_at_warmup == 0 and stats.compile_cache_hits == planned(warm)
     assert warm_tokens == cold_tokens and all(len(set(t)) > 4 for t in warm_tokens)
@@ -71,8 +75,10 @@ def test_a_corrupt_cache_entry_is_compiled_again_with_a_warning(checkpoints, tmp
     for entry in entries:
         with open(entry, "wb") as f:
             f.write(b"not an executable")
-    with pytest.warns(UserWarning, match="persistent compilation cache"):
+    with pytest.warns(UserWarning) as warned:
         again, tokens = start(path, tmp_path)
+    messages = " ".join(str(w.message) for w in warned)
+    assert "cannot be read" in messages and "persistent compilation cache" in messages
     assert tokens == expected
     assert again.stats().graphs_compiled_at_warmup == planned(again)
     again.shutdown()
@@ -121,7 +127,7 @@ def test_spmd_tensor_parallel_equals_one_device(checkpoints, arch):
 
 
 def test_configuration_errors_name_the_fix(checkpoints):
-    with pytest.raises(ValueError, match="xla_force_host_platform_device_count=8"):
-        LLM(model=checkpoints["llama"], device="jax", tensor_parallel_size=8, **tiny_engine_options())
+    with pytest.raises(ValueError, match="xla_force_host_platform_device_count=2"):
+        LLM(model=checkpoints["llama"], device="jax", tensor_parallel_size=2, **tiny_engine_options())
     with pytest.raises(ValueError, match="leave ray_address unset"):
         LLM(model=checkpoints["llama"], device="jax", ray_address="auto", **tiny_engine_options())
