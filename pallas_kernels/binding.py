@@ -89,13 +89,23 @@ def tpu_provider(name: str, priority: int, op_factory: Callable, problem_fn: Cal
 def jax_tpu_provider(name: str, priority: int, jax_fn: Callable, problem_fn: Callable,
                      sources: Tuple[str, ...]) -> Provider:
     """The JAX path's provider of a Pallas kernel: only where JAX runs on TPU, only for
-    torchax tensors whose shapes ``problem_fn`` accepts. ``jax_fn`` (the same adapter the
-    torch_xla binding calls) runs inline in the traced program, int64 metadata cast to int32."""
+    torchax tensors whose shapes ``problem_fn`` accepts, and only on one chip: under SPMD a
+    kernel (an opaque custom call) would need a ``shard_map`` over the heads, which is not
+    written, so there the reference serves (XLA partitions it). ``jax_fn`` (the same adapter
+    the torch_xla binding calls) runs inline in the traced program, int64 metadata as int32."""
     def supports_args(first, *args, **kwargs):
-        return is_jax_tensor(first) and problem_fn(first, *args, **kwargs) is None
+        return is_jax_tensor(first) and _one_chip() and problem_fn(first, *args, **kwargs) is None
 
     return Provider(name, functools.partial(call_on_jax, jax_fn), priority=priority, supported=on_jax_tpu,
                     supports_args=supports_args, sources=(jax_fn.__module__,) + tuple(sources))
+
+
+def _one_chip() -> bool:
+    """Whether the JAX path traces for a single device (the mesh its runtime set on torchax)."""
+    import torchax
+
+    mesh = torchax.default_env().param.mesh
+    return mesh is None or mesh.size == 1
 
 
 def call_on_jax(jax_fn: Callable, *args, **kwargs):

@@ -74,6 +74,25 @@ def test_jax_provider_takes_torchax_tensors_only_and_only_on_tpu(op):
     assert ops_module(op).KERNEL_MODULE in provider.sources
 
 
+@pytest.mark.parametrize("op", KERNEL_OPS)
+def test_jax_provider_serves_one_chip_only(op):
+    """Under SPMD (a mesh of several chips) the kernel would need a shard_map: the reference
+    serves, and XLA partitions it."""
+    import types
+
+    import torchax
+
+    provider = jax_provider(op)
+    case = next(c for c in generated_cases(ops_module(op).SPEC, seed=7)
+                if ops_module(op).shape_problem(*c.args, **c.kwargs) is None)
+    env = torchax.default_env()
+    with env:
+        args = [a.to("jax") if isinstance(a, torch.Tensor) else a for a in case.args]
+        for chips, accepted in ((1, True), (2, False)):
+            with env.override_property(mesh=types.SimpleNamespace(size=chips)):
+                assert provider.supports_args(*args, **case.kwargs) is accepted
+
+
 def test_eager_providers_decline_torchax_tensors():
     """Data-dependent eager providers read values on the host: never under jax.jit."""
     import torchax

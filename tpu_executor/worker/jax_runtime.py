@@ -117,7 +117,8 @@ class JaxRuntime:
         from jax.experimental import enable_x64
 
         _give_thread_state(self.env)
-        with enable_x64(), self.env:
+        # The mesh rides on torchax's runtime properties: kernel providers read it (binding.py).
+        with enable_x64(), self.env, self.env.override_property(mesh=self.mesh):
             yield
 
     def sharding(self, shape: Tuple[int, ...], dim: Optional[int]):
