@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -96,5 +95,5 @@ def run(args: argparse.Namespace) -> None:
             print(f"| {name} | {'JAX (torchax)' if r['path'] == 'jax' else 'torch_xla'} | {r['cache']} | "
                   f"{r['threads']} | {r['process_s']:.1f} | {r['startup'].get('warmup', 0):.1f} | {r['compiled']} | "
                   f"{r['hits']} | {share} |")
-    print(f"\nHardware: {cpu_description()}, {os.cpu_count()} cores. Each start is a fresh process; bucket plan of "
+    print(f"\nHardware: {cpu_description()}. Each start is a fresh process; bucket plan of "
           "`bench throughput` (6 prefill, 3 x 2 decode buckets).")
