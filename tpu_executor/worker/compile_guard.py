@@ -131,3 +131,23 @@ class CompileGuard:
         if self.strict:
             raise RecompilationError(message)
         logger.warning(message)
+
+
+class _PlannedGraphs:
+    """Graphs planned by every XLA runner of this process so far. Dynamo keeps each compiled
+    function's cache entries (one per bucket and model instance) for the process's life, so
+    a process that builds engine after engine (tests, benchmarks) needs limits that grow with
+    all of them, not with the last plan alone."""
+
+    total = 0
+
+
+def raise_dynamo_limits(num_graphs: int) -> None:
+    """Let dynamo keep one cache entry per bucket of every plan (its default of 8 would fall
+    back to eager, and fullgraph=True turns that into an error)."""
+    import torch._dynamo.config as dynamo_config
+
+    _PlannedGraphs.total += num_graphs
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * _PlannedGraphs.total)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit,
+                                                    16 * _PlannedGraphs.total)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.metadata
+import importlib.util
 import logging
 import os
 from typing import Dict, Optional, Tuple
@@ -59,13 +60,9 @@ def compile_cache_key(parts: Tuple, checkpoint: str) -> str:
 def source_fingerprint() -> str:
     """Hash of every Python file of tpu_executor, its models and its kernels: the traced
     programs come from this code."""
-    import tpu_executor
-    import tpu_executor.kernels
-    import tpu_executor.models
-
     digest = hashlib.sha256()
-    for package in (tpu_executor, tpu_executor.models, tpu_executor.kernels):
-        root = os.path.dirname(package.__file__)
+    for package in ("tpu_executor", "tpu_executor.models", "tpu_executor.kernels"):
+        root = os.path.dirname(importlib.util.find_spec(package).origin)
         for folder, _, names in sorted(os.walk(root)):
             for name in sorted(n for n in names if n.endswith(".py")):
                 with open(os.path.join(folder, name), "rb") as source:

@@ -32,7 +32,7 @@ from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.step import (DecodeWork, ModelRunnerOutput, PaddingStats, PrefillWork, SampledTokens,
                                      SamplingMeta, SchedulerOutput)
-from tpu_executor.worker.compile_guard import CompileGuard, jax_compile_events
+from tpu_executor.worker.compile_guard import CompileGuard, jax_compile_events, raise_dynamo_limits
 from tpu_executor.worker.decode_batch import PersistentDecodeBatch
 from tpu_executor.worker.inputs import prefill_inputs, sampling_tensors, to_device
 from tpu_executor.worker.logits_processing import (ProcessingSlots, donate, empty_processing_tensors, fill_slots,
@@ -77,7 +77,7 @@ class ModelRunner:
         self.decode_batch = PersistentDecodeBatch(self.plan.decode_row_buckets[-1],
                                                   self.plan.decode_context_block_buckets[-1])
         if device.type == "xla":
-            _raise_dynamo_limits(len(self.plan.graphs()))
+            raise_dynamo_limits(len(self.plan.graphs()))
         # Host-side collectives (gloo on CPU) split the model step into one graph per piece
         # between collectives; each piece is still compiled once per bucket.
         one_graph = model.tp.collectives_in_graph
@@ -384,23 +384,3 @@ def _sampled_tokens(call: LaunchedCall, host: Tuple[list, list, Optional[list], 
             top.append(None if wanted < 0 else
                        dict(zip(top_ids[row][:wanted], top_lps[row][:wanted])) if wanted and top_ids else {})
     return SampledTokens(list(call.request_ids), token_ids[:num], logprobs[:num], top)
-
-
-class _PlannedGraphs:
-    """Graphs planned by every XLA runner of this process so far. Dynamo keeps each compiled
-    function's cache entries (one per bucket and model instance) for the process's life, so
-    a process that builds engine after engine (tests, benchmarks) needs limits that grow with
-    all of them, not with the last plan alone."""
-
-    total = 0
-
-
-def _raise_dynamo_limits(num_graphs: int) -> None:
-    """Let dynamo keep one cache entry per bucket of every plan (its default of 8 would fall
-    back to eager, and fullgraph=True turns that into an error)."""
-    import torch._dynamo.config as dynamo_config
-
-    _PlannedGraphs.total += num_graphs
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * _PlannedGraphs.total)
-    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit,
-                                                    16 * _PlannedGraphs.total)
