@@ -87,33 +87,59 @@ def tpu_provider(name: str, priority: int, op_factory: Callable, problem_fn: Cal
 
 
 def jax_tpu_provider(name: str, priority: int, jax_fn: Callable, problem_fn: Callable,
-                     sources: Tuple[str, ...]) -> Provider:
+                     sources: Tuple[str, ...], splits_heads: bool = False) -> Provider:
     """The JAX path's provider of a Pallas kernel: only where JAX runs on TPU, only for
-    torchax tensors whose shapes ``problem_fn`` accepts, and only on one chip: under SPMD a
-    kernel (an opaque custom call) would need a ``shard_map`` over the heads, which is not
-    written, so there the reference serves (XLA partitions it). ``jax_fn`` (the same adapter
-    the torch_xla binding calls) runs inline in the traced program, int64 metadata as int32."""
+    torchax tensors whose shapes ``problem_fn`` accepts. ``jax_fn`` (the same adapter the
+    torch_xla binding calls) runs inline in the traced program, int64 metadata as int32.
+
+    Under SPMD (a mesh of several chips) a kernel is an opaque custom call that XLA cannot
+    partition: an attention kernel (``splits_heads``: q ``[T, heads, d]`` first, then the K/V
+    pages ``[kv_heads, ...]``) runs per chip on its share of the heads through ``shard_map``,
+    when both head counts divide over the chips; otherwise the reference serves."""
     def supports_args(first, *args, **kwargs):
-        return is_jax_tensor(first) and _one_chip() and problem_fn(first, *args, **kwargs) is None
+        if not is_jax_tensor(first) or problem_fn(first, *args, **kwargs) is not None:
+            return False
+        chips = _mesh_size()
+        return chips == 1 or (splits_heads and first.shape[1] % chips == 0 and args[0].shape[0] % chips == 0)
 
     return Provider(name, functools.partial(call_on_jax, jax_fn), priority=priority, supported=on_jax_tpu,
                     supports_args=supports_args, sources=(jax_fn.__module__,) + tuple(sources))
 
 
-def _one_chip() -> bool:
-    """Whether the JAX path traces for a single device (the mesh its runtime set on torchax)."""
+def _mesh():
+    """The mesh the JAX path traces for (its runtime sets it on torchax), or None."""
     import torchax
 
-    mesh = torchax.default_env().param.mesh
-    return mesh is None or mesh.size == 1
+    return torchax.default_env().param.mesh
+
+
+def _mesh_size() -> int:
+    mesh = _mesh()
+    return 1 if mesh is None else mesh.size
 
 
 def call_on_jax(jax_fn: Callable, *args, **kwargs):
-    """``jax_fn`` on torchax tensors (keyword arguments static), integer tensors as int32."""
+    """``jax_fn`` on torchax tensors (keyword arguments static), integer tensors as int32; on
+    a mesh of several chips, per chip over its heads (``over_heads``)."""
     from torchax import interop
 
     args = [a.to(torch.int32) if isinstance(a, torch.Tensor) and a.dtype == torch.int64 else a for a in args]
-    return interop.call_jax(functools.partial(jax_fn, **kwargs), *args)
+    fn = functools.partial(jax_fn, **kwargs)
+    if _mesh_size() > 1:
+        fn = over_heads(fn, _mesh(), len(args))
+    return interop.call_jax(fn, *args)
+
+
+def over_heads(fn: Callable, mesh, num_args: int) -> Callable:
+    """``fn`` run on every chip of ``mesh`` over its share of the heads: q ``[T, heads, d]``
+    and the K/V pages ``[kv_heads, ...]`` split over the mesh's axis, the metadata after them
+    whole; the output split like q."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    axis = mesh.axis_names[0]
+    specs = (PartitionSpec(None, axis), PartitionSpec(axis), PartitionSpec(axis)) + (PartitionSpec(),) * (num_args - 3)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(None, axis), check_vma=False)
 
 
 @functools.lru_cache(maxsize=None)

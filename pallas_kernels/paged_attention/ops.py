@@ -129,7 +129,7 @@ def register(registry=REGISTRY) -> None:
     registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem,
                                             sources=(KERNEL_MODULE,)))
     registry.register(OP_NAME, jax_tpu_provider("pallas_jax", 20, _pallas_paged_attention, shape_problem,
-                                                sources=(KERNEL_MODULE,)))
+                                                sources=(KERNEL_MODULE,), splits_heads=True))
     # Below ours: it rounds K/V to bf16 and has no sliding window.
     registry.register(OP_NAME, tpu_provider(
         "jax_paged_attention", 10, jax_shipped_op, shipped_kernel_problem,

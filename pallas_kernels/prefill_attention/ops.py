@@ -106,7 +106,7 @@ def register(registry=REGISTRY) -> None:
     attention knows neither pages, packed positions, soft-cap nor windows)."""
     registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem, sources=(KERNEL_MODULE,)))
     registry.register(OP_NAME, jax_tpu_provider("pallas_jax", 20, _pallas_prefill_attention, shape_problem,
-                                                sources=(KERNEL_MODULE,)))
+                                                sources=(KERNEL_MODULE,), splits_heads=True))
     registry.register(OP_NAME, Provider("eager_segments", eager.prefill_attention, priority=5,
                                         supports_args=eager_only))
     registry.register(OP_NAME, Provider("reference", reference.prefill_attention, priority=0,

@@ -74,23 +74,73 @@ def test_jax_provider_takes_torchax_tensors_only_and_only_on_tpu(op):
     assert ops_module(op).KERNEL_MODULE in provider.sources
 
 
-@pytest.mark.parametrize("op", KERNEL_OPS)
-def test_jax_provider_serves_one_chip_only(op):
-    """Under SPMD (a mesh of several chips) the kernel would need a shard_map: the reference
-    serves, and XLA partitions it."""
+def first_case(op: str, kv_heads: int):
+    module = ops_module(op)
+    return next(c for c in generated_cases(module.SPEC, seed=7)
+                if module.shape_problem(*c.args, **c.kwargs) is None and c.args[1].shape[0] == kv_heads)
+
+
+@pytest.mark.parametrize("op, kv_heads, on_two_chips", [
+    ("paged_attention", 2, True), ("paged_attention", 1, False),
+    ("prefill_attention", 2, True), ("prefill_attention", 1, False), ("gmm", None, False)])
+def test_jax_provider_on_a_mesh_needs_heads_that_divide(op, kv_heads, on_two_chips):
+    """Under SPMD an attention kernel runs per chip over its heads (both head counts must
+    divide over the chips); gmm has no such split: there the reference serves."""
     import types
 
     import torchax
 
     provider = jax_provider(op)
-    case = next(c for c in generated_cases(ops_module(op).SPEC, seed=7)
-                if ops_module(op).shape_problem(*c.args, **c.kwargs) is None)
+    case = first_case(op, kv_heads) if kv_heads else next(
+        c for c in generated_cases(ops_module(op).SPEC, seed=7) if ops_module(op).shape_problem(*c.args) is None)
     env = torchax.default_env()
     with env:
         args = [a.to("jax") if isinstance(a, torch.Tensor) else a for a in case.args]
-        for chips, accepted in ((1, True), (2, False)):
+        for chips, accepted in ((1, True), (2, on_two_chips)):
             with env.override_property(mesh=types.SimpleNamespace(size=chips)):
                 assert provider.supports_args(*args, **case.kwargs) is accepted
+
+
+def run_over_two_chips(op: str) -> int:
+    """The provider inside jax.jit with a two-device mesh set (each chip its share of the
+    heads, through shard_map), in TPU interpret mode, against the reference."""
+    import os
+
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import jax
+    import numpy as np
+    import torchax
+    from jax.experimental import enable_x64
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.sharding import Mesh
+    from torchax import interop
+
+    from tpu_executor.kernels.binding import jax_to_torch, torch_to_jax
+
+    module, provider, env = ops_module(op), jax_provider(op), torchax.default_env()
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    checked = 0
+    for case in generated_cases(module.SPEC, seed=7):
+        if module.shape_problem(*case.args, **case.kwargs) is not None or case.args[1].shape[0] % 2:
+            continue
+
+        def program(*arrays):
+            with env, env.override_property(mesh=mesh):
+                return interop.jax_view(provider.fn(*interop.torch_view(arrays), **case.kwargs))
+
+        with enable_x64(), pltpu.force_tpu_interpret_mode():
+            got = jax_to_torch(jax.jit(program)(*[torch_to_jax(a) for a in case.args]))
+        module.SPEC.assert_close(got, case.run(module.SPEC.reference), case.label)
+        checked += 1
+        if checked == 3:
+            return checked
+    return checked
+
+
+@pytest.mark.slow  # TPU interpret mode
+@pytest.mark.parametrize("op", ["paged_attention", "prefill_attention"])
+def test_attention_kernel_split_over_the_heads_of_two_chips_matches_reference(op):
+    assert in_fresh_process(run_over_two_chips, op) == 3
 
 
 def test_eager_providers_decline_torchax_tensors():
