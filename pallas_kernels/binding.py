@@ -106,11 +106,26 @@ def jax_tpu_provider(name: str, priority: int, jax_fn: Callable, problem_fn: Cal
                     supports_args=supports_args, sources=(jax_fn.__module__,) + tuple(sources))
 
 
+def torchax_env():
+    """torchax's environment, usable from this thread.
+
+    torchax keeps its environment's per-run properties (the mesh among them) in a thread-local
+    that only the thread which built the environment has; an engine's worker runs on its
+    executor's thread, and a later engine in the same process on another one. This thread gets
+    the same start when it has none."""
+    import jax
+    import torchax
+    from torchax.tensor import RuntimeProperty
+
+    env = torchax.default_env()
+    if not hasattr(env._property, "content"):
+        env._property.content = [RuntimeProperty(mesh=None, prng=jax.random.key(0), autocast_dtype=None)]
+    return env
+
+
 def _mesh():
     """The mesh the JAX path traces for (its runtime sets it on torchax), or None."""
-    import torchax
-
-    return torchax.default_env().param.mesh
+    return torchax_env().param.mesh
 
 
 def _mesh_size() -> int:

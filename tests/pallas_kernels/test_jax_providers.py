@@ -8,6 +8,7 @@ import torch
 
 from tests.pallas_kernels.kernel_cases import generated_cases, in_fresh_process
 from tpu_executor.kernels import register_all
+from tpu_executor.kernels.binding import torchax_env
 from tpu_executor.kernels.registry import OpRegistry
 
 KERNEL_OPS = ("paged_attention", "prefill_attention", "gmm")
@@ -25,14 +26,13 @@ def jax_provider(op: str):
 def run_traced(provider, case):
     """``provider`` on the case's tensors as torchax tensors, traced and compiled by jax.jit."""
     import jax
-    import torchax
     from jax.experimental import enable_x64
     from jax.experimental.pallas import tpu as pltpu
     from torchax import interop
 
     from tpu_executor.kernels.binding import jax_to_torch, torch_to_jax
 
-    env = torchax.default_env()
+    env = torchax_env()
     tensors = [torch_to_jax(a) for a in case.args]
 
     def program(*arrays):
@@ -88,12 +88,10 @@ def test_jax_provider_on_a_mesh_needs_heads_that_divide(op, kv_heads, on_two_chi
     divide over the chips); gmm has no such split: there the reference serves."""
     import types
 
-    import torchax
-
     provider = jax_provider(op)
     case = first_case(op, kv_heads) if kv_heads else next(
         c for c in generated_cases(ops_module(op).SPEC, seed=7) if ops_module(op).shape_problem(*c.args) is None)
-    env = torchax.default_env()
+    env = torchax_env()
     with env:
         args = [a.to("jax") if isinstance(a, torch.Tensor) else a for a in case.args]
         for chips, accepted in ((1, True), (2, on_two_chips)):
@@ -109,7 +107,6 @@ def run_over_two_chips(op: str) -> int:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     import jax
     import numpy as np
-    import torchax
     from jax.experimental import enable_x64
     from jax.experimental.pallas import tpu as pltpu
     from jax.sharding import Mesh
@@ -117,7 +114,7 @@ def run_over_two_chips(op: str) -> int:
 
     from tpu_executor.kernels.binding import jax_to_torch, torch_to_jax
 
-    module, provider, env = ops_module(op), jax_provider(op), torchax.default_env()
+    module, provider, env = ops_module(op), jax_provider(op), torchax_env()
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
     checked = 0
     for case in generated_cases(module.SPEC, seed=7):
@@ -145,10 +142,27 @@ def test_attention_kernel_split_over_the_heads_of_two_chips_matches_reference(op
 
 def test_eager_providers_decline_torchax_tensors():
     """Data-dependent eager providers read values on the host: never under jax.jit."""
-    import torchax
-
     from tpu_executor.kernels.binding import eager_only
 
-    with torchax.default_env():
+    with torchax_env():
         assert not eager_only(torch.zeros(2, device="jax"))
     assert eager_only(torch.zeros(2))
+
+
+def test_torchax_environment_serves_threads_that_did_not_build_it():
+    """An engine's worker runs on its executor's thread, a later engine on another one."""
+    import threading
+
+    import torchax
+
+    torchax_env()  # built (or already built) on this thread
+    seen = []
+
+    def on_another_thread():
+        seen.append(hasattr(torchax.default_env()._property, "content"))
+        seen.append(torchax_env().param.mesh)
+
+    thread = threading.Thread(target=on_another_thread)
+    thread.start()
+    thread.join()
+    assert seen == [False, None]

@@ -70,24 +70,14 @@ def source_fingerprint() -> str:
     return digest.hexdigest()
 
 
-def _give_thread_state(env) -> None:
-    """torchax keeps its environment's per-run properties in a thread-local that only the
-    thread which built the environment has; an engine's worker runs on its executor's thread,
-    and a later engine in the same process on another one. Give this thread the same start."""
-    import jax
-    from torchax.tensor import RuntimeProperty
-
-    if not hasattr(env._property, "content"):
-        env._property.content = [RuntimeProperty(mesh=None, prng=jax.random.key(0), autocast_dtype=None)]
-
-
 class JaxRuntime:
     """One process's JAX devices for one engine: ``tensor_parallel_size`` of them in a mesh."""
 
     def __init__(self, tensor_parallel_size: int):
         import jax
-        import torchax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        from tpu_executor.kernels.binding import torchax_env
 
         from tpu_executor.worker.jax_programs import ProgramStore
 
@@ -97,7 +87,7 @@ class JaxRuntime:
                     f"{tensor_parallel_size})" if devices[0].platform == "cpu" else "")
             raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs {tensor_parallel_size} JAX devices, "
                              f"this process sees {len(devices)}{hint}")
-        self.env = torchax.default_env()
+        self.env = torchax_env()
         self.mesh = Mesh(np.array(devices[:tensor_parallel_size]), ("tp",))
         self.ranks = tensor_parallel_size
         self.platform = devices[0].platform
@@ -113,7 +103,9 @@ class JaxRuntime:
         scoped, not process-wide: the torch_xla path in the same process keeps JAX's defaults."""
         from jax.experimental import enable_x64
 
-        _give_thread_state(self.env)
+        from tpu_executor.kernels.binding import torchax_env
+
+        torchax_env()  # this thread's share of torchax's state
         # The mesh rides on torchax's runtime properties: kernel providers read it (binding.py).
         with enable_x64(), self.env, self.env.override_property(mesh=self.mesh):
             yield
