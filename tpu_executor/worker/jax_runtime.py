@@ -139,11 +139,11 @@ class JaxRuntime:
     def zeros(self, shape: Tuple[int, ...], dtype: torch.dtype, split: Optional[int] = None):
         """A torchax tensor of zeros on the mesh (``split``: the dimension split over it)."""
         import jax
-        import jax.numpy as jnp
         from torchax.ops.mappings import t2j_dtype
         from torchax.tensor import Tensor as JaxTensor
 
-        array = jax.device_put(jnp.zeros(shape, t2j_dtype(dtype)), self.sharding(shape, split))
+        # Host zeros moved over: an eager jnp.zeros would compile a program of its own.
+        array = jax.device_put(np.zeros(shape, t2j_dtype(dtype)), self.sharding(shape, split))
         return JaxTensor(array, self.env)
 
     def put(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

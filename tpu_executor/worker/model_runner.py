@@ -13,7 +13,6 @@ decode inputs on the device, through the token feed (``worker/token_feed.py``).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import statistics
@@ -94,10 +93,6 @@ class ModelRunner:
         if self.jax_graphs is not None:
             return self.jax_graphs.function(fn)
         return torch.compile(fn, backend="openxla", fullgraph=fullgraph, dynamic=False)
-
-    def device_context(self):
-        """Where the runner's torch code runs: torchax's environment on the JAX path."""
-        return self.runtime.context() if self.runtime is not None else contextlib.nullcontext()
 
     def bind_kv_caches(self, kv_caches: KVCaches) -> None:
         """The per-layer K/V pages every later step reads and writes in place."""

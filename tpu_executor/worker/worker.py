@@ -100,10 +100,14 @@ class Worker:
         from tpu_executor.core.buckets import BucketPlan
         from tpu_executor.worker.jax_runtime import compile_cache_key
 
+        parts = self._cache_key_parts(kernels_fingerprint) + (BucketPlan.from_config(self.config).describe(),)
+        return compile_cache_key(parts, self.config.model.model)
+
+    def _cache_key_parts(self, kernels_fingerprint: str) -> tuple:
+        """What both paths' compile caches are keyed by: the shapes' sources and the kernels."""
         cfg = self.config
-        return compile_cache_key((cfg.model.dtype, cfg.model.quantization, cfg.max_model_len, cfg.cache.block_size,
-                                  cfg.parallel.tensor_parallel_size, BucketPlan.from_config(cfg).describe(),
-                                  kernels_fingerprint), cfg.model.model)
+        return (cfg.model.dtype, cfg.model.quantization, cfg.max_model_len, cfg.cache.block_size,
+                cfg.parallel.tensor_parallel_size, kernels_fingerprint)
 
     def device_context(self):
         """Where the worker's torch code runs: torchax's environment on the JAX path."""
@@ -160,10 +164,8 @@ class Worker:
             # One cache per process: a second engine in the same process shares the first's.
             logger.info("XLA compile cache already initialised in this process; keeping it")
             return
-        cfg = self.config
-        key = hashlib.sha256(repr((os.path.abspath(cfg.model.model), cfg.model.dtype, cfg.model.quantization,
-                                   cfg.max_model_len, cfg.cache.block_size, cfg.parallel.tensor_parallel_size,
-                                   kernels_fingerprint)).encode()).hexdigest()[:16]
+        parts = (os.path.abspath(self.config.model.model),) + self._cache_key_parts(kernels_fingerprint)
+        key = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
         path = os.path.join(cache_dir, key, f"rank{self.rank}")
         os.makedirs(path, exist_ok=True)
         xr.initialize_cache(path, readonly=False)
