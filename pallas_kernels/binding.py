@@ -194,13 +194,20 @@ def with_int32_indices(op_factory: Callable) -> Callable:
     return call
 
 
-def torch_to_jax(tensor: torch.Tensor):
-    """A CPU torch tensor as a JAX array of the same dtype (bf16 goes through fp32 exactly)."""
-    import jax.numpy as jnp
+def torch_to_host(tensor: torch.Tensor):
+    """A CPU torch tensor as a NumPy array of the same dtype (bf16 through fp32, exactly)."""
+    import ml_dtypes
 
     if tensor.dtype == torch.bfloat16:
-        return jnp.asarray(tensor.float().numpy()).astype(jnp.bfloat16)
-    return jnp.asarray(tensor.numpy())
+        return tensor.float().numpy().astype(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def torch_to_jax(tensor: torch.Tensor):
+    """A CPU torch tensor as a JAX array of the same dtype."""
+    import jax.numpy as jnp
+
+    return jnp.asarray(torch_to_host(tensor))
 
 
 def jax_to_torch(array) -> torch.Tensor:

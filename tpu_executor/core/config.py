@@ -236,15 +236,14 @@ class EngineConfig:
                  f"max_num_batched_tokens {self.scheduler.max_num_batched_tokens} is below "
                  f"max_model_len {self.max_model_len}: a full-length prompt could never run "
                  "(enable chunked prefill, or raise max_num_batched_tokens)")
-        _require(not (self.device.is_jax and self.parallel.ray_address is not None),
-                 "device 'jax' runs one process over this host's chips (SPMD); it does not start Ray "
-                 "workers: leave ray_address unset")
-
     @property
     def uses_ray(self) -> bool:
         """Workers in Ray actors: tensor parallelism over chips with a worker each, or a named
-        cluster. The JAX path shards over this host's chips from one process (SPMD)."""
-        return self.parallel.uses_ray and not self.device.is_jax
+        cluster. The JAX path shards over one host's chips from one process (SPMD); given a
+        Ray cluster it runs one such process per host (multi-host)."""
+        if self.device.is_jax:
+            return self.parallel.ray_address is not None
+        return self.parallel.uses_ray
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -226,7 +226,8 @@ class WorkerStats:
 
     @staticmethod
     def combine(ranks: Sequence["WorkerStats"]) -> "WorkerStats":
-        """The group's figures: the worst rank's compilations, rank 0's padding and cache
-        (every rank runs the same shapes over its own slice of the heads)."""
+        """The group's figures: the worst rank's compilations and compile-cache misses, rank 0's
+        padding and cache (every rank runs the same shapes over its own slice of the heads)."""
         return dataclasses.replace(ranks[0], graphs_compiled_at_warmup=max(s.graphs_compiled_at_warmup for s in ranks),
-                                   graphs_compiled_after_warmup=max(s.graphs_compiled_after_warmup for s in ranks))
+                                   graphs_compiled_after_warmup=max(s.graphs_compiled_after_warmup for s in ranks),
+                                   compile_cache_misses=max(s.compile_cache_misses for s in ranks))

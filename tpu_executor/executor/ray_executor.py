@@ -1,6 +1,7 @@
-"""Ray executor: one actor per TPU chip, across hosts, each wrapping a ``Worker``.
+"""Ray executor: one actor per TPU chip, across hosts, each wrapping a ``Worker``; on the JAX
+path one actor per host, holding that host's chips (one JAX process per host, SPMD over them).
 
-Start-up: check that the cluster has the chips, reserve one placement-group bundle per rank
+Start-up: check that the cluster has the chips, reserve one placement-group bundle per actor
 (the first on the driver's host), start an actor in each, then number the ranks so that
 they are contiguous per host with the driver's host first. Every call fans out to all actors;
 the first worker that dies or raises fails the call with ``WorkerFailure``, without waiting for
@@ -65,6 +66,27 @@ def check_cluster(tensor_parallel_size: int) -> None:
                          "cluster's TPU hosts (rank 0 runs on the driver's host)")
 
 
+def actor_layout(config: EngineConfig, driver_chips: int) -> Tuple[int, int]:
+    """(actors, chips each): an actor per chip; on the JAX path an actor per host, with as many
+    chips as the driver's host offers (at most ``tensor_parallel_size``)."""
+    size = config.parallel.tensor_parallel_size
+    if not config.device.is_jax:
+        return size, 1
+    per_host = max(1, min(size, driver_chips))
+    if size % per_host:
+        raise ValueError(f"tensor_parallel_size {size} does not fill whole hosts of {per_host} chips: the JAX "
+                         f"path runs one process per host; use a multiple of {per_host}")
+    return size // per_host, per_host
+
+
+def driver_chips() -> int:
+    """TPU chips of the Ray node this process runs on."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    return int(next((n["Resources"].get("TPU", 0) for n in ray.nodes() if n["NodeID"] == node), 0))
+
+
 def rank_placements(nodes: List[Tuple[str, str]], driver_node: str) -> List[RankPlacement]:
     """A placement per actor (same order as ``nodes``, their (node id, ip)): ranks contiguous
     per host, the driver's host first, then hosts in order of first appearance."""
@@ -87,8 +109,9 @@ def rank_placements(nodes: List[Tuple[str, str]], driver_node: str) -> List[Rank
 
 
 class RayExecutor(Executor):
-    """``tensor_parallel_size`` Ray actors, one per chip, in rank order. ``worker_class`` swaps
-    in a ``Worker`` subclass (tests inject faults with it)."""
+    """Ray actors in rank order: ``tensor_parallel_size`` of one chip each, or on the JAX path
+    one per host (``actor_layout``). ``worker_class`` swaps in a ``Worker`` subclass (tests
+    inject faults with it)."""
 
     def __init__(self, config: EngineConfig, worker_class: Optional[Type[Worker]] = None):
         import ray
@@ -101,48 +124,54 @@ class RayExecutor(Executor):
         if self._owns_ray:
             ray.init(address=config.parallel.ray_address, log_to_driver=False)
         try:
-            if not self._in_reserved_group(config.parallel.tensor_parallel_size):
+            self.num_actors, self.chips_per_actor = actor_layout(config, driver_chips())
+            if not self._in_reserved_group():
                 check_cluster(config.parallel.tensor_parallel_size)
-            self._start_actors(config.parallel.tensor_parallel_size)
+            self._start_actors()
         except BaseException:
             self.shutdown()
             raise
 
-    @staticmethod
-    def _in_reserved_group(size: int) -> bool:
-        """Whether this process runs in a placement group of ``size`` one-chip bundles that
-        someone else reserved for these workers (a Ray Serve replica's)."""
+    def _in_reserved_group(self) -> bool:
+        """Whether this process runs in a placement group of one bundle per actor, of its
+        chips, that someone else reserved for these workers (a Ray Serve replica's)."""
         import ray
 
         group = ray.util.get_current_placement_group()
-        return group is not None and [b.get("TPU", 0) for b in group.bundle_specs] == [1.0] * size
+        wanted = [float(self.chips_per_actor)] * self.num_actors
+        return group is not None and [b.get("TPU", 0) for b in group.bundle_specs] == wanted
 
-    def _reserve(self, size: int):
-        """A placement group of ``size`` one-chip bundles: this process's own (a Serve
-        replica's), else a new one whose first bundle is on the driver's host."""
+    def _reserve(self):
+        """A placement group of a bundle per actor: this process's own (a Serve replica's),
+        else a new one whose first bundle is on the driver's host (and, for one actor per
+        host, each bundle on a host of its own)."""
         import ray
         from ray.util.placement_group import placement_group
 
-        if self._in_reserved_group(size):
+        if self._in_reserved_group():
             return ray.util.get_current_placement_group()
         # The first bundle asks for a sliver of the driver's node resource, which pins it there.
+        chips = float(self.chips_per_actor)
         driver_ip = ray.util.get_node_ip_address()
-        bundles = [{"TPU": 1.0, f"node:{driver_ip}": 0.001}] + [{"TPU": 1.0}] * (size - 1)
-        self.placement_group = placement_group(bundles, strategy="PACK")
+        bundles = [{"TPU": chips, f"node:{driver_ip}": 0.001}] + [{"TPU": chips}] * (self.num_actors - 1)
+        strategy = "STRICT_SPREAD" if self.config.device.is_jax else "PACK"
+        self.placement_group = placement_group(bundles, strategy=strategy)
         ready, _ = ray.wait([self.placement_group.ready()], timeout=RESERVE_TIMEOUT_S)
         if not ready:
-            raise ValueError(f"could not reserve {size} TPU chips within {RESERVE_TIMEOUT_S:.0f} s "
-                             "(other jobs hold them?); free chips or lower tensor_parallel_size")
+            raise ValueError(f"could not reserve {self.num_actors} x {self.chips_per_actor:g} TPU chips within "
+                             f"{RESERVE_TIMEOUT_S:.0f} s (other jobs hold them?); free chips or lower "
+                             "tensor_parallel_size")
         return self.placement_group
 
-    def _start_actors(self, size: int) -> None:
+    def _start_actors(self) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        group = self._reserve(size)
+        size = self.num_actors
+        group = self._reserve()
         actor_class = ray.remote(WorkerActor)
         actors = [actor_class.options(
-            num_cpus=0, resources={"TPU": 1.0},
+            num_cpus=0, resources={"TPU": float(self.chips_per_actor)},
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
         ).remote() for i in range(size)]
         nodes = ray.get([a.node_info.remote() for a in actors])

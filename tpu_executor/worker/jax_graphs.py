@@ -32,6 +32,7 @@ from torchax import interop
 from torchax.tensor import Tensor as JaxTensor
 
 from tpu_executor.worker.jax_programs import OutputStructure, ProgramStore, TracedProgram, program_key
+from tpu_executor.worker.jax_runtime import to_mesh
 
 
 class CallSignature(NamedTuple):
@@ -153,7 +154,7 @@ class JaxFunction:
             self.graphs.compiling.append(self.graphs._pool.submit(self.compile, pending))
         shapes, outputs = self._ahead[call.signature]
         # Host zeros moved over: an eager jnp.zeros would compile a program of its own.
-        zeros = [jax.device_put(np.zeros(info.shape, info.dtype), self.graphs.replicated) for info in shapes]
+        zeros = [to_mesh(np.zeros(info.shape, info.dtype), self.graphs.replicated) for info in shapes]
         return outputs.rebuild([JaxTensor(a, self.graphs.env) for a in zeros])
 
     def _lower(self, call: _Call) -> Pending:
@@ -193,7 +194,7 @@ class JaxFunction:
         for i in call.tensor_positions:
             tensor = call.leaves[i]
             if tensor.jax().sharding.device_set != mesh_devices:
-                tensor._elem = jax.device_put(tensor.jax(), self.graphs.replicated)
+                tensor._elem = to_mesh(tensor.jax(), self.graphs.replicated)
 
     def _updated_inputs(self, call: _Call, weights, arrays) -> Tuple[int, ...]:
         """Which tensor inputs ``fn`` updates in place (found by tracing it once per structure)."""

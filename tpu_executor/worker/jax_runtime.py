@@ -57,6 +57,33 @@ def compile_cache_key(parts: Tuple, checkpoint: str) -> str:
     return digest.hexdigest()[:20]
 
 
+def join_hosts(placement, local_chips: int, on_tpu: bool) -> None:
+    """Make this process one host of a multi-host JAX mesh (before JAX starts its backend):
+    process ``placement.rank`` of ``placement.world_size``, meeting the others at rank 0's
+    address. Without a TPU a host's chips are ``local_chips`` virtual CPU devices and the
+    collectives between processes go through gloo, so a cluster is simulated on one machine."""
+    import jax
+
+    if not on_tpu:
+        jax.config.update("jax_num_cpu_devices", local_chips)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if placement.world_size > 1:
+        jax.distributed.initialize(coordinator_address=f"{placement.master_addr}:{placement.master_port}",
+                                   num_processes=placement.world_size, process_id=placement.rank)
+
+
+def to_mesh(array, sharding):
+    """``array`` (host or device) placed as ``sharding`` says. A sharding over several hosts
+    is filled by each process with its own chips' parts of the same host value: ``device_put``
+    would first check that the processes agree, with a collective (and a compile) per call."""
+    import jax
+
+    if sharding.is_fully_addressable:
+        return jax.device_put(array, sharding)
+    host = np.asarray(array)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def source_fingerprint() -> str:
     """Hash of every Python file of tpu_executor, its models and its kernels: the traced
     programs come from this code."""
@@ -123,7 +150,7 @@ class JaxRuntime:
         import jax
         from torchax.tensor import Tensor as JaxTensor
 
-        from tpu_executor.kernels.binding import torch_to_jax
+        from tpu_executor.kernels.binding import torch_to_host
 
         for module in model.modules():
             for table in (module._parameters, module._buffers):
@@ -131,19 +158,18 @@ class JaxRuntime:
                     if tensor is None:
                         continue
                     where = self.sharding(tuple(tensor.shape), split_dim(module, name, tuple(tensor.shape), self.ranks))
-                    placed = JaxTensor(jax.device_put(torch_to_jax(tensor.detach()), where), self.env)
+                    placed = JaxTensor(to_mesh(torch_to_host(tensor.detach()), where), self.env)
                     table[name] = torch.nn.Parameter(placed, requires_grad=False) \
                         if isinstance(tensor, torch.nn.Parameter) else placed
         return model
 
     def zeros(self, shape: Tuple[int, ...], dtype: torch.dtype, split: Optional[int] = None):
         """A torchax tensor of zeros on the mesh (``split``: the dimension split over it)."""
-        import jax
         from torchax.ops.mappings import t2j_dtype
         from torchax.tensor import Tensor as JaxTensor
 
         # Host zeros moved over: an eager jnp.zeros would compile a program of its own.
-        array = jax.device_put(np.zeros(shape, t2j_dtype(dtype)), self.sharding(shape, split))
+        array = to_mesh(np.zeros(shape, t2j_dtype(dtype)), self.sharding(shape, split))
         return JaxTensor(array, self.env)
 
     def put(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -151,14 +177,20 @@ class JaxRuntime:
         import jax
         from torchax.tensor import Tensor as JaxTensor
 
-        from tpu_executor.kernels.binding import torch_to_jax
+        from tpu_executor.kernels.binding import torch_to_host
 
-        arrays = jax.device_put([torch_to_jax(t) for t in tensors.values()], self.replicated)
+        hosts = [torch_to_host(t) for t in tensors.values()]
+        if self.replicated.is_fully_addressable:
+            arrays = jax.device_put(hosts, self.replicated)
+        else:
+            arrays = [to_mesh(host, self.replicated) for host in hosts]
         return {name: JaxTensor(array, self.env) for name, array in zip(tensors, arrays)}
 
     def memory_figures(self) -> Tuple[int, int]:
-        """(bytes the first chip can hold, its peak bytes in use so far), from the runtime."""
-        stats = self.mesh.devices.flat[0].memory_stats() or {}
+        """(bytes this process's first chip can hold, its peak bytes in use so far)."""
+        import jax
+
+        stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" not in stats:
             raise ValueError(f"the {self.platform} runtime reports no memory figures: set num_blocks")
         return int(stats["bytes_limit"]), int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)))

@@ -84,11 +84,15 @@ class Worker:
 
     def _init_jax_device(self) -> None:
         """The JAX path: torchax traces the model, ``jax.jit`` compiles it, over a mesh of
-        ``tensor_parallel_size`` of this process's devices; JAX's persistent cache is used."""
+        ``tensor_parallel_size`` devices (this process's, or in a Ray actor, those of every
+        host's process together); JAX's persistent cache is used."""
         from tpu_executor.kernels import register_all
-        from tpu_executor.worker.jax_runtime import JaxRuntime
+        from tpu_executor.worker.jax_runtime import JaxRuntime, join_hosts
 
-        self.jax = JaxRuntime(self.config.parallel.tensor_parallel_size)
+        chips = self.config.parallel.tensor_parallel_size
+        if self.config.uses_ray:
+            join_hosts(self.placement, chips // self.placement.world_size, on_tpu=_tpu_present())
+        self.jax = JaxRuntime(chips)
         registry = register_all()  # after JAX has started, so its TPU providers see the chips
         self.device = self.jax.device
         if self.config.compile.cache_dir is not None:

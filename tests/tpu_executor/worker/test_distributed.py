@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import pytest
 
+from tpu_executor.executor.ray_executor import actor_layout, rank_placements
 from tpu_executor.worker.distributed import RankPlacement, tpu_topology_env
-from tpu_executor.executor.ray_executor import rank_placements
+from tpu_executor.core.config import (CacheConfig, CompileConfig, DeviceConfig, EngineConfig, ModelConfig,
+                                      ParallelConfig, SchedulerConfig)
 
 
 def test_ranks_are_contiguous_per_host_driver_host_first():
@@ -22,6 +24,21 @@ def test_ranks_are_contiguous_per_host_driver_host_first():
 def test_uneven_hosts_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="unevenly over hosts"):
         rank_placements([("a", "ip1"), ("a", "ip1"), ("a", "ip1"), ("b", "ip2")], driver_node="a")
+
+
+def _config(device: str, chips: int, checkpoint: str) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(model=checkpoint), cache=CacheConfig(), scheduler=SchedulerConfig(),
+                        compile=CompileConfig(), device=DeviceConfig(device), max_model_len=64,
+                        parallel=ParallelConfig(tensor_parallel_size=chips, ray_address="auto"))
+
+
+def test_actor_layout_is_a_chip_each_or_on_the_jax_path_a_host_each(tmp_path):
+    assert actor_layout(_config("xla", 8, str(tmp_path)), driver_chips=4) == (8, 1)
+    assert actor_layout(_config("jax", 8, str(tmp_path)), driver_chips=4) == (2, 4)  # two hosts of four chips
+    assert actor_layout(_config("jax", 2, str(tmp_path)), driver_chips=4) == (1, 2)  # part of one host
+    assert actor_layout(_config("jax", 4, str(tmp_path)), driver_chips=1) == (4, 1)
+    with pytest.raises(ValueError, match="does not fill whole hosts of 4 chips"):
+        actor_layout(_config("jax", 6, str(tmp_path)), driver_chips=4)
 
 
 def test_single_host_tpu_env_gives_each_worker_its_chip():

@@ -129,5 +129,4 @@ def test_spmd_tensor_parallel_equals_one_device(checkpoints, arch):
 def test_configuration_errors_name_the_fix(checkpoints):
     with pytest.raises(ValueError, match="xla_force_host_platform_device_count=2"):
         LLM(model=checkpoints["llama"], device="jax", tensor_parallel_size=2, **tiny_engine_options())
-    with pytest.raises(ValueError, match="leave ray_address unset"):
-        LLM(model=checkpoints["llama"], device="jax", ray_address="auto", **tiny_engine_options())
+
