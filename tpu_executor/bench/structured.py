@@ -20,7 +20,7 @@ import time
 from typing import Dict, List
 
 from tpu_executor.bench.hardware import cpu_description
-from tpu_executor.bench.throughput import MODELS, NEW_TOKENS, model_path, shifted, workload
+from tpu_executor.bench.throughput import MODELS, NEW_TOKENS, Workload, model_path, shifted
 from tpu_executor.engine.options import HelpFormatter, add_engine_arguments, engine_options_from_args
 
 RECORDS = {"type": "array", "minItems": 1000, "items": {
@@ -67,7 +67,7 @@ def run_engine(path: str, options: Dict, repeats: int) -> Dict[str, float]:
     from tpu_executor.entrypoints.llm import LLM
 
     vocab_size = AutoConfig.from_pretrained(path).vocab_size
-    prompts = workload(vocab_size)
+    prompts = Workload().prompts(vocab_size)
     llm = LLM(model=path, **options)
     timed_pass(llm, prompts, constrained=True)  # compiles the grammar; its prompts are not used again
     rates: Dict[bool, List[float]] = {False: [], True: []}

