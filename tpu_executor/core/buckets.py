@@ -190,6 +190,8 @@ class BucketPlan:
     history_token_buckets: Tuple[int, ...]
     max_prefill_seqs: int
     block_size: int
+    # Eager devices (the native path) compile nothing: a prefill runs at its own size.
+    exact_prefill: bool = False
 
     @classmethod
     def from_config(cls, config: "EngineConfig") -> "BucketPlan":
@@ -203,7 +205,8 @@ class BucketPlan:
                    sampler_row_buckets=tuple(sorted(set(rows) | {compile_cfg.max_prefill_seqs})),
                    logprob_widths=tuple(sorted({0, compile_cfg.max_logprobs})),
                    history_token_buckets=geometric_fill(effective_buckets((HISTORY_BUCKET,), config.max_model_len)),
-                   max_prefill_seqs=compile_cfg.max_prefill_seqs, block_size=block_size)
+                   max_prefill_seqs=compile_cfg.max_prefill_seqs, block_size=block_size,
+                   exact_prefill=not config.device.compiles)
 
     @property
     def max_prefill_tokens(self) -> int:
@@ -241,6 +244,8 @@ class BucketPlan:
     def prefill_graph(self, num_tokens: int, num_context: int) -> PrefillGraph:
         """The graph for a pack of ``num_tokens`` new tokens over ``num_context`` keys (its
         contexts filled to whole pages)."""
+        if self.exact_prefill:
+            return PrefillGraph(num_tokens, num_context)
         buckets = self.prefill_token_buckets
         # Padding queries need a padding key to attend to (a query that sees no key is NaN).
         needed = lambda tokens: num_context + (num_tokens < tokens)  # noqa: E731

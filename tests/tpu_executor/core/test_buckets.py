@@ -7,12 +7,20 @@ from tpu_executor.core.config import (CacheConfig, CompileConfig, DeviceConfig, 
                                       SchedulerConfig)
 
 
-def config(tmp_path, max_model_len=320, chunked=True, budget=2048, **compile_options):
+def config(tmp_path, max_model_len=320, chunked=True, budget=2048, device="xla", **compile_options):
     return EngineConfig(model=ModelConfig(model=str(tmp_path)), cache=CacheConfig(block_size=16),
                         scheduler=SchedulerConfig(max_num_seqs=24, max_num_batched_tokens=budget,
                                                   enable_chunked_prefill=chunked),
-                        compile=CompileConfig(**compile_options), device=DeviceConfig("cpu"),
+                        compile=CompileConfig(**compile_options), device=DeviceConfig(device),
                         max_model_len=max_model_len)
+
+
+def test_eager_devices_run_each_prefill_at_its_own_size(tmp_path):
+    """The native path compiles nothing, so a pack is not padded to a token bucket."""
+    plan = BucketPlan.from_config(config(tmp_path, device="cpu", prefill_buckets=(64, 128)))
+    assert plan.prefill_graph(65, 80) == PrefillGraph(65, 80)
+    assert BucketPlan.from_config(config(tmp_path, prefill_buckets=(64, 128))).prefill_graph(65, 80) \
+        == PrefillGraph(128, 256)
 
 
 @pytest.mark.parametrize("chunked", [True, False])

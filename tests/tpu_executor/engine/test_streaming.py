@@ -6,6 +6,7 @@ import time
 from collections import defaultdict
 
 import pytest
+import torch
 
 from tests.common import run_to_end, tiny_engine_options
 from dataclasses import replace
@@ -64,7 +65,12 @@ def test_deltas_concatenate_to_the_final_outputs(llm):
         for completion in final.outputs:
             key = (request_id, completion.index)
             assert (text[key], tokens[key]) == (completion.text, completion.token_ids), key
-            assert logprobs[key] == (completion.logprobs or []), key
+            # Same tokens at every position; log-probs within float noise: this run reads the
+            # prompts from the prefix cache, so its prefills have other shapes than the first's.
+            streamed, whole = logprobs[key], completion.logprobs or []
+            assert [sorted(step) for step in streamed] == [sorted(step) for step in whole], key
+            torch.testing.assert_close([[step[t] for t in sorted(step)] for step in streamed],
+                                       [[step[t] for t in sorted(step)] for step in whole], rtol=0, atol=1e-5)
     first, parallel, included = expected[0].outputs[0], expected[1], expected[2].outputs[0]
     assert first.finish_reason == "stop" and first.stop_reason == stop and stop not in first.text
     assert included.finish_reason == "stop" and included.text.endswith(stop)
