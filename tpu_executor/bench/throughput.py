@@ -172,10 +172,11 @@ def run_peers(args: argparse.Namespace, name: str, path: str, prompts: List[List
 
     peers = {"transformers": None if args.skip_transformers else on_own_thread(run_transformers, path, prompts,
                                                                                work.output_len),
-             "vllm": run_vllm(args.vllm_python, path, prompts, work) if args.vllm_python else None}
+             "vllm": run_vllm(args.vllm_python, path, prompts, work, args.profile) if args.vllm_python else None}
     for peer, label in (("transformers", "transformers generate"), ("vllm", "vLLM-CPU LLM.generate")):
         if peers[peer]:
-            print(f"{name}: {label} {peers[peer]['tokens_per_s']:.1f} tok/s ({peers[peer]['seconds']:.1f} s)")
+            warmup = f", warm-up {peers[peer]['warmup_s']:.1f} s" if "warmup_s" in peers[peer] else ""
+            print(f"{name}: {label} {peers[peer]['tokens_per_s']:.1f} tok/s ({peers[peer]['seconds']:.1f} s){warmup}")
     return peers
 
 

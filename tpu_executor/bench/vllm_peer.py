@@ -1,11 +1,20 @@
-"""The vLLM-CPU side of ``tpu-executor bench throughput --vllm-python``: runs one workload
-through vLLM's offline ``LLM`` and prints its figures as one JSON line.
+"""vLLM-CPU as a peer, run under the Python of a virtual environment that holds it (it pins its
+own torch; ``scripts/setup_vllm_cpu.sh`` makes one), as a script: it imports nothing of
+tpu_executor.
 
-It runs under the Python of a virtual environment that holds vLLM-CPU (which pins its own
-torch; ``scripts/setup_vllm_cpu.sh`` makes one), as a script: it imports nothing of
-tpu_executor. The workload file is JSON: ``{"model", "prompts", "max_tokens", "max_model_len",
+    python -I vllm_peer.py WORKLOAD.json          # bench throughput --vllm-python runs this
+    python -I vllm_peer.py WORKLOAD.json --profile
+    python -I vllm_peer.py serve MODEL [ARGS...]  # `vllm serve MODEL ARGS...`, for bench serve
+
+The first runs one workload through vLLM's offline ``LLM`` and prints its figures as one JSON
+line. The workload file is JSON: ``{"model", "prompts", "max_tokens", "max_model_len",
 "max_num_seqs"}``. vLLM gets what our engine gets: fp32, greedy, EOS ignored, prefix caching
 off, a warm-up generate before the timed one, every core of this machine bound to its threads.
+``--profile`` then generates prompts of the same lengths with other ids under torch's profiler,
+the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the profiler sees
+the model's ops), and prints its busiest ops. The second starts vLLM's OpenAI server: vllm-cpu's own ``vllm`` command cannot, because it
+looks up the version of a distribution named ``vllm`` (this one is ``vllm-cpu``) to tell the
+device, so the lookup is answered here first.
 """
 from __future__ import annotations
 
@@ -22,7 +31,7 @@ def cpu_environment() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 
-def run(spec: dict) -> dict:
+def run(spec: dict, profile: bool = False) -> dict:
     from vllm import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -36,15 +45,52 @@ def run(spec: dict) -> dict:
     outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outs]
+    if profile:
+        profiled_run(llm, spec["prompts"], params)
     return {"tokens_per_s": sum(map(len, tokens)) / elapsed, "seconds": elapsed, "warmup_s": warmup,
             "tokens": tokens}
 
 
+def profiled_run(llm, prompts: list, params) -> None:
+    """The workload's lengths with every id moved by one, under torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    shifted = [[3 + (t - 2) % (vocab - 3) for t in prompt] for prompt in prompts]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in shifted], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    print(f"vLLM-CPU profiled run: {wall:.2f} s wall")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+
+
+def serve(args: list) -> None:
+    import importlib.metadata
+
+    lookup = importlib.metadata.version
+
+    def version(name: str) -> str:
+        return lookup("vllm-cpu") + "+cpu" if name == "vllm" else lookup(name)
+
+    importlib.metadata.version = version
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *args]
+    vllm_main()
+
+
 def main() -> None:
+    cpu_environment()
+    if sys.argv[1] == "serve":
+        serve(sys.argv[2:])
+        return
+    profile = "--profile" in sys.argv[2:]
+    if profile:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     with open(sys.argv[1]) as workload:
         spec = json.load(workload)
-    cpu_environment()
-    result = run(spec)
+    result = run(spec, profile)
     print("VLLM_PEER_RESULT " + json.dumps(result), flush=True)
 
 

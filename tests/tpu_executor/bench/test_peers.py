@@ -35,6 +35,7 @@ def test_vllm_peer_gets_the_workload_file_and_its_result_line_is_read(tmp_path):
     assert result["tokens"] == prompts
     assert result["spec"] == {"model": "/ckpt", "prompts": prompts, "max_tokens": 7, "max_model_len": 11,
                               "max_num_seqs": 2}
+    assert result["report"] == "loading..."  # what the peer printed before its result
     assert same_tokens(prompts, result["tokens"]) == 1.0
 
 
