@@ -29,7 +29,9 @@ _HOST_CHIP_GRIDS = {1: (1, 1, 1), 2: (1, 2, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
 class RankPlacement:
     """One worker's place: ``rank`` of ``world_size``; chip ``local_rank`` of the
     ``local_world_size`` used on host ``node_index`` of ``num_nodes``. ``host_ips`` lists the
-    hosts in node order; ``master_addr:master_port`` is where rank 0 rendezvous (gloo)."""
+    hosts in node order; ``master_addr:master_port`` is where rank 0 rendezvous (gloo, or
+    JAX's coordinator). On the JAX path a worker is a host's process: ``rank`` is the host's
+    index and ``local_world_size`` is 1, whatever chips it holds."""
 
     rank: int = 0
     world_size: int = 1
