@@ -190,7 +190,11 @@ class BucketPlan:
     history_token_buckets: Tuple[int, ...]
     max_prefill_seqs: int
     block_size: int
-    # Eager devices (the native path) compile nothing: a prefill runs at its own size.
+    # Eager devices (the native path) compile nothing: a prefill runs at its own size. Several
+    # ranks keep the buckets: when one rank fails a step, the others wait in a collective that
+    # the failed rank's next step then meets; at exact sizes gloo aborted the waiting process
+    # there, where at bucket sizes the wait ends in the timeout that the executor reports as
+    # ranks out of step (executor/test_tensor_parallel.py).
     exact_prefill: bool = False
 
     @classmethod
@@ -206,7 +210,7 @@ class BucketPlan:
                    logprob_widths=tuple(sorted({0, compile_cfg.max_logprobs})),
                    history_token_buckets=geometric_fill(effective_buckets((HISTORY_BUCKET,), config.max_model_len)),
                    max_prefill_seqs=compile_cfg.max_prefill_seqs, block_size=block_size,
-                   exact_prefill=not config.device.compiles)
+                   exact_prefill=not config.device.compiles and config.parallel.tensor_parallel_size == 1)
 
     @property
     def max_prefill_tokens(self) -> int:

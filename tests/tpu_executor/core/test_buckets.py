@@ -1,10 +1,12 @@
 """The bucket plan from the config alone: buckets per dimension, picking, and the graph list
 (its length against the compilations counted at warm-up is checked in engine/test_engine.py)."""
+import dataclasses
+
 import pytest
 
 from tpu_executor.core.buckets import BucketPlan, DecodeGraph, HistoryGraph, PrefillGraph, SamplerGraph, pick_bucket
 from tpu_executor.core.config import (CacheConfig, CompileConfig, DeviceConfig, EngineConfig, ModelConfig,
-                                      SchedulerConfig)
+                                      ParallelConfig, SchedulerConfig)
 
 
 def config(tmp_path, max_model_len=320, chunked=True, budget=2048, device="xla", **compile_options):
@@ -21,6 +23,9 @@ def test_eager_devices_run_each_prefill_at_its_own_size(tmp_path):
     assert plan.prefill_graph(65, 80) == PrefillGraph(65, 80)
     assert BucketPlan.from_config(config(tmp_path, prefill_buckets=(64, 128))).prefill_graph(65, 80) \
         == PrefillGraph(128, 256)
+    ranks = dataclasses.replace(config(tmp_path, device="cpu", prefill_buckets=(64, 128)),
+                                parallel=ParallelConfig(tensor_parallel_size=2))
+    assert BucketPlan.from_config(ranks).prefill_graph(65, 80) == PrefillGraph(128, 256)
 
 
 @pytest.mark.parametrize("chunked", [True, False])
