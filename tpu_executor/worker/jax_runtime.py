@@ -147,7 +147,6 @@ class JaxRuntime:
 
     def place_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move every parameter and buffer onto the mesh, split as ``split_dim`` says."""
-        import jax
         from torchax.tensor import Tensor as JaxTensor
 
         from tpu_executor.kernels.binding import torch_to_host
