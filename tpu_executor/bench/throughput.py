@@ -166,13 +166,14 @@ def on_own_thread(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def run_peers(args: argparse.Namespace, name: str, path: str, prompts: List[List[int]], work: Workload) -> Dict:
+def run_peers(args: argparse.Namespace, name: str, path: str, prompts: List[List[int]], work: Workload,
+              profile_prompts=None) -> Dict:
     """transformers' and vLLM-CPU's figures on the workload (each None where skipped)."""
     from tpu_executor.bench.peers import run_transformers, run_vllm
 
     peers = {"transformers": None if args.skip_transformers else on_own_thread(run_transformers, path, prompts,
                                                                                work.output_len),
-             "vllm": run_vllm(args.vllm_python, path, prompts, work, args.profile) if args.vllm_python else None}
+             "vllm": run_vllm(args.vllm_python, path, prompts, work, profile_prompts) if args.vllm_python else None}
     for peer, label in (("transformers", "transformers generate"), ("vllm", "vLLM-CPU LLM.generate")):
         if peers[peer]:
             warmup = f", warm-up {peers[peer]['warmup_s']:.1f} s" if "warmup_s" in peers[peer] else ""
@@ -196,7 +197,7 @@ def run(args: argparse.Namespace) -> None:
         vocab_size = AutoConfig.from_pretrained(path).vocab_size
         prompts = work.prompts(vocab_size)
         profile_prompts = shifted(prompts, vocab_size) if args.profile else None
-        peers = run_peers(args, name, path, prompts, work)
+        peers = run_peers(args, name, path, prompts, work, profile_prompts)
         for device in args.devices:
             for quantization, tp, scheduling in itertools.product(args.quantizations, args.tensor_parallel_sizes,
                                                                   args.scheduling):

