@@ -39,7 +39,9 @@ class AttentionMetadata:
     """Per-step attention inputs, all device tensors of fixed (bucketed) shape.
 
     ``positions [T]`` and ``slot_mapping [T]`` (where each token's K/V goes; padding -> the
-    null block) are common; exactly one of ``prefill`` / ``decode`` is set.
+    null block) are common; ``prefill``, ``decode`` or, in a mixed call (eager devices only),
+    both are set: the prefill's tokens first (as many as its ``query_segments``), then one
+    token per decode row.
     """
 
     positions: torch.Tensor
@@ -74,11 +76,14 @@ def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` -> attention output ``[T, heads, d]``."""
     k_cache, v_cache = kv_cache
     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-    if meta.prefill is not None:
-        p = meta.prefill
-        return prefill_attention(q, k_cache, v_cache, p.context_slots, p.key_positions,
-                                 p.key_segments, meta.positions, p.query_segments,
-                                 scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    d = meta.decode
-    return paged_attention(q, k_cache, v_cache, d.context_lens, d.block_tables,
-                           scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    options = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    p, d = meta.prefill, meta.decode
+    if p is None:
+        return paged_attention(q, k_cache, v_cache, d.context_lens, d.block_tables, **options)
+    num_prefill = p.query_segments.shape[0]
+    out = prefill_attention(q[:num_prefill], k_cache, v_cache, p.context_slots, p.key_positions, p.key_segments,
+                            meta.positions[:num_prefill], p.query_segments, **options)
+    if d is None:
+        return out
+    decoded = paged_attention(q[num_prefill:], k_cache, v_cache, d.context_lens, d.block_tables, **options)
+    return torch.cat([out, decoded])

@@ -50,3 +50,32 @@ def test_greedy_matches_transformers(checkpoints, arch, device):
                                        atol=LOGPROB_ATOL, rtol=0)
     assert llm.stats().graphs_compiled_after_warmup == 0
     llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_prompts_prefilled_beside_running_decodes_match_transformers(checkpoints, arch, monkeypatch):
+    """On the native path a step's last prefill pack and its decodes are one model call: a
+    small token budget cuts the prompts into chunks over several steps, so chunks run beside
+    the decodes of prompts already done."""
+    from tpu_executor.worker.model_runner import ModelRunner
+
+    mixed_calls = []
+    launch_mixed = ModelRunner._launch_mixed
+    monkeypatch.setattr(ModelRunner, "_launch_mixed",
+                        lambda runner, call: mixed_calls.append(call) or launch_mixed(runner, call))
+    path = checkpoints[arch]
+    prompts = mixed_prompts(6, 16, 256, vocab=500)
+    ref_tokens, ref_logprobs = reference(path, prompts)
+    llm = LLM(model=path, device="cpu", **tiny_engine_options(strict=True, max_num_batched_tokens=128))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5),
+                        use_tqdm=False)
+    llm.shutdown()
+    assert len(mixed_calls) >= 3 and any(not call.prefill.pack[-1].is_last_chunk for call in mixed_calls)
+    for out, expected, expected_lp in zip(outs, ref_tokens, ref_logprobs):
+        completion = out.outputs[0]
+        assert completion.token_ids == expected
+        for step, top in enumerate(completion.logprobs):
+            ids = torch.tensor(list(top))
+            torch.testing.assert_close(torch.tensor(list(top.values())), expected_lp[step][ids],
+                                       atol=LOGPROB_ATOL, rtol=0)

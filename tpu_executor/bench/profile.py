@@ -22,8 +22,8 @@ import torch
 from tpu_executor.core.phase_timer import PhaseTimer
 
 MODEL_PARTS = ("linears", "attention", "moe")
-RUNNER_PHASES = ("inputs", "transfer", "prefill", "decode", "sample")
-MODEL_PHASES = ("prefill", "decode")
+RUNNER_PHASES = ("inputs", "transfer", "prefill", "decode", "mixed", "sample")
+MODEL_PHASES = ("prefill", "decode", "mixed")
 ENGINE_PHASES = ("schedule", "output", "detokenize")
 
 

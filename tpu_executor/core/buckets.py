@@ -145,7 +145,20 @@ class DecodeCall:
         padding.decode_context_blocks_padded += len(self.work) * self.graph.context_blocks
 
 
-ModelCall = Union[PrefillCall, DecodeCall]
+@dataclass(frozen=True)
+class MixedCall:
+    """A prefill pack and the decode batch in one model call (eager devices only): the pack's
+    tokens first, then one token per decode row."""
+
+    prefill: PrefillCall
+    decode: DecodeCall
+
+    def count_into(self, padding: PaddingStats) -> None:
+        self.prefill.count_into(padding)
+        self.decode.count_into(padding)
+
+
+ModelCall = Union[PrefillCall, DecodeCall, MixedCall]
 
 
 def context_keys(work: PrefillWork, block_size: int) -> int:
@@ -190,12 +203,15 @@ class BucketPlan:
     history_token_buckets: Tuple[int, ...]
     max_prefill_seqs: int
     block_size: int
-    # Eager devices (the native path) compile nothing: a prefill runs at its own size. Several
-    # ranks keep the buckets: when one rank fails a step, the others wait in a collective that
-    # the failed rank's next step then meets; at exact sizes gloo aborted the waiting process
-    # there, where at bucket sizes the wait ends in the timeout that the executor reports as
-    # ranks out of step (executor/test_tensor_parallel.py).
-    exact_prefill: bool = False
+    # Eager devices (the native path) compile nothing: a call runs at its own size (prefill
+    # tokens, decode rows and block-table width), and a step's last prefill pack runs with its
+    # decodes in one call (``MixedCall``: fewer, larger matmuls, and a new prompt's first token
+    # does not wait for a second call). Several ranks keep the buckets and separate calls: when
+    # one rank fails a step, the others wait in a collective that the failed rank's next step
+    # then meets; at exact sizes gloo aborted the waiting process there, where at bucket sizes
+    # the wait ends in the timeout that the executor reports as ranks out of step
+    # (executor/test_tensor_parallel.py).
+    exact_sizes: bool = False
 
     @classmethod
     def from_config(cls, config: "EngineConfig") -> "BucketPlan":
@@ -210,7 +226,7 @@ class BucketPlan:
                    logprob_widths=tuple(sorted({0, compile_cfg.max_logprobs})),
                    history_token_buckets=geometric_fill(effective_buckets((HISTORY_BUCKET,), config.max_model_len)),
                    max_prefill_seqs=compile_cfg.max_prefill_seqs, block_size=block_size,
-                   exact_prefill=not config.device.compiles and config.parallel.tensor_parallel_size == 1)
+                   exact_sizes=not config.device.compiles and config.parallel.tensor_parallel_size == 1)
 
     @property
     def max_prefill_tokens(self) -> int:
@@ -248,7 +264,7 @@ class BucketPlan:
     def prefill_graph(self, num_tokens: int, num_context: int) -> PrefillGraph:
         """The graph for a pack of ``num_tokens`` new tokens over ``num_context`` keys (its
         contexts filled to whole pages)."""
-        if self.exact_prefill:
+        if self.exact_sizes:
             return PrefillGraph(num_tokens, num_context)
         buckets = self.prefill_token_buckets
         # Padding queries need a padding key to attend to (a query that sees no key is NaN).
@@ -270,11 +286,15 @@ class BucketPlan:
                                   sum(context_keys(w, self.block_size) for w in pack))
 
     def decode_graph(self, num_rows: int, context_blocks: int) -> DecodeGraph:
+        """The graph of a decode call of ``num_rows`` sequences, the longest ``context_blocks`` pages."""
+        if self.exact_sizes:
+            return DecodeGraph(num_rows, context_blocks)
         return DecodeGraph(pick_bucket(self.decode_row_buckets, num_rows),
                            pick_bucket(self.decode_context_block_buckets, context_blocks))
 
     def model_calls(self, step: SchedulerOutput) -> List[ModelCall]:
-        """The model calls that run ``step``: its prefills packed, then one decode call."""
+        """The model calls that run ``step``: its prefills packed, then one decode call (at
+        exact sizes the last pack and the decodes are one ``MixedCall``)."""
         calls: List[ModelCall] = []
         # One key short of the widest: room for the padding key.
         for pack in pack_prefills(step.prefills, self.max_prefill_tokens, self.max_prefill_keys - 1,
@@ -283,6 +303,8 @@ class BucketPlan:
         if step.decodes:
             needed = tuple(w.position // self.block_size + 1 for w in step.decodes)
             calls.append(DecodeCall(step.decodes, needed, self.decode_graph(len(needed), max(needed))))
+        if self.exact_sizes and step.decodes and len(calls) > 1:
+            calls[-2:] = [MixedCall(calls[-2], calls[-1])]
         return calls
 
     def sampler_graph(self, num_rows: int, wants_logprobs: bool, all_greedy: bool,

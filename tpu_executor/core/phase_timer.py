@@ -12,10 +12,11 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
-# The phases, in the order a step runs them. The device phases are the model calls and the
+# The phases, in the order a step runs them ("mixed": a prefill pack and the decodes in one
+# call, eager devices only). The device phases are the model calls and the
 # sampler: the device's time, not the host's (on the native CPU path both are the same cores).
-PHASES = ("schedule", "inputs", "transfer", "prefill", "decode", "sample", "output", "detokenize")
-DEVICE_PHASES = ("prefill", "decode", "sample")
+PHASES = ("schedule", "inputs", "transfer", "prefill", "decode", "mixed", "sample", "output", "detokenize")
+DEVICE_PHASES = ("prefill", "decode", "mixed", "sample")
 HOST_PHASES = tuple(p for p in PHASES if p not in DEVICE_PHASES)
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from tqdm import tqdm
 
-from tpu_executor.core.buckets import BucketPlan, Graph, ModelCall, PrefillCall
+from tpu_executor.core.buckets import BucketPlan, Graph, MixedCall, ModelCall, PrefillCall
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.core.step import ModelRunnerOutput, PaddingStats, SampledTokens, SchedulerOutput, WorkerStats
@@ -113,7 +113,9 @@ class ReplayResult:
     calls: List[ModelCall] = field(init=False)
 
     def __post_init__(self):
-        self.calls = [call for step in self.steps for call in step]
+        # A mixed call (eager devices) counts as the prefill and decode calls it joins.
+        self.calls = [part for step in self.steps for call in step
+                      for part in ((call.prefill, call.decode) if isinstance(call, MixedCall) else (call,))]
 
     def graphs_under(self, plan: BucketPlan) -> List[Tuple[ModelCall, Graph]]:
         """Each replayed model call with the graph ``plan`` would run it on."""

@@ -1,5 +1,6 @@
 """Host-side input tensors of a prefill call and of the sampler, padded to a bucket of the
-plan (a decode call's come from the persistent batch, ``worker/decode_batch.py``).
+plan (a decode call's come from the persistent batch, ``worker/decode_batch.py``; a mixed
+call joins the two).
 
 A prefill call packs up to ``max_prefill_seqs`` prompts (or prompt chunks) into one row of
 ``num_tokens`` queries over ``num_keys`` context keys. Padding tokens write their K/V to the
@@ -58,6 +59,13 @@ def prefill_inputs(pack: Sequence[PrefillWork], num_tokens: int, num_keys: int, 
         t["logits_indices"][segment] = query_at + num_new - 1
         query_at, key_at = query_at + num_new, key_at + num_keys
     return _as_tensors(t)
+
+
+def mixed_inputs(prefill: Dict[str, torch.Tensor], decode: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A prefill call's inputs and a decode call's as one mixed call's: the per-token tensors
+    joined, the pack's tokens first; the others as they are."""
+    joined = {name: torch.cat([prefill[name], decode[name]]) for name in ("input_ids", "positions", "slot_mapping")}
+    return {**prefill, **decode, **joined}
 
 
 # (tensor name, SamplingMeta field, dtype); padding rows take SamplingMeta.greedy()'s values.

@@ -24,8 +24,8 @@ import torch
 from tqdm import tqdm
 
 from tpu_executor.models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
-from tpu_executor.core.buckets import (BucketPlan, DecodeCall, DecodeGraph, Graph, HistoryGraph, PrefillCall,
-                                      PrefillGraph, PromptLogprobsGraph, SamplerGraph)
+from tpu_executor.core.buckets import (BucketPlan, DecodeCall, DecodeGraph, Graph, HistoryGraph, MixedCall,
+                                      PrefillCall, PrefillGraph, PromptLogprobsGraph, SamplerGraph)
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.phase_timer import NullPhaseTimer
@@ -33,7 +33,7 @@ from tpu_executor.core.step import (DecodeWork, ModelRunnerOutput, PaddingStats,
                                      SamplingMeta, SchedulerOutput)
 from tpu_executor.worker.compile_guard import CompileGuard, jax_compile_events, raise_dynamo_limits
 from tpu_executor.worker.decode_batch import PersistentDecodeBatch
-from tpu_executor.worker.inputs import prefill_inputs, sampling_tensors, to_device
+from tpu_executor.worker.inputs import mixed_inputs, prefill_inputs, sampling_tensors, to_device
 from tpu_executor.worker.logits_processing import (ProcessingSlots, donate, empty_processing_tensors, fill_slots,
                                                     fill_tensors, process_logits, processed_request_ids,
                                                     record_tokens)
@@ -112,6 +112,18 @@ class ModelRunner:
         hidden = self.model(input_ids, kv_caches, AttentionMetadata(positions, slot_mapping, decode=decode))
         return self.model.compute_logits(hidden)
 
+    def _mixed_step(self, input_ids, positions, slot_mapping, context_slots, key_positions, key_segments,
+                    query_segments, logits_indices, feed_slots, block_tables, context_lens, feed_tokens, kv_caches):
+        """A prefill pack's tokens, then the decode rows' (eager only): the prefill rows' logits,
+        the decode rows' logits, and the pack's hidden states (for prompt log-probs)."""
+        num_prefill, num_decode = query_segments.shape[0], feed_slots.shape[0]
+        decode_ids = fed_input_ids(input_ids[num_prefill:], feed_slots, feed_tokens)
+        meta = AttentionMetadata(positions, slot_mapping, decode=DecodeMetadata(block_tables, context_lens),
+                                 prefill=PrefillMetadata(context_slots, key_positions, key_segments, query_segments))
+        hidden = self.model(torch.cat([input_ids[:num_prefill], decode_ids]), kv_caches, meta)
+        logits = self.model.compute_logits(torch.cat([hidden[logits_indices], hidden[num_prefill:]]))
+        return logits[:-num_decode], logits[-num_decode:], hidden[:num_prefill]
+
     @staticmethod
     def _sample_step(logits, slots, feed_tokens, num_logprobs: int, all_greedy: bool, **sampling):
         """Sample, and write the sampled tokens into the token feed (one compiled graph)."""
@@ -150,7 +162,11 @@ class ModelRunner:
         try:
             for call in self.plan.model_calls(step):
                 call.count_into(self.padding)
-                calls.append(self._launch_prefill(call) if isinstance(call, PrefillCall) else self._launch_decode(call))
+                if isinstance(call, MixedCall):
+                    calls.extend(self._launch_mixed(call))
+                else:
+                    calls.append(self._launch_prefill(call) if isinstance(call, PrefillCall)
+                                 else self._launch_decode(call))
         except BaseException:
             self.feed.forget()
             raise
@@ -179,20 +195,24 @@ class ModelRunner:
     def _launch_prefill(self, call: PrefillCall) -> "LaunchedCall":
         with self.guard.watch(f"prefill bucket tokens={call.graph.num_tokens} keys={call.graph.keys}"):
             logits, hidden = self._prefill_logits(call.pack, call.graph, self.kv_caches)
-            prompt = self._launch_prompt_logprobs(call, hidden)
-            # A chunk that does not end its prompt gives no token (its row is sampled with the rest).
-            sampled_ids = [w.request_id if w.is_last_chunk else None for w in call.pack]
-            rows = self.plan.max_prefill_seqs
-            with self.timer.phase("inputs"):
-                sampling = sampling_tensors(call.pack, rows)
-                processing = self.processing.prepare(call.pack, rows)
-                sampler = self.plan.sampler_graph(
-                    rows, wants_logprobs=any(item.sampling.num_logprobs > 0 for item in call.pack),
-                    all_greedy=all(item.sampling.temperature == 0 for item in call.pack),
-                    processing=processing is not None)
-            returns_logprobs = any(item.sampling.num_logprobs >= 0 for item in call.pack)
-            launched = self._sample(call.pack, sampled_ids, returns_logprobs, logits, sampling, sampler, processing)
-            return launched._replace(prompt=prompt)
+            return self._sample_prefill(call, logits, hidden)
+
+    def _sample_prefill(self, call: PrefillCall, logits: torch.Tensor, hidden: torch.Tensor) -> "LaunchedCall":
+        """Launch the pack's prompt log-probs and the sampler over its rows' ``logits``."""
+        prompt = self._launch_prompt_logprobs(call, hidden)
+        # A chunk that does not end its prompt gives no token (its row is sampled with the rest).
+        sampled_ids = [w.request_id if w.is_last_chunk else None for w in call.pack]
+        rows = self.plan.max_prefill_seqs
+        with self.timer.phase("inputs"):
+            sampling = sampling_tensors(call.pack, rows)
+            processing = self.processing.prepare(call.pack, rows)
+            sampler = self.plan.sampler_graph(
+                rows, wants_logprobs=any(item.sampling.num_logprobs > 0 for item in call.pack),
+                all_greedy=all(item.sampling.temperature == 0 for item in call.pack),
+                processing=processing is not None)
+        returns_logprobs = any(item.sampling.num_logprobs >= 0 for item in call.pack)
+        launched = self._sample(call.pack, sampled_ids, returns_logprobs, logits, sampling, sampler, processing)
+        return launched._replace(prompt=prompt)
 
     def _launch_prompt_logprobs(self, call: PrefillCall, hidden: torch.Tensor) -> list:
         """Launch the prompt log-probs the pack's chunks owe, in groups; [] when none."""
@@ -211,15 +231,32 @@ class ModelRunner:
     def _launch_decode(self, call: DecodeCall) -> "LaunchedCall":
         graph = call.graph
         with self.guard.watch(f"decode bucket rows={graph.num_rows} blocks={graph.context_blocks}"):
-            logits = self._decode_logits(call.work, graph)
-            batch = self.decode_batch
-            with self.timer.phase("inputs"):
-                sampling = batch.sampling(graph.num_rows)
-                processing = self.processing.prepare(call.work, graph.num_rows)
-                sampler = self.plan.sampler_graph(graph.num_rows, wants_logprobs=batch.wants_logprobs,
-                                                  all_greedy=batch.all_greedy, processing=processing is not None)
-            return self._sample(call.work, batch.request_ids, batch.returns_logprobs, logits, sampling, sampler,
-                                processing)
+            return self._sample_decode(call, self._decode_logits(call.work, graph))
+
+    def _sample_decode(self, call: DecodeCall, logits: torch.Tensor) -> "LaunchedCall":
+        """Launch the sampler over the decode rows' ``logits``."""
+        batch, rows = self.decode_batch, call.graph.num_rows
+        with self.timer.phase("inputs"):
+            sampling = batch.sampling(rows)
+            processing = self.processing.prepare(call.work, rows)
+            sampler = self.plan.sampler_graph(rows, wants_logprobs=batch.wants_logprobs,
+                                              all_greedy=batch.all_greedy, processing=processing is not None)
+        return self._sample(call.work, batch.request_ids, batch.returns_logprobs, logits, sampling, sampler,
+                            processing)
+
+    def _launch_mixed(self, call: MixedCall) -> List["LaunchedCall"]:
+        """One model call over a prefill pack and the decode rows (eager devices: nothing is
+        compiled, so no guard), then the two samplers, as the separate calls would run them."""
+        prefill, decode = call.prefill, call.decode
+        with self.timer.phase("inputs"):
+            inputs = prefill_inputs(prefill.pack, prefill.graph.num_tokens, prefill.graph.keys,
+                                    self.plan.max_prefill_seqs, self.block_size)
+            self.decode_batch.update(decode.work)
+            inputs = mixed_inputs(inputs, self.decode_batch.inputs(decode.graph.num_rows, decode.graph.context_blocks,
+                                                                   self.block_size, self.feed.pending_slots))
+        prefill_logits, decode_logits, hidden = self._run_fn(
+            self._mixed_step, inputs, "mixed", feed_tokens=self.feed.read_tokens, kv_caches=self.kv_caches)
+        return [self._sample_prefill(prefill, prefill_logits, hidden), self._sample_decode(decode, decode_logits)]
 
     def _sample(self, work, sampled_ids: Sequence[Optional[str]], returns_logprobs: bool, logits: torch.Tensor,
                 tensors: Dict[str, torch.Tensor], graph: SamplerGraph, processing=None) -> "LaunchedCall":

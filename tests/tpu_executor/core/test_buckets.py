@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from tpu_executor.core.buckets import BucketPlan, DecodeGraph, HistoryGraph, PrefillGraph, SamplerGraph, pick_bucket
+from tpu_executor.core.buckets import (BucketPlan, DecodeCall, DecodeGraph, HistoryGraph, MixedCall, PrefillCall,
+                                      PrefillGraph, SamplerGraph, pick_bucket)
 from tpu_executor.core.config import (CacheConfig, CompileConfig, DeviceConfig, EngineConfig, ModelConfig,
                                       ParallelConfig, SchedulerConfig)
 
@@ -17,15 +18,36 @@ def config(tmp_path, max_model_len=320, chunked=True, budget=2048, device="xla",
                         max_model_len=max_model_len)
 
 
-def test_eager_devices_run_each_prefill_at_its_own_size(tmp_path):
-    """The native path compiles nothing, so a pack is not padded to a token bucket."""
+def test_eager_devices_run_each_call_at_its_own_size(tmp_path):
+    """The native path compiles nothing, so neither a pack nor a decode batch is padded."""
     plan = BucketPlan.from_config(config(tmp_path, device="cpu", prefill_buckets=(64, 128)))
     assert plan.prefill_graph(65, 80) == PrefillGraph(65, 80)
-    assert BucketPlan.from_config(config(tmp_path, prefill_buckets=(64, 128))).prefill_graph(65, 80) \
-        == PrefillGraph(128, 256)
+    assert plan.decode_graph(3, 5) == DecodeGraph(3, 5)
+    compiled = BucketPlan.from_config(config(tmp_path, prefill_buckets=(64, 128)))
+    assert compiled.prefill_graph(65, 80) == PrefillGraph(128, 256)
+    assert compiled.decode_graph(3, 5) == DecodeGraph(8, 20)
     ranks = dataclasses.replace(config(tmp_path, device="cpu", prefill_buckets=(64, 128)),
                                 parallel=ParallelConfig(tensor_parallel_size=2))
     assert BucketPlan.from_config(ranks).prefill_graph(65, 80) == PrefillGraph(128, 256)
+
+
+def test_eager_devices_run_the_last_pack_and_the_decodes_in_one_call(tmp_path):
+    from tpu_executor.core.step import DecodeWork, PrefillWork, SchedulerOutput
+
+    prefills = tuple(PrefillWork(f"p{i}", (1,) * 60, 0, (1,) * 4, None) for i in range(3))
+    decodes = tuple(DecodeWork(f"d{i}", 5, 20 + i * 16, (2,) * 4, None) for i in range(3))
+    step = SchedulerOutput(prefills=prefills, decodes=decodes)
+    options = dict(device="cpu", prefill_buckets=(64, 128), max_prefill_seqs=2)
+    calls = BucketPlan.from_config(config(tmp_path, **options)).model_calls(step)
+    assert [type(call) for call in calls] == [PrefillCall, MixedCall]
+    mixed = calls[1]
+    assert len(mixed.prefill.pack) == 1 and mixed.prefill.graph == PrefillGraph(60, 64)
+    assert mixed.decode.work == decodes and mixed.decode.graph == DecodeGraph(3, 4)
+    # Without decodes, and on a compiled device, the calls stay apart.
+    calls = BucketPlan.from_config(config(tmp_path, **options)).model_calls(SchedulerOutput(prefills=prefills))
+    assert [type(call) for call in calls] == [PrefillCall, PrefillCall]
+    calls = BucketPlan.from_config(config(tmp_path, **dict(options, device="xla"))).model_calls(step)
+    assert [type(call) for call in calls] == [PrefillCall, PrefillCall, DecodeCall]
 
 
 @pytest.mark.parametrize("chunked", [True, False])
