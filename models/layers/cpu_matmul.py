@@ -3,7 +3,8 @@
 Measured on a 2-core AVX2 EPYC (``tpu-executor bench throughput --profile``; docs/design.md):
 - native path (``pack_for_cpu``): fp32 weights reordered once into oneDNN's blocked layout;
   decode-sized matmuls (32 rows) ran up to 2x faster than MKL's ``x @ W``; prefill-sized ones
-  within about 15% either way (faster for Gemma's shapes, slower for SmolLM2's).
+  within about 15% either way (faster for Gemma's shapes, slower for SmolLM2's). Inputs of
+  129-159 rows are split (``ONEDNN_SLOW_ROWS``, below).
 - XLA on CPU (``use_xla_cpu_form``): XLA's CPU dot (Eigen) runs ``x @ W`` at about a third
   of its speed on prefill-sized inputs (128-512 rows) when neither the input nor the output
   features reach 3,072 (e.g. 33 vs 110 GFLOP/s for 768 -> 1,152 at 512 rows), while the
@@ -27,8 +28,17 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().t().contiguous())
 
 
+# oneDNN runs packed fp32 matmuls of 129-159 rows far below its rate at 128 or 160 (768 ->
+# 6,144 features: 4.3 ms at 130 rows, 2.7 ms at 128; measured on a 2-core AVX-512 EPYC): such
+# inputs, as a 128-token prompt beside a few decodes, run as 128 rows and the rest.
+ONEDNN_SLOW_ROWS = range(129, 160)
+ONEDNN_SPLIT_AT = 128
+
+
 def onednn_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """``x @ W`` for a weight packed by ``onednn_packed``."""
+    if x.shape[0] in ONEDNN_SLOW_ROWS:
+        return torch.cat([onednn_matmul(x[:ONEDNN_SPLIT_AT], packed), onednn_matmul(x[ONEDNN_SPLIT_AT:], packed)])
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 

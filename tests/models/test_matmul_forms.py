@@ -2,9 +2,11 @@
 small layers on XLA's CPU backend): same products as ``x @ W``, the plain weight dropped."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from tpu_executor.models.layers.cpu_matmul import XLA_CPU_OUT_IN_BELOW, XLA_CPU_OUT_IN_MIN_ROWS
+from tpu_executor.models.layers.cpu_matmul import (XLA_CPU_OUT_IN_BELOW, XLA_CPU_OUT_IN_MIN_ROWS, onednn_matmul,
+                                                   onednn_packed)
 from tpu_executor.worker.model_loader import load_model, pack_for_cpu, quantize_int8, use_xla_cpu_forms
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # fp32, another summation order
@@ -33,6 +35,14 @@ def test_onednn_packed_weights_give_the_same_products(checkpoints):
         ids = torch.tensor([3, 1, 4])
         torch.testing.assert_close(model.model.embed_tokens(ids), load_model(checkpoints[arch], torch.float32)
                                    .model.embed_tokens(ids))
+
+
+@pytest.mark.parametrize("rows", [1, 128, 129, 145, 159, 160])
+def test_onednn_matmul_equals_the_plain_product_at_every_row_count(rows):
+    """Row counts in oneDNN's slow range run as two products; the result is the same."""
+    generator = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(64, 96, generator=generator), torch.randn(rows, 64, generator=generator)
+    torch.testing.assert_close(onednn_matmul(x, onednn_packed(weight)), x @ weight, **TOLERANCE)
 
 
 def test_quantized_and_bf16_weights_are_not_packed(checkpoints):
