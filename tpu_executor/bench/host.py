@@ -32,7 +32,8 @@ import torch
 
 from tpu_executor.engine.options import HelpFormatter
 from tpu_executor.core.phase_timer import DEVICE_PHASES, HOST_PHASES, PHASES, PhaseTimer
-from tpu_executor.worker.model_runner import LaunchedStep, ModelRunner
+from tpu_executor.worker.launched_step import LaunchedStep
+from tpu_executor.worker.model_runner import ModelRunner
 from tpu_executor.worker.sampler import SamplerOutput
 from tpu_executor.worker.token_feed import fed_input_ids, write_slots
 from tpu_executor.worker.worker import Worker

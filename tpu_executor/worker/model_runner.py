@@ -3,7 +3,8 @@ then the separately compiled sampler (graph counts add instead of multiplying).
 
 A prefill call packs up to ``max_prefill_seqs`` prompts into one row padded to a prefill
 bucket; a decode call runs a batch padded to a (rows, context blocks) bucket. On the native
-path (a torch device) the same code runs eagerly.
+path (a torch device) the same code runs eagerly, at exact sizes, and a step's last pack and
+its decodes run as one mixed call.
 
 A step is launched (inputs built, copied, every call handed to the device) and collected
 (tokens read back) in two moves. On XLA a compiled call returns once it is queued, so with
@@ -18,7 +19,7 @@ import os
 import statistics
 import time
 from functools import partial
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from tqdm import tqdm
@@ -29,16 +30,16 @@ from tpu_executor.core.buckets import (BucketPlan, DecodeCall, DecodeGraph, Grap
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.phase_timer import NullPhaseTimer
-from tpu_executor.core.step import (DecodeWork, ModelRunnerOutput, PaddingStats, PrefillWork, SampledTokens,
-                                     SamplingMeta, SchedulerOutput)
+from tpu_executor.core.step import DecodeWork, PaddingStats, PrefillWork, SamplingMeta, SchedulerOutput
 from tpu_executor.worker.compile_guard import CompileGuard, jax_compile_events, raise_dynamo_limits
 from tpu_executor.worker.decode_batch import PersistentDecodeBatch
 from tpu_executor.worker.inputs import mixed_inputs, prefill_inputs, sampling_tensors, to_device
 from tpu_executor.worker.logits_processing import (ProcessingSlots, donate, empty_processing_tensors, fill_slots,
                                                     fill_tensors, process_logits, processed_request_ids,
                                                     record_tokens)
-from tpu_executor.worker.prompt_logprobs import groups, owed_positions, padding_group, prompt_logprobs_step, read_back
-from tpu_executor.worker.sampler import SamplerOutput, sample
+from tpu_executor.worker.launched_step import LaunchedCall, LaunchedStep
+from tpu_executor.worker.prompt_logprobs import groups, owed_positions, padding_group, prompt_logprobs_step
+from tpu_executor.worker.sampler import sample
 from tpu_executor.worker.token_feed import TokenFeed, fed_input_ids, write_slots
 
 logger = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ class ModelRunner:
         return slots.sum()  # something to wait on (warm-up)
 
     @torch.no_grad()
-    def launch(self, step: SchedulerOutput) -> "LaunchedStep":
+    def launch(self, step: SchedulerOutput) -> LaunchedStep:
         """Run the prefills (packed), then the decode batch, and sample one token for each,
         without reading anything back (on XLA this returns once the work is queued)."""
         self.feed.begin_step()
@@ -192,12 +193,12 @@ class ModelRunner:
         with self.timer.phase(phase):
             return fn(**inputs, **static)
 
-    def _launch_prefill(self, call: PrefillCall) -> "LaunchedCall":
+    def _launch_prefill(self, call: PrefillCall) -> LaunchedCall:
         with self.guard.watch(f"prefill bucket tokens={call.graph.num_tokens} keys={call.graph.keys}"):
             logits, hidden = self._prefill_logits(call.pack, call.graph, self.kv_caches)
             return self._sample_prefill(call, logits, hidden)
 
-    def _sample_prefill(self, call: PrefillCall, logits: torch.Tensor, hidden: torch.Tensor) -> "LaunchedCall":
+    def _sample_prefill(self, call: PrefillCall, logits: torch.Tensor, hidden: torch.Tensor) -> LaunchedCall:
         """Launch the pack's prompt log-probs and the sampler over its rows' ``logits``."""
         prompt = self._launch_prompt_logprobs(call, hidden)
         # A chunk that does not end its prompt gives no token (its row is sampled with the rest).
@@ -228,12 +229,12 @@ class ModelRunner:
                                               num_logprobs=width), owners))
         return launched
 
-    def _launch_decode(self, call: DecodeCall) -> "LaunchedCall":
+    def _launch_decode(self, call: DecodeCall) -> LaunchedCall:
         graph = call.graph
         with self.guard.watch(f"decode bucket rows={graph.num_rows} blocks={graph.context_blocks}"):
             return self._sample_decode(call, self._decode_logits(call.work, graph))
 
-    def _sample_decode(self, call: DecodeCall, logits: torch.Tensor) -> "LaunchedCall":
+    def _sample_decode(self, call: DecodeCall, logits: torch.Tensor) -> LaunchedCall:
         """Launch the sampler over the decode rows' ``logits``."""
         batch, rows = self.decode_batch, call.graph.num_rows
         with self.timer.phase("inputs"):
@@ -244,7 +245,7 @@ class ModelRunner:
         return self._sample(call.work, batch.request_ids, batch.returns_logprobs, logits, sampling, sampler,
                             processing)
 
-    def _launch_mixed(self, call: MixedCall) -> List["LaunchedCall"]:
+    def _launch_mixed(self, call: MixedCall) -> List[LaunchedCall]:
         """One model call over a prefill pack and the decode rows (eager devices: nothing is
         compiled, so no guard), then the two samplers, as the separate calls would run them."""
         prefill, decode = call.prefill, call.decode
@@ -259,7 +260,7 @@ class ModelRunner:
         return [self._sample_prefill(prefill, prefill_logits, hidden), self._sample_decode(decode, decode_logits)]
 
     def _sample(self, work, sampled_ids: Sequence[Optional[str]], returns_logprobs: bool, logits: torch.Tensor,
-                tensors: Dict[str, torch.Tensor], graph: SamplerGraph, processing=None) -> "LaunchedCall":
+                tensors: Dict[str, torch.Tensor], graph: SamplerGraph, processing=None) -> LaunchedCall:
         """Launch the sampler over ``logits`` with its per-row ``tensors`` (padded to the
         graph's rows); each sampled row writes its token into the feed. ``returns_logprobs``:
         a row of ``work`` asked for log-probs (its sampled token's, at least). ``processing``:
@@ -357,62 +358,3 @@ class ModelRunner:
             out, _ = self._run_fn(fn, tensors, "sample", logits=logits, feed_tokens=self.feed.written_tokens,
                                   num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy)
             out.token_ids.cpu()
-
-
-class LaunchedCall(NamedTuple):
-    """One sampler call of a launched step: its work items, the request of each row (None: a
-    row that gives no token), whether any asked for log-probs, the sampler's device outputs,
-    the rows that give a token (None: every work item's row), and the prompt log-probs the
-    call's prefill launched (device outputs and their owners)."""
-
-    work: Sequence
-    request_ids: Sequence[Optional[str]]
-    returns_logprobs: bool
-    out: SamplerOutput
-    kept_rows: Optional[List[int]]
-    prompt: Sequence = ()
-
-
-class LaunchedStep:
-    """A step handed to the device; ``collect()`` reads its tokens back (waiting for the device)."""
-
-    def __init__(self, calls: List[LaunchedCall], timer):
-        self.calls = calls
-        self.timer = timer
-
-    def collect(self) -> ModelRunnerOutput:
-        """The step's tokens, one per sampled request, in the order of its calls, and the
-        prompt log-probs its prefills gave."""
-        parts, prompt = [], []
-        for call in self.calls:
-            with self.timer.phase("transfer"):
-                host = _read_back(call.out)
-                prompt.extend(call.prompt)
-            with self.timer.phase("output"):
-                sampled = _sampled_tokens(call, host)
-                parts.append(sampled if call.kept_rows is None else sampled.rows(call.kept_rows))
-        with self.timer.phase("transfer"):
-            prompt_logprobs = read_back(prompt) if prompt else ()
-        return ModelRunnerOutput(SampledTokens.concat(parts), prompt_logprobs=prompt_logprobs)
-
-
-def _read_back(out: SamplerOutput) -> Tuple[list, list, Optional[list], Optional[list]]:
-    """The sampler's outputs as host lists (waits for the device)."""
-    def as_list(tensor: Optional[torch.Tensor]) -> Optional[list]:
-        return None if tensor is None else tensor.cpu().tolist()
-
-    return as_list(out.token_ids), as_list(out.token_logprobs), as_list(out.top_ids), as_list(out.top_logprobs)
-
-
-def _sampled_tokens(call: LaunchedCall, host: Tuple[list, list, Optional[list], Optional[list]]) -> SampledTokens:
-    """The rows of ``call``'s work (the padding rows after them are dropped)."""
-    token_ids, logprobs, top_ids, top_lps = host
-    num = len(call.work)
-    top = None
-    if call.returns_logprobs:
-        top = []
-        for row, item in enumerate(call.work):
-            wanted = item.sampling.num_logprobs  # -1: the request asked for no log-probs
-            top.append(None if wanted < 0 else
-                       dict(zip(top_ids[row][:wanted], top_lps[row][:wanted])) if wanted and top_ids else {})
-    return SampledTokens(list(call.request_ids), token_ids[:num], logprobs[:num], top)

@@ -22,7 +22,8 @@ from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerStats
 from tpu_executor.worker.distributed import GlooGroup, RankPlacement, XlaGroup, tpu_topology_env
 from tpu_executor.worker.model_loader import load_model, pack_for_cpu, use_xla_cpu_forms
-from tpu_executor.worker.model_runner import LaunchedStep, ModelRunner
+from tpu_executor.worker.launched_step import LaunchedStep
+from tpu_executor.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
