@@ -22,6 +22,17 @@ def reference(path, prompts):
     return _references[path]
 
 
+def assert_same_as_reference(outs, ref_tokens, ref_logprobs):
+    """Greedy tokens equal to transformers', top log-probs within ``LOGPROB_ATOL``."""
+    for out, expected, expected_lp in zip(outs, ref_tokens, ref_logprobs):
+        completion = out.outputs[0]
+        assert completion.token_ids == expected
+        for step, top in enumerate(completion.logprobs):
+            ids = torch.tensor(list(top))
+            torch.testing.assert_close(torch.tensor(list(top.values())), expected_lp[step][ids],
+                                       atol=LOGPROB_ATOL, rtol=0)
+
+
 NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA GPU")
 
 
@@ -41,13 +52,7 @@ def test_greedy_matches_transformers(checkpoints, arch, device):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5),
                         use_tqdm=False)
-    for out, expected, expected_lp in zip(outs, ref_tokens, ref_logprobs):
-        completion = out.outputs[0]
-        assert completion.token_ids == expected
-        for step, top in enumerate(completion.logprobs):
-            ids = torch.tensor(list(top))
-            torch.testing.assert_close(torch.tensor(list(top.values())), expected_lp[step][ids],
-                                       atol=LOGPROB_ATOL, rtol=0)
+    assert_same_as_reference(outs, ref_tokens, ref_logprobs)
     assert llm.stats().graphs_compiled_after_warmup == 0
     llm.shutdown()
 
@@ -72,10 +77,4 @@ def test_prompts_prefilled_beside_running_decodes_match_transformers(checkpoints
                         use_tqdm=False)
     llm.shutdown()
     assert len(mixed_calls) >= 3 and any(not call.prefill.pack[-1].is_last_chunk for call in mixed_calls)
-    for out, expected, expected_lp in zip(outs, ref_tokens, ref_logprobs):
-        completion = out.outputs[0]
-        assert completion.token_ids == expected
-        for step, top in enumerate(completion.logprobs):
-            ids = torch.tensor(list(top))
-            torch.testing.assert_close(torch.tensor(list(top.values())), expected_lp[step][ids],
-                                       atol=LOGPROB_ATOL, rtol=0)
+    assert_same_as_reference(outs, ref_tokens, ref_logprobs)
