@@ -57,11 +57,12 @@ def test_greedy_matches_transformers(checkpoints, arch, device):
     llm.shutdown()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=NO_GPU)])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_prompts_prefilled_beside_running_decodes_match_transformers(checkpoints, arch, monkeypatch):
-    """On the native path a step's last prefill pack and its decodes are one model call: a
-    small token budget cuts the prompts into chunks over several steps, so chunks run beside
-    the decodes of prompts already done."""
+def test_prompts_prefilled_beside_running_decodes_match_transformers(checkpoints, arch, device, monkeypatch):
+    """On the native path (CPU or GPU) a step's last prefill pack and its decodes are one model
+    call: a small token budget cuts the prompts into chunks over several steps, so chunks run
+    beside the decodes of prompts already done."""
     from tpu_executor.worker.model_runner import ModelRunner
 
     mixed_calls = []
@@ -71,7 +72,8 @@ def test_prompts_prefilled_beside_running_decodes_match_transformers(checkpoints
     path = checkpoints[arch]
     prompts = mixed_prompts(6, 16, 256, vocab=500)
     ref_tokens, ref_logprobs = reference(path, prompts)
-    llm = LLM(model=path, device="cpu", **tiny_engine_options(strict=True, max_num_batched_tokens=128))
+    sized = {"num_blocks": 4096} if device == "cuda" else {}
+    llm = LLM(model=path, device=device, **tiny_engine_options(strict=True, max_num_batched_tokens=128, **sized))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5),
                         use_tqdm=False)
