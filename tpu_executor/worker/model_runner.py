@@ -173,16 +173,21 @@ class ModelRunner:
             raise
         return LaunchedStep(calls, self.timer)
 
+    def _prefill_host_inputs(self, pack: Sequence[PrefillWork], graph: PrefillGraph) -> Dict[str, torch.Tensor]:
+        return prefill_inputs(pack, graph.num_tokens, graph.keys, self.plan.max_prefill_seqs, self.block_size)
+
+    def _decode_host_inputs(self, work: Sequence[DecodeWork], graph: DecodeGraph) -> Dict[str, torch.Tensor]:
+        self.decode_batch.update(work)
+        return self.decode_batch.inputs(graph.num_rows, graph.context_blocks, self.block_size, self.feed.pending_slots)
+
     def _prefill_logits(self, pack: Sequence[PrefillWork], graph: PrefillGraph, kv_caches: KVCaches) -> torch.Tensor:
         with self.timer.phase("inputs"):
-            inputs = prefill_inputs(pack, graph.num_tokens, graph.keys, self.plan.max_prefill_seqs, self.block_size)
+            inputs = self._prefill_host_inputs(pack, graph)
         return self._run_fn(self._prefill_fn, inputs, "prefill", kv_caches=kv_caches)
 
     def _decode_logits(self, work: Sequence[DecodeWork], graph: DecodeGraph) -> torch.Tensor:
         with self.timer.phase("inputs"):
-            self.decode_batch.update(work)
-            inputs = self.decode_batch.inputs(graph.num_rows, graph.context_blocks, self.block_size,
-                                              self.feed.pending_slots)
+            inputs = self._decode_host_inputs(work, graph)
         return self._run_fn(self._decode_fn, inputs, "decode", feed_tokens=self.feed.read_tokens,
                             kv_caches=self.kv_caches)
 
@@ -250,11 +255,8 @@ class ModelRunner:
         compiled, so no guard), then the two samplers, as the separate calls would run them."""
         prefill, decode = call.prefill, call.decode
         with self.timer.phase("inputs"):
-            inputs = prefill_inputs(prefill.pack, prefill.graph.num_tokens, prefill.graph.keys,
-                                    self.plan.max_prefill_seqs, self.block_size)
-            self.decode_batch.update(decode.work)
-            inputs = mixed_inputs(inputs, self.decode_batch.inputs(decode.graph.num_rows, decode.graph.context_blocks,
-                                                                   self.block_size, self.feed.pending_slots))
+            inputs = mixed_inputs(self._prefill_host_inputs(prefill.pack, prefill.graph),
+                                  self._decode_host_inputs(decode.work, decode.graph))
         prefill_logits, decode_logits, hidden = self._run_fn(
             self._mixed_step, inputs, "mixed", feed_tokens=self.feed.read_tokens, kv_caches=self.kv_caches)
         return [self._sample_prefill(prefill, prefill_logits, hidden), self._sample_decode(decode, decode_logits)]
