@@ -1,11 +1,17 @@
-"""The native path's C kernel for paged decode attention (``cpu_c``) against THE reference."""
+"""The native path's C attention kernel (``cpu_c``), for decode and for packed prefill, against
+THE references."""
 
+import numpy as np
 import pytest
 import torch
 
 from tpu_executor.kernels import OpRegistry, register_all
 from tpu_executor.kernels.paged_attention import cpu_native
 from tpu_executor.kernels.paged_attention.ops import SPEC
+from tpu_executor.kernels.prefill_attention import cpu_native as prefill_native
+from tpu_executor.kernels.prefill_attention.ops import SPEC as PREFILL_SPEC
+from tpu_executor.core.step import PrefillWork, SamplingMeta
+from tpu_executor.worker.inputs import prefill_inputs
 from tests.pallas_kernels.kernel_cases import case_kinds, engine_like_decode_batch, generated_cases
 
 pytestmark = pytest.mark.skipif(not cpu_native.supported(), reason="no C compiler to build the kernel")
@@ -43,3 +49,63 @@ def test_serves_fp32_cpu_calls_only():
     assert registry.select("paged_attention", *args, scale=1.0).name == "cpu_c"
     bf16 = (q.bfloat16(), pages.bfloat16(), pages.bfloat16(), *args[3:])
     assert registry.select("paged_attention", *bf16, scale=1.0).name == "eager_sdpa"
+
+
+def test_prefill_matches_the_reference_on_the_generated_fp32_cases():
+    """Packed prompts laid out as the runner lays them (prefix-cached pages, bucket padding,
+    a long chunked context): every one rebuilds its block tables and runs in C."""
+    rng = np.random.default_rng(5)
+    cases = [PREFILL_SPEC.generate(rng, long_context=i % 4 == 0) for i in range(48)]
+    cases = [c for c in cases if c.args[0].dtype == torch.float32]
+    for case in cases:
+        assert prefill_native.supports_args(*case.args, **case.kwargs), case.label
+        assert prefill_native.prompt_tables(*case.args[3:6], case.args[1].shape[2]) is not None, case.label
+        PREFILL_SPEC.assert_close(case.run(prefill_native.prefill_attention), case.run(PREFILL_SPEC.reference),
+                                  case.label)
+    assert len(case_kinds(cases)) == 4
+    assert any(bool((c.args[7] < 0).any()) for c in cases)  # padding queries among them
+
+
+def runner_pack(block_size=16):
+    """prefill_inputs of three prompts (one after 32 prefix-cached tokens), padded to 96 tokens."""
+    rng = np.random.default_rng(2)
+    pages = rng.permutation(40).tolist()
+    greedy = SamplingMeta.greedy()
+    work = [PrefillWork("a", tuple(range(30)), 0, tuple(pages[0:2]), greedy),
+            PrefillWork("b", tuple(range(20)), 32, tuple(pages[2:6]), greedy),
+            PrefillWork("c", tuple(range(41)), 0, tuple(pages[6:9]), greedy)]
+    t = prefill_inputs(work, num_tokens=96, num_keys=176, max_seqs=4, block_size=block_size)
+    return t["positions"], t["context_slots"], t["key_positions"], t["key_segments"], t["query_segments"]
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_prefill_of_the_model_runners_packing_matches_the_reference(window):
+    positions, slots, key_positions, key_segments, query_segments = runner_pack()
+    gen = torch.Generator().manual_seed(1)
+    k_pages, v_pages = (torch.randn(2, 40, 16, 64, generator=gen) for _ in range(2))
+    q = torch.randn(positions.shape[0], 6, 64, generator=gen)
+    args = (q, k_pages, v_pages, slots, key_positions, key_segments, positions, query_segments)
+    kwargs = dict(scale=0.125, sliding_window=window)
+    assert prefill_native.prompt_tables(slots, key_positions, key_segments, 16) is not None
+    PREFILL_SPEC.assert_close(prefill_native.prefill_attention(*args, **kwargs), PREFILL_SPEC.reference(*args, **kwargs),
+                              "runner pack")
+    registry = register_all(OpRegistry())
+    assert registry.select("prefill_attention", *args, **kwargs).name == "cpu_c"
+
+
+def test_prefill_layouts_it_cannot_rebuild_fall_back_and_still_match():
+    """Keys out of position order, and a query past its prompt's keys: torch's path serves them."""
+    positions, slots, key_positions, key_segments, query_segments = runner_pack()
+    gen = torch.Generator().manual_seed(4)
+    k_pages, v_pages = (torch.randn(1, 40, 16, 32, generator=gen) for _ in range(2))
+    q = torch.randn(positions.shape[0], 2, 32, generator=gen)
+    swapped = torch.arange(slots.shape[0])
+    swapped[[3, 4]] = swapped[[4, 3]]
+    beyond = positions.clone()
+    beyond[0] = 29 + 5  # prompt "a" has 30 keys
+    for layout in ((slots[swapped], key_positions[swapped], key_segments, positions),
+                   (slots, key_positions, key_segments, beyond)):
+        args = (q, k_pages, v_pages, *layout, query_segments)
+        PREFILL_SPEC.assert_close(prefill_native.prefill_attention(*args, scale=0.2),
+                                  PREFILL_SPEC.reference(*args, scale=0.2), "fallback")
+    assert prefill_native.prompt_tables(slots[swapped], key_positions[swapped], key_segments, 16) is None
