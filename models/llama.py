@@ -105,14 +105,16 @@ class LlamaAttention(nn.Module):
         return None, None
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.split_sizes, dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(meta.positions, q, k)
+        num_tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        q_size, kv_size, _ = self.qkv_proj.split_sizes
+        qk, v = self.qkv_proj(x).split([q_size + kv_size, kv_size], dim=-1)
+        qk = qk.reshape(num_tokens, heads + kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, kv_heads, self.head_dim)
+        if self.q_norm is None:  # q's heads and k's side by side: RoPE turns them in one go
+            q, k = self.rotary.rotate(meta.positions, qk, shared=meta.rope).split([heads, kv_heads], dim=1)
+        else:
+            q, k = self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])
+            q, k = self.rotary(meta.positions, q, k, shared=meta.rope)
         out = paged_attention_forward(q, k, v, kv_cache, meta, scale=self.scale,
                                       soft_cap=self.soft_cap, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

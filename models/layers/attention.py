@@ -7,8 +7,8 @@ compiled step would copy the whole cache every call.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional
 
 import torch
 
@@ -41,13 +41,15 @@ class AttentionMetadata:
     ``positions [T]`` and ``slot_mapping [T]`` (where each token's K/V goes; padding -> the
     null block) are common; ``prefill``, ``decode`` or, in a mixed call (eager devices only),
     both are set: the prefill's tokens first (as many as its ``query_segments``), then one
-    token per decode row.
+    token per decode row. ``rope`` holds, on an untraced call, the cos and sin each RoPE
+    computed for ``positions``, for the layers after the first.
     """
 
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     prefill: Optional[PrefillMetadata] = None
     decode: Optional[DecodeMetadata] = None
+    rope: Dict = field(default_factory=dict)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from tpu_executor.kernels.binding import eager_only
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +22,11 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and eager_only(x):
+            # The same steps as below in one call: torch's rms_norm upcasts, scales by the
+            # reciprocal root of the mean square plus eps, then multiplies by the weight.
+            weight = 1.0 + self.weight if self.unit_offset else self.weight
+            return F.rms_norm(x, (x.shape[-1],), weight.float(), self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:

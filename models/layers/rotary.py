@@ -13,6 +13,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from tpu_executor.kernels.binding import eager_only
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
@@ -24,15 +26,37 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = float(attention_scaling)
+        # Layers with equal frequencies share one cos/sin per step (see forward).
+        self.frequencies_key = (tuple(self.inv_freq.tolist()), self.attention_scaling)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                shared: Optional[Dict] = None):
         """q [T, heads, d], k [T, kv_heads, d] -> rotated (same shapes and dtype)."""
+        cos, sin = self.step_cos_sin(positions, shared)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor, shared: Optional[Dict] = None) -> torch.Tensor:
+        """x [T, heads, d] (any heads: q's and k's side by side) -> rotated."""
+        return _rotate(x, *self.step_cos_sin(positions, shared))
+
+    def step_cos_sin(self, positions: torch.Tensor, shared: Optional[Dict]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of ``positions``. ``shared``: the step's dict in which the first layer
+        leaves them for the next layers with the same frequencies (untraced calls only: a
+        traced graph computes them once anyway, and its inputs must not carry its values out)."""
+        if shared is None or not eager_only(positions):
+            return self.cos_sin(positions)
+        if self.frequencies_key not in shared:
+            shared[self.frequencies_key] = self.cos_sin(positions)
+        return shared[self.frequencies_key]
+
+    def cos_sin(self, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, d]`` of every position's angles."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
         if self.attention_scaling != 1.0:
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return cos, sin
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

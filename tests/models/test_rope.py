@@ -84,3 +84,22 @@ def test_an_unsupported_type_is_refused_at_start_up_naming_the_supported_ones(ch
     with pytest.raises(ValueError, match="rope type 'longrope' is not supported; supported: default, linear, "
                                          "dynamic, yarn, llama3"):
         LLM(str(path), device="cpu")
+
+
+def test_layers_with_equal_frequencies_share_one_cos_sin_per_step():
+    """The step's dict holds one cos/sin per set of frequencies; the rotation is the same as
+    without it, and q's and k's heads turned side by side equal q and k turned apart."""
+    positions = torch.tensor([0, 5, 17, 300])
+    q, k = random_qk(len(positions))
+    first, second = (rope_from_config(CONFIGS["default"](), HEAD_DIM) for _ in range(2))
+    other = rope_from_config(CONFIGS["llama3"](), HEAD_DIM)
+    shared = {}
+    expected = first(positions, q, k)
+    for rotary in (first, second):
+        for mine, theirs in zip(rotary(positions, q, k, shared=shared), expected):
+            torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
+    assert len(shared) == 1
+    other(positions, q, k, shared=shared)
+    assert len(shared) == 2
+    side_by_side = second.rotate(positions, torch.cat([q, k], dim=1), shared=shared)
+    torch.testing.assert_close(side_by_side, torch.cat(expected, dim=1), atol=0, rtol=0)

@@ -109,3 +109,16 @@ def test_prefill_layouts_it_cannot_rebuild_fall_back_and_still_match():
         PREFILL_SPEC.assert_close(prefill_native.prefill_attention(*args, scale=0.2),
                                   PREFILL_SPEC.reference(*args, scale=0.2), "fallback")
     assert prefill_native.prompt_tables(slots[swapped], key_positions[swapped], key_segments, 16) is None
+
+
+def test_a_plan_is_reused_only_for_the_same_unmodified_layout_tensors():
+    positions, slots, key_positions, key_segments, query_segments = runner_pack()
+    layout = (slots, key_positions, key_segments, positions, query_segments)
+    plans = prefill_native.LastPlan()
+    first = plans.get(layout, 16)
+    assert plans.get(layout, 16) is first  # the next layer of the step
+    assert plans.get(tuple(t.clone() for t in layout), 16) is not first  # the next step's tensors
+    again = plans.get(layout, 16)
+    positions[0] += 1  # a buffer refilled in place
+    replanned = plans.get(layout, 16)
+    assert replanned is not again and int(replanned[2][0]) == int(again[2][0]) + 1
