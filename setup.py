@@ -20,7 +20,8 @@ setup(
     packages=find_packages(include=["tpu_executor*"]) + mapped_packages(),
     package_dir={prefixed: folder for folder, prefixed in MAPPED_FOLDERS.items()},
     # The native path's C kernel is compiled from source on the machine that runs it.
-    package_data={"tpu_executor.kernels.paged_attention": ["*.c"]},
+    package_data={"tpu_executor.kernels": ["*.h"], "tpu_executor.kernels.paged_attention": ["*.c"],
+                  "tpu_executor.kernels.act_and_mul": ["*.c"]},
     install_requires=[
         # torch_xla 2.9 is the last release; it needs exactly torch 2.9.0 and jax 0.7.1.
         "torch==2.9.0",

@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tpu_executor.kernels.act_and_mul.ops import act_and_mul
+from tpu_executor.kernels.act_and_mul.reference import ACTIVATIONS
 from tpu_executor.models.layers.attention import AttentionMetadata, paged_attention_forward
 from tpu_executor.models.layers.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                   RowParallelLinear, VocabParallelEmbedding)
@@ -22,11 +23,6 @@ from tpu_executor.models.layers.norm import RMSNorm
 from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup
 from tpu_executor.models.layers.rotary import rope_from_config
 
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
 
 KVCache = Tuple[torch.Tensor, torch.Tensor]
 
@@ -64,11 +60,10 @@ class LlamaMLP(nn.Module):
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], tp, bias=bias)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, tp, bias=bias)
-        self.act = ACTIVATIONS[activation]
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), activation=self.activation))
 
 
 class LlamaAttention(nn.Module):

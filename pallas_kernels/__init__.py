@@ -7,12 +7,13 @@ from tpu_executor.kernels.registry import REGISTRY, OpRegistry, Provider
 
 def register_all(registry: OpRegistry = REGISTRY) -> OpRegistry:
     """Register every op's providers once (later calls only re-run their static checks)."""
+    from tpu_executor.kernels.act_and_mul import ops as act_ops
     from tpu_executor.kernels.gmm import ops as gmm_ops
     from tpu_executor.kernels.paged_attention import ops as paged_ops
     from tpu_executor.kernels.prefill_attention import ops as prefill_ops
     from tpu_executor.kernels.w8a16_matmul import ops as w8a16_ops
 
-    for module in (gmm_ops, paged_ops, prefill_ops, w8a16_ops):
+    for module in (act_ops, gmm_ops, paged_ops, prefill_ops, w8a16_ops):
         if module.OP_NAME not in registry.ops():
             module.register(registry)
     registry.refresh()

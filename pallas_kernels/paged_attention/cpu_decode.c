@@ -13,12 +13,8 @@
 #include <math.h>
 #include <stdint.h>
 
-/* GCC's portable vectors (whatever SIMD -march=native has): 16 floats, loaded unaligned. */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t lanes16 __attribute__((vector_size(64)));
-#define LOAD(p) (*(const v16u *)(p))
-#define STORE(p, x) (*(v16u *)(p) = (x))
+#include "cpu_vectors.h"
+
 #define KEYS 16 /* keys scored at once: one sum each, folded together into one vector of scores */
 #define QUERIES 4 /* queries of a GQA group summing one value row at once */
 static const lanes16 LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -127,27 +123,6 @@ static void page_values(const float *restrict probs, const float *restrict v, in
         }
     }
 }
-
-/* e^x for x <= 0 (a score less its running maximum), sixteen at a time in plain arithmetic
- * (libm's expf is one call per score): x = n ln2 + r, e^r by Cephes' polynomial (within 2 ulp
- * of expf), 2^n built in the exponent bits. Below -87 the result is flushed to 0. */
-static inline v16 exp16_nonpositive(v16 x) {
-    lanes16 n = __builtin_convertvector(x * 1.44269504f - 0.5f, lanes16); /* round(x log2 e), x <= 0 */
-    lanes16 below = n < -126;
-    n = (n & ~below) | (-126 & below);
-    v16 whole = __builtin_convertvector(n, v16);
-    v16 r = x - whole * 0.693359375f + whole * 2.12194440e-4f;
-    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    v16 result = p * (v16)((n + 127) << 23);
-    return (v16)((lanes16)result & ~(lanes16)(x < -87.f));
-}
-
-static inline float exp_nonpositive(float x) { return exp16_nonpositive((v16){x})[0]; }
 
 /* Scores of one page's rows [first, end) for `group` queries -> probabilities against the
  * running maxima (acc and sums rescaled when a maximum grows). */

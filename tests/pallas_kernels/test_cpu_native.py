@@ -1,11 +1,13 @@
-"""The native path's C attention kernel (``cpu_c``), for decode and for packed prefill, against
-THE references."""
+"""The native path's C kernels (``cpu_c``) against THE references: attention for decode and for
+packed prefill, and the gated MLP's activation."""
 
 import numpy as np
 import pytest
 import torch
 
 from tpu_executor.kernels import OpRegistry, register_all
+from tpu_executor.kernels.act_and_mul import cpu_native as act_native
+from tpu_executor.kernels.act_and_mul.ops import SPEC as ACT_SPEC
 from tpu_executor.kernels.paged_attention import cpu_native
 from tpu_executor.kernels.paged_attention.ops import SPEC
 from tpu_executor.kernels.prefill_attention import cpu_native as prefill_native
@@ -122,3 +124,21 @@ def test_a_plan_is_reused_only_for_the_same_unmodified_layout_tensors():
     positions[0] += 1  # a buffer refilled in place
     replanned = plans.get(layout, 16)
     assert replanned is not again and int(replanned[2][0]) == int(again[2][0]) + 1
+
+
+def test_act_and_mul_matches_the_reference_on_the_generated_fp32_cases():
+    cases = [c for c in generated_cases(ACT_SPEC, seed=3, count=120) if c.args[0].dtype == torch.float32]
+    served = [c for c in cases if act_native.supports_args(*c.args, **c.kwargs)]
+    for case in served:
+        ACT_SPEC.assert_close(case.run(act_native.act_and_mul), case.run(ACT_SPEC.reference), case.label)
+    assert {c.kwargs["activation"] for c in served} == {"silu", "gelu_pytorch_tanh"}
+    assert {c.args[0].shape[-1] // 2 % 16 != 0 for c in served} == {True, False}  # with and without a tail
+
+
+def test_act_and_mul_serves_fp32_cpu_silu_and_gelu_tanh_only():
+    registry = register_all(OpRegistry())
+    x = torch.randn(5, 64)
+    assert registry.select("act_and_mul", x, activation="silu").name == "cpu_c"
+    assert registry.select("act_and_mul", x, activation="gelu_pytorch_tanh").name == "cpu_c"
+    assert registry.select("act_and_mul", x, activation="gelu").name == "reference"  # exact GELU: erf
+    assert registry.select("act_and_mul", x.bfloat16(), activation="silu").name == "reference"

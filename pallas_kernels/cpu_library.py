@@ -1,0 +1,70 @@
+"""Builds and loads the native path's C kernels (``*.c`` beside their ops, ``cpu_vectors.h``).
+
+A library is compiled on first use with the machine's C compiler (``cc`` or ``gcc``, OpenMP,
+``-march=native``) into ``~/.cache/tpu_executor/kernels``, keyed by its source, the shared
+header, the flags and this CPU's features, so a home directory shared by different CPUs never
+loads a foreign binary. Without a compiler (or where the build fails: logged) there is no
+library, and the ops' torch providers serve.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+HEADER = os.path.join(os.path.dirname(__file__), "cpu_vectors.h")
+# Beside the project's other caches (models, XLA's compile cache).
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tpu_executor", "kernels")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags (what ``-march=native`` compiles for; Linux only)."""
+    with open("/proc/cpuinfo") as info:
+        return next((line for line in info if line.startswith("flags")), "")
+
+
+def _compile(compiler: str, source: str, target: str) -> None:
+    """Compile into a temporary file, then move it into place (ranks may build at once)."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    handle, partial = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
+    os.close(handle)
+    try:
+        subprocess.run([compiler, *CFLAGS, "-I", os.path.dirname(HEADER), "-o", partial, source], check=True,
+                       capture_output=True, text=True)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+@functools.lru_cache(maxsize=None)
+def build(source: str) -> Optional[ctypes.CDLL]:
+    """The library compiled from ``source`` (once per source, header, flags and CPU), or None
+    where it cannot be built here."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    name = os.path.splitext(os.path.basename(source))[0]
+    if compiler is None or not os.path.exists("/proc/cpuinfo"):
+        logger.info("no C compiler (or not Linux): %s's ops use torch ops", name)
+        return None
+    digest = hashlib.sha256(repr(CFLAGS).encode() + _cpu_features().encode())
+    for path in (source, HEADER):
+        with open(path, "rb") as text:
+            digest.update(text.read())
+    target = os.path.join(CACHE_DIR, f"{name}_{digest.hexdigest()[:16]}.so")
+    try:
+        if not os.path.exists(target):
+            _compile(compiler, source, target)
+        return ctypes.CDLL(target)
+    except (OSError, subprocess.CalledProcessError) as err:
+        logger.warning("building the CPU kernel %s failed (%s); using torch ops", name,
+                       getattr(err, "stderr", "") or err)
+        return None
