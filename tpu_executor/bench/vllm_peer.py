@@ -40,7 +40,8 @@ def start(spec: dict):
     llm = LLM(model=spec["model"], dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False,
               max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"], seed=0)
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
-    warmup_prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (16, 200)]
+    longest = spec["max_model_len"] - spec["max_tokens"]  # a short workload's context holds no more
+    warmup_prompts = [{"prompt_token_ids": list(range(3, 3 + min(n, longest)))} for n in (16, 200)]
     llm.generate(warmup_prompts, params, use_tqdm=False)
     return llm, params, time.perf_counter() - started
 
