@@ -12,9 +12,10 @@ from typing import Tuple
 
 from torch import nn
 
+from tpu_executor.kernels.act_and_mul.reference import ACTIVATIONS
 from tpu_executor.models.layers.moe import SparseMoeBlock, expert_target
 from tpu_executor.models.layers.parallel import TensorParallelGroup
-from tpu_executor.models.llama import ACTIVATIONS, LlamaDecoderLayer, LlamaForCausalLM
+from tpu_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 _EXPERT_TENSOR = re.compile(r"^(.*)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 

@@ -12,9 +12,10 @@ from typing import Tuple
 
 from torch import nn
 
+from tpu_executor.kernels.act_and_mul.reference import ACTIVATIONS
 from tpu_executor.models.layers.moe import SparseMoeBlock, expert_target
 from tpu_executor.models.layers.parallel import TensorParallelGroup
-from tpu_executor.models.llama import ACTIVATIONS, LlamaDecoderLayer
+from tpu_executor.models.llama import LlamaDecoderLayer
 from tpu_executor.models.qwen3 import Qwen3ForCausalLM
 
 _EXPERT_TENSOR = re.compile(r"^(.*)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

@@ -16,7 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from typing import Optional
+from typing import Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -68,3 +68,15 @@ def build(source: str) -> Optional[ctypes.CDLL]:
         logger.warning("building the CPU kernel %s failed (%s); using torch ops", name,
                        getattr(err, "stderr", "") or err)
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(source: str, name: str, argtypes: Sequence, restype=None):
+    """Function ``name`` of ``source``'s library with its C signature set, or None where the
+    library cannot be built here."""
+    library = build(source)
+    if library is None:
+        return None
+    function = getattr(library, name)
+    function.argtypes, function.restype = list(argtypes), restype
+    return function

@@ -15,9 +15,7 @@ reports itself unsupported and ``eager_sdpa`` serves the op.
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
-from typing import Optional
 
 import torch
 
@@ -25,33 +23,39 @@ from tpu_executor.kernels import cpu_library
 from tpu_executor.kernels.binding import eager_only
 
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_decode.c")
-_ARGTYPES = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_float, ctypes.c_int64,
-                                                            ctypes.c_int]
+_ARGTYPES = (ctypes.c_void_p,) * 7 + (ctypes.c_int64,) * 8 + (ctypes.c_float, ctypes.c_float, ctypes.c_int64,
+                                                               ctypes.c_int)
 
 
-@functools.lru_cache(maxsize=None)
-def library() -> Optional[ctypes.CDLL]:
-    """The compiled kernel, or None where it cannot be built here."""
-    lib = cpu_library.build(SOURCE)
-    if lib is not None:
-        lib.paged_attention_f32.argtypes = _ARGTYPES
-        lib.paged_attention_f32.restype = ctypes.c_int64
-    return lib
+def kernel():
+    """``paged_attention_f32`` of the compiled library, or None where it cannot be built here."""
+    return cpu_library.kernel(SOURCE, "paged_attention_f32", _ARGTYPES, ctypes.c_int64)
 
 
 def supported() -> bool:
     """A static check: the kernel builds and loads on this machine."""
-    return library() is not None
+    return kernel() is not None
 
 
-def supports_args(q=None, k_pages=None, v_pages=None, context_lens=None, block_tables=None, *args, **kwargs) -> bool:
-    """fp32 CPU tensors of the op's shapes, untraced (the native path)."""
-    tensors = (q, k_pages, v_pages, context_lens, block_tables)
+def fp32_cpu_operands(q, k_pages, v_pages) -> bool:
+    """q ``[N, heads, d]`` and K/V pages ``[kv_heads, pages, page_size, d]``: fp32 CPU tensors,
+    untraced, whose heads group evenly over the KV heads."""
+    tensors = (q, k_pages, v_pages)
     if any(not isinstance(t, torch.Tensor) for t in tensors) or not eager_only(*tensors):
         return False
     return (all(t.device.type == "cpu" for t in tensors) and q.dtype == k_pages.dtype == v_pages.dtype == torch.float32
             and q.dim() == 3 and k_pages.dim() == 4 and k_pages.shape == v_pages.shape
             and q.shape[1] % k_pages.shape[0] == 0 and q.shape[2] == k_pages.shape[3])
+
+
+def cpu_tensors(*tensors) -> bool:
+    """Every one a CPU tensor (the op's metadata, read on the host)."""
+    return all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tensors)
+
+
+def supports_args(q=None, k_pages=None, v_pages=None, context_lens=None, block_tables=None, *args, **kwargs) -> bool:
+    """fp32 CPU tensors of the op's shapes, untraced (the native path)."""
+    return fp32_cpu_operands(q, k_pages, v_pages) and cpu_tensors(context_lens, block_tables)
 
 
 def paged_attention(q, k_pages, v_pages, context_lens, block_tables, *, scale, soft_cap=None,
@@ -71,7 +75,7 @@ def attend(q, k_pages, v_pages, lens, tables, rows, *, scale, soft_cap=None, sli
     rows = None if rows is None else rows.to(torch.int64).contiguous()
     q, k_pages, v_pages = q.contiguous(), k_pages.contiguous(), v_pages.contiguous()
     out = torch.empty_like(q)
-    bad_row = library().paged_attention_f32(
+    bad_row = kernel()(
         q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), lens.data_ptr(), tables.data_ptr(),
         None if rows is None else rows.data_ptr(), out.data_ptr(), batch, heads, kv_heads, num_pages, page_size,
         dim, tables.shape[1], tables.shape[0], scale, soft_cap or 0.0, sliding_window or 0, torch.get_num_threads())

@@ -28,9 +28,8 @@ supported = cpu_native.supported
 def supports_args(q=None, k_pages=None, v_pages=None, context_slots=None, key_positions=None, key_segments=None,
                   query_positions=None, query_segments=None, *args, **kwargs) -> bool:
     """fp32 CPU tensors, untraced (the native path)."""
-    tensors = (context_slots, key_positions, key_segments, query_positions, query_segments)
-    return cpu_native.supports_args(q, k_pages, v_pages, *tensors[:2]) and \
-        all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tensors)
+    return cpu_native.fp32_cpu_operands(q, k_pages, v_pages) and \
+        cpu_native.cpu_tensors(context_slots, key_positions, key_segments, query_positions, query_segments)
 
 
 def prompt_tables(context_slots: torch.Tensor, key_positions: torch.Tensor, key_segments: torch.Tensor,
