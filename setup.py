@@ -2,6 +2,8 @@
 from setuptools import find_packages, setup
 
 MAPPED_FOLDERS = {"models": "tpu_executor.models", "pallas_kernels": "tpu_executor.kernels"}
+# Ops with a C kernel for the native CPU path: compiled from source on the machine that runs it.
+C_KERNEL_OPS = ("act_and_mul", "paged_attention", "rms_norm", "rotary_embedding", "write_kv_cache")
 
 
 def mapped_packages():
@@ -19,9 +21,7 @@ setup(
     # beside a script cannot shadow.
     packages=find_packages(include=["tpu_executor*"]) + mapped_packages(),
     package_dir={prefixed: folder for folder, prefixed in MAPPED_FOLDERS.items()},
-    # The native path's C kernel is compiled from source on the machine that runs it.
-    package_data={"tpu_executor.kernels": ["*.h"], "tpu_executor.kernels.paged_attention": ["*.c"],
-                  "tpu_executor.kernels.act_and_mul": ["*.c"]},
+    package_data={"tpu_executor.kernels": ["*.h"], **{f"tpu_executor.kernels.{op}": ["*.c"] for op in C_KERNEL_OPS}},
     install_requires=[
         # torch_xla 2.9 is the last release; it needs exactly torch 2.9.0 and jax 0.7.1.
         "torch==2.9.0",

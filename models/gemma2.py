@@ -22,8 +22,9 @@ class Gemma2DecoderLayer(GemmaDecoderLayer):
         attn.soft_cap = getattr(cfg, "attn_logit_softcapping", None)
 
     def forward(self, x: torch.Tensor, kv_cache, meta) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), kv_cache, meta))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        attended = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), kv_cache, meta))
+        normed, x = self.pre_feedforward_layernorm(attended, residual=x)
+        return x + self.post_feedforward_layernorm(self.mlp(normed))
 
 
 class Gemma2ForCausalLM(GemmaForCausalLM):

@@ -116,7 +116,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (the add before the second
+    norm runs inside it)."""
 
     norm_unit_offset = False
 
@@ -138,8 +139,9 @@ class LlamaDecoderLayer(nn.Module):
         return LlamaMLP(cfg, self.activation_of(cfg), tp)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), kv_cache, meta)
+        normed, x = self.post_attention_layernorm(attended, residual=x)
+        return x + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

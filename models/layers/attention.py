@@ -1,9 +1,9 @@
 """Paged attention layer: writes this step's K/V into the cache, then attends through the ops.
 
 The KV cache of one layer is a pair of tensors ``[num_kv_heads, num_blocks, block_size,
-head_dim]`` (the page layout the Pallas kernels take). They are updated in place with
-``index_copy_`` on a flattened view and marked as donated buffers: without donation the
-compiled step would copy the whole cache every call.
+head_dim]`` (the page layout the Pallas kernels take), updated in place by the
+``write_kv_cache`` op (donated buffers on XLA: without donation the compiled step would copy
+the whole cache every call).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from tpu_executor.kernels.paged_attention.ops import paged_attention
 from tpu_executor.kernels.prefill_attention.ops import prefill_attention
+from tpu_executor.kernels.write_kv_cache.ops import write_kv_cache
 
 
 @dataclass
@@ -50,25 +51,6 @@ class AttentionMetadata:
     prefill: Optional[PrefillMetadata] = None
     decode: Optional[DecodeMetadata] = None
     rope: Dict = field(default_factory=dict)
-
-
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Scatter k, v ``[T, kv_heads, d]`` into the paged caches at ``slot_mapping [T]``."""
-    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
-    if k_cache.device.type == "xla":
-        torch.ops.xla.dynamo_set_buffer_donor_(k_cache, True)
-        torch.ops.xla.dynamo_set_buffer_donor_(v_cache, True)
-    head_offsets = torch.arange(kv_heads, device=k.device)[:, None] * (num_blocks * block_size)
-    index = (head_offsets + slot_mapping[None, :]).reshape(-1)
-    for cache, new in ((k_cache, k), (v_cache, v)):
-        rows = new.transpose(0, 1).reshape(-1, head_dim)
-        if cache.device.type == "jax":
-            # torchax's view() is a copy, so an in-place write through it would be lost: the
-            # whole tensor is replaced instead (in place all the same: the JAX path donates it).
-            cache.copy_(cache.reshape(-1, head_dim).index_copy(0, index, rows).reshape(cache.shape))
-        else:
-            cache.view(-1, head_dim).index_copy_(0, index, rows)
 
 
 def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,

@@ -1,11 +1,13 @@
-"""RMSNorm in both flavours: Llama's ``w * x`` and Gemma's ``(1 + w) * x``."""
+"""RMSNorm in both flavours: Llama's ``w * x`` and Gemma's ``(1 + w) * x``, through the
+``rms_norm`` op (optionally fused with the residual add before it)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tpu_executor.kernels.binding import eager_only
+from tpu_executor.kernels.rms_norm.ops import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -21,14 +23,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.unit_offset = unit_offset
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and eager_only(x):
-            # The same steps as below in one call: torch's rms_norm upcasts, scales by the
-            # reciprocal root of the mean square plus eps, then multiplies by the weight.
-            weight = 1.0 + self.weight if self.unit_offset else self.weight
-            return F.rms_norm(x, (x.shape[-1],), weight.float(), self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (xf * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """The normed x; with ``residual``, (the normed ``x + residual``, that sum)."""
+        return rms_norm(x, self.weight, eps=self.eps, unit_offset=self.unit_offset, residual=residual)

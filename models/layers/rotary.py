@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tpu_executor.kernels.binding import eager_only
+from tpu_executor.kernels.rotary_embedding.ops import rotary_embedding
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -33,11 +34,11 @@ class RotaryEmbedding(nn.Module):
                 shared: Optional[Dict] = None):
         """q [T, heads, d], k [T, kv_heads, d] -> rotated (same shapes and dtype)."""
         cos, sin = self.step_cos_sin(positions, shared)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return rotary_embedding(q, cos, sin), rotary_embedding(k, cos, sin)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor, shared: Optional[Dict] = None) -> torch.Tensor:
         """x [T, heads, d] (any heads: q's and k's side by side) -> rotated."""
-        return _rotate(x, *self.step_cos_sin(positions, shared))
+        return rotary_embedding(x, *self.step_cos_sin(positions, shared))
 
     def step_cos_sin(self, positions: torch.Tensor, shared: Optional[Dict]) -> Tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of ``positions``. ``shared``: the step's dict in which the first layer
@@ -57,12 +58,6 @@ class RotaryEmbedding(nn.Module):
         if self.attention_scaling != 1.0:
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return cos, sin
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
 def per_type_key(hf_config, layer_type: Optional[str]) -> Optional[str]:

@@ -53,17 +53,20 @@ def test_source_hash_covers_the_kernel_module():
         Provider("x", plain.fn, priority=1, sources=("no_such_module",)).source_hash()
 
 
-EAGER_PROVIDERS = {"gmm": "eager_grouped", "paged_attention": "eager_sdpa", "prefill_attention": "eager_segments"}
+EAGER_PROVIDERS = {"gmm": "eager_grouped", "paged_attention": "eager_sdpa", "prefill_attention": "eager_segments",
+                   "rms_norm": "eager_fused"}
 
 
 def test_every_op_registers_pallas_first_and_the_reference_last():
     from tpu_executor.kernels import register_all
 
     registry = register_all(OpRegistry())
-    assert registry.ops() == ["act_and_mul", "gmm", "paged_attention", "prefill_attention", "w8a16_matmul"]
+    assert registry.ops() == ["act_and_mul", "gmm", "paged_attention", "prefill_attention", "rms_norm",
+                              "rotary_embedding", "w8a16_matmul", "write_kv_cache"]
     # Without a Pallas kernel: w8a16_matmul (yet: the reference dequantizes, then multiplies)
-    # and act_and_mul (XLA fuses the activation and product itself; the C kernel is the CPU's).
-    first = {"w8a16_matmul": "reference", "act_and_mul": "cpu_c"}
+    # and the elementwise ops (XLA fuses them itself; their C kernels are the CPU's).
+    first = {"w8a16_matmul": "reference", "act_and_mul": "cpu_c", "rms_norm": "cpu_c", "rotary_embedding": "cpu_c",
+             "write_kv_cache": "cpu_c"}
     for op in registry.ops():
         names = [p.name for p in registry.providers(op)]
         assert names[-1] == "reference", names

@@ -1,0 +1,54 @@
+"""``rms_norm`` for the native CPU path, fp32: a small C kernel (``cpu_rms_norm.c``).
+
+torch runs an RMSNorm as about six small ops and the residual add before it as another; at
+decode sizes each costs more in dispatch than in arithmetic. Measured on a 2-core AVX-512 EPYC
+inside the engine's decode step (32 rows of 576-768 features): 50-60 us per norm through
+torch, a few us here.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from tpu_executor.kernels import cpu_library
+from tpu_executor.kernels.binding import eager_only
+
+SOURCE = os.path.join(os.path.dirname(__file__), "cpu_rms_norm.c")
+_ARGTYPES = (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 2 + (ctypes.c_float, ctypes.c_int, ctypes.c_int)
+
+
+def kernel():
+    """``rms_norm_f32`` of the compiled library, or None where it cannot be built here."""
+    return cpu_library.kernel(SOURCE, "rms_norm_f32", _ARGTYPES)
+
+
+def supported() -> bool:
+    """A static check: the kernel builds and loads on this machine."""
+    return kernel() is not None
+
+
+def _fp32_cpu(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32
+
+
+def supports_args(x=None, weight=None, *args, residual=None, **kwargs) -> bool:
+    """fp32 CPU tensors, untraced; a weight as wide as x's rows, a residual of x's shape."""
+    if not (_fp32_cpu(x) and _fp32_cpu(weight) and x.dim() >= 1 and eager_only(x)):
+        return False
+    if weight.shape != x.shape[-1:]:
+        return False
+    return residual is None or (_fp32_cpu(residual) and residual.shape == x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, unit_offset: bool = False, residual=None):
+    """Same contract as ``reference.rms_norm`` (fp32 CPU tensors)."""
+    x, weight = x.contiguous(), weight.contiguous()
+    out = torch.empty_like(x)
+    summed = None if residual is None else torch.empty_like(x)
+    residual = None if residual is None else residual.contiguous()
+    kernel()(x.data_ptr(), None if residual is None else residual.data_ptr(),
+             None if summed is None else summed.data_ptr(), weight.data_ptr(), out.data_ptr(),
+             x.shape[:-1].numel(), x.shape[-1], eps, int(unit_offset), torch.get_num_threads())
+    return out if summed is None else (out, summed)

@@ -1,0 +1,52 @@
+"""``rotary_embedding`` for the native CPU path, fp32: a small C kernel (``cpu_rotary.c``).
+
+torch runs RoPE as five small ops over q and k; at decode sizes their dispatch costs more than
+their arithmetic. The kernel reads x in place (q's and k's heads as a view of the QKV
+projection's output) and writes the rotated heads once, bit-identical to the reference.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from tpu_executor.kernels import cpu_library
+from tpu_executor.kernels.binding import eager_only
+
+SOURCE = os.path.join(os.path.dirname(__file__), "cpu_rotary.c")
+_ARGTYPES = (ctypes.c_void_p, ctypes.c_int64) + (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 3 + (ctypes.c_int,)
+
+
+def kernel():
+    """``rotary_f32`` of the compiled library, or None where it cannot be built here."""
+    return cpu_library.kernel(SOURCE, "rotary_f32", _ARGTYPES)
+
+
+def supported() -> bool:
+    """A static check: the kernel builds and loads on this machine."""
+    return kernel() is not None
+
+
+def _fp32_cpu(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32
+
+
+def supports_args(x=None, cos=None, sin=None, *args, **kwargs) -> bool:
+    """fp32 CPU tensors, untraced: x ``[T, heads, d]`` with an even d and each token's heads
+    contiguous, cos and sin ``[T, 1, d]``."""
+    if not (_fp32_cpu(x) and _fp32_cpu(cos) and _fp32_cpu(sin) and x.dim() == 3 and eager_only(x)):
+        return False
+    tokens, heads, d = x.shape
+    angles = (tokens, 1, d)
+    return d % 2 == 0 and cos.shape == angles and sin.shape == angles and x.stride()[1:] == (d, 1)
+
+
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``reference.rotary_embedding`` (fp32 CPU tensors)."""
+    tokens, heads, d = x.shape
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = x.new_empty(tokens, heads, d)
+    kernel()(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads, d,
+             torch.get_num_threads())
+    return out
