@@ -18,6 +18,8 @@ import subprocess
 import tempfile
 from typing import Optional, Sequence
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 HEADER = os.path.join(os.path.dirname(__file__), "cpu_vectors.h")
@@ -80,3 +82,10 @@ def kernel(source: str, name: str, argtypes: Sequence, restype=None):
     function = getattr(library, name)
     function.argtypes, function.restype = list(argtypes), restype
     return function
+
+
+def untraced_fp32_cpu(*tensors) -> bool:
+    """Every one an fp32 CPU tensor, outside a traced graph: what the C kernels take. (A CPU
+    tensor is never an XLA or JAX one, so its device is the whole eager check.)"""
+    return all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32
+               for t in tensors) and not torch.compiler.is_compiling()

@@ -13,7 +13,6 @@ import os
 import torch
 
 from tpu_executor.kernels import cpu_library
-from tpu_executor.kernels.binding import eager_only
 
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_act.c")
 ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}  # cpu_act.c's SILU, GELU_TANH
@@ -32,8 +31,7 @@ def supported() -> bool:
 
 def supports_args(x=None, *args, activation=None, **kwargs) -> bool:
     """An fp32 CPU tensor with an even last dimension, untraced, SiLU or GELU-tanh."""
-    return isinstance(x, torch.Tensor) and eager_only(x) and x.device.type == "cpu" and x.dtype == torch.float32 \
-        and x.dim() >= 1 and x.shape[-1] % 2 == 0 and activation in ACTIVATION_CODES
+    return cpu_library.untraced_fp32_cpu(x) and x.dim() >= 1 and x.shape[-1] % 2 == 0 and activation in ACTIVATION_CODES
 
 
 def act_and_mul(x: torch.Tensor, *, activation: str) -> torch.Tensor:

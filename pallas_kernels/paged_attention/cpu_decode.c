@@ -204,11 +204,12 @@ static int64_t first_bad_row(const int64_t *lens, const int64_t *tables, const i
     return 0;
 }
 
-/* q [batch, heads, dim]; k/v pages [kv_heads, num_pages, page_size, dim]; lens [batch];
+/* q [batch, heads, dim] (row stride q_stride: q's heads may sit inside a wider QKV row, each
+ * row's heads contiguous); k/v pages [kv_heads, num_pages, page_size, dim]; lens [batch];
  * tables [table_rows, width]; rows [batch], the table row of each query row (NULL: row b reads
  * table row b); out [batch, heads, dim]. soft_cap <= 0: none; window <= 0: none. Returns 0, or
  * 1 + the first query row whose table row, length or pages do not fit (nothing computed). */
-int64_t paged_attention_f32(const float *q, const float *k_pages, const float *v_pages, const int64_t *lens,
+int64_t paged_attention_f32(const float *q, int64_t q_stride, const float *k_pages, const float *v_pages, const int64_t *lens,
                             const int64_t *tables, const int64_t *rows, float *out, int64_t batch, int64_t heads,
                             int64_t kv_heads, int64_t num_pages, int64_t page_size, int64_t dim, int64_t width,
                             int64_t table_rows, float scale, float soft_cap, int64_t window, int threads) {
@@ -220,7 +221,7 @@ int64_t paged_attention_f32(const float *q, const float *k_pages, const float *v
         for (int64_t h = 0; h < kv_heads; h++) {
             int64_t len = lens[b], start = window > 0 && len > window ? len - window : 0;
             int64_t at = (b * heads + h * group) * dim, row = rows ? rows[b] : b;
-            one_head(q + at, k_pages + h * head_stride, v_pages + h * head_stride, tables + row * width,
+            one_head(q + b * q_stride + h * group * dim, k_pages + h * head_stride, v_pages + h * head_stride, tables + row * width,
                      len, start, group, page_size, dim, scale, soft_cap, out + at);
         }
     return 0;

@@ -20,11 +20,10 @@ import os
 import torch
 
 from tpu_executor.kernels import cpu_library
-from tpu_executor.kernels.binding import eager_only
 
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_decode.c")
-_ARGTYPES = (ctypes.c_void_p,) * 7 + (ctypes.c_int64,) * 8 + (ctypes.c_float, ctypes.c_float, ctypes.c_int64,
-                                                               ctypes.c_int)
+_ARGTYPES = (ctypes.c_void_p, ctypes.c_int64) + (ctypes.c_void_p,) * 6 + (ctypes.c_int64,) * 8 \
+    + (ctypes.c_float, ctypes.c_float, ctypes.c_int64, ctypes.c_int)
 
 
 def kernel():
@@ -40,12 +39,8 @@ def supported() -> bool:
 def fp32_cpu_operands(q, k_pages, v_pages) -> bool:
     """q ``[N, heads, d]`` and K/V pages ``[kv_heads, pages, page_size, d]``: fp32 CPU tensors,
     untraced, whose heads group evenly over the KV heads."""
-    tensors = (q, k_pages, v_pages)
-    if any(not isinstance(t, torch.Tensor) for t in tensors) or not eager_only(*tensors):
-        return False
-    return (all(t.device.type == "cpu" for t in tensors) and q.dtype == k_pages.dtype == v_pages.dtype == torch.float32
-            and q.dim() == 3 and k_pages.dim() == 4 and k_pages.shape == v_pages.shape
-            and q.shape[1] % k_pages.shape[0] == 0 and q.shape[2] == k_pages.shape[3])
+    return (cpu_library.untraced_fp32_cpu(q, k_pages, v_pages) and q.dim() == 3 and k_pages.dim() == 4
+            and k_pages.shape == v_pages.shape and q.shape[1] % k_pages.shape[0] == 0 and q.shape[2] == k_pages.shape[3])
 
 
 def cpu_tensors(*tensors) -> bool:
@@ -73,10 +68,12 @@ def attend(q, k_pages, v_pages, lens, tables, rows, *, scale, soft_cap=None, sli
     batch, heads, _ = q.shape
     lens, tables = lens.to(torch.int64).contiguous(), tables.to(torch.int64).contiguous()
     rows = None if rows is None else rows.to(torch.int64).contiguous()
-    q, k_pages, v_pages = q.contiguous(), k_pages.contiguous(), v_pages.contiguous()
-    out = torch.empty_like(q)
+    if q.stride()[1:] != (q.shape[2], 1):  # q's heads as a view of the QKV row are read in place
+        q = q.contiguous()
+    k_pages, v_pages = k_pages.contiguous(), v_pages.contiguous()
+    out = q.new_empty(q.shape)
     bad_row = kernel()(
-        q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), lens.data_ptr(), tables.data_ptr(),
+        q.data_ptr(), q.stride(0), k_pages.data_ptr(), v_pages.data_ptr(), lens.data_ptr(), tables.data_ptr(),
         None if rows is None else rows.data_ptr(), out.data_ptr(), batch, heads, kv_heads, num_pages, page_size,
         dim, tables.shape[1], tables.shape[0], scale, soft_cap or 0.0, sliding_window or 0, torch.get_num_threads())
     if bad_row:  # checked before reading anything: a bad index would read outside the cache

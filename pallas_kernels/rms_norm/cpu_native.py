@@ -13,7 +13,6 @@ import os
 import torch
 
 from tpu_executor.kernels import cpu_library
-from tpu_executor.kernels.binding import eager_only
 
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_rms_norm.c")
 _ARGTYPES = (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 2 + (ctypes.c_float, ctypes.c_int, ctypes.c_int)
@@ -29,17 +28,11 @@ def supported() -> bool:
     return kernel() is not None
 
 
-def _fp32_cpu(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32
-
-
 def supports_args(x=None, weight=None, *args, residual=None, **kwargs) -> bool:
     """fp32 CPU tensors, untraced; a weight as wide as x's rows, a residual of x's shape."""
-    if not (_fp32_cpu(x) and _fp32_cpu(weight) and x.dim() >= 1 and eager_only(x)):
+    if residual is not None and not (cpu_library.untraced_fp32_cpu(residual) and residual.shape == x.shape):
         return False
-    if weight.shape != x.shape[-1:]:
-        return False
-    return residual is None or (_fp32_cpu(residual) and residual.shape == x.shape)
+    return cpu_library.untraced_fp32_cpu(x, weight) and x.dim() >= 1 and weight.shape == x.shape[-1:]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, unit_offset: bool = False, residual=None):

@@ -12,7 +12,6 @@ import os
 import torch
 
 from tpu_executor.kernels import cpu_library
-from tpu_executor.kernels.binding import eager_only
 
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_rotary.c")
 _ARGTYPES = (ctypes.c_void_p, ctypes.c_int64) + (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 3 + (ctypes.c_int,)
@@ -28,14 +27,10 @@ def supported() -> bool:
     return kernel() is not None
 
 
-def _fp32_cpu(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32
-
-
 def supports_args(x=None, cos=None, sin=None, *args, **kwargs) -> bool:
     """fp32 CPU tensors, untraced: x ``[T, heads, d]`` with an even d and each token's heads
     contiguous, cos and sin ``[T, 1, d]``."""
-    if not (_fp32_cpu(x) and _fp32_cpu(cos) and _fp32_cpu(sin) and x.dim() == 3 and eager_only(x)):
+    if not (cpu_library.untraced_fp32_cpu(x, cos, sin) and x.dim() == 3):
         return False
     tokens, heads, d = x.shape
     angles = (tokens, 1, d)

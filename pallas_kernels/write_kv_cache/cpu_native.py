@@ -12,7 +12,6 @@ import os
 import torch
 
 from tpu_executor.kernels import cpu_library
-from tpu_executor.kernels.binding import eager_only
 
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_write.c")
 _ARGTYPES = (ctypes.c_void_p, ctypes.c_int64) * 2 + (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 4
@@ -28,10 +27,6 @@ def supported() -> bool:
     return kernel() is not None
 
 
-def _fp32_cpu(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32
-
-
 def _heads_contiguous(new: torch.Tensor, cache: torch.Tensor) -> bool:
     return new.dim() == 3 and new.shape[1:] == (cache.shape[0], cache.shape[3]) and new.stride()[1:] == (new.shape[2], 1)
 
@@ -39,7 +34,7 @@ def _heads_contiguous(new: torch.Tensor, cache: torch.Tensor) -> bool:
 def supports_args(k=None, v=None, k_cache=None, v_cache=None, slot_mapping=None, *args, **kwargs) -> bool:
     """fp32 CPU tensors, untraced: contiguous caches of one shape, k and v ``[T, kv_heads, d]``
     with each token's heads contiguous, int64 slots ``[T]``."""
-    if not all(_fp32_cpu(t) for t in (k, v, k_cache, v_cache)) or not eager_only(k):
+    if not cpu_library.untraced_fp32_cpu(k, v, k_cache, v_cache):
         return False
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False

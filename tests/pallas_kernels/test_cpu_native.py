@@ -35,6 +35,16 @@ def test_a_decode_batch_of_smollm2_heads_matches_the_reference(window):
     SPEC.assert_close(cpu_native.paged_attention(*args, **kwargs), SPEC.reference(*args, **kwargs), "32 rows")
 
 
+def test_queries_inside_a_wider_qkv_row_are_read_in_place():
+    """q as the model passes it: its heads a view of each token's q, k and v heads."""
+    k_pages, v_pages, lens, tables = engine_like_decode_batch(kv_heads=3, heads=9, width=22)[1:]
+    qkv = torch.randn(32, 9 + 2 * 3, 64, generator=torch.Generator().manual_seed(7))
+    q = qkv[:, :9]
+    kwargs = dict(scale=0.125)
+    SPEC.assert_close(cpu_native.paged_attention(q, k_pages, v_pages, lens, tables, **kwargs),
+                      SPEC.reference(q.contiguous(), k_pages, v_pages, lens, tables, **kwargs), "a view")
+
+
 def test_a_table_that_does_not_cover_the_context_raises_before_reading():
     pages = [torch.zeros(1, 4, 8, 16) for _ in range(2)]
     q = torch.zeros(2, 2, 16)

@@ -77,10 +77,22 @@ def test_help_shows_the_defaults_the_command_uses(command, checkpoints, capsys):
     for name, text in shown.items():
         if name == "max_model_len" and text.startswith("the checkpoint's context length"):
             assert config.max_model_len == checkpoint_limit(load_hf_config(checkpoints["llama"])), command
+        elif name == "async_scheduling" and text == "on for xla, jax and cuda, off for cpu":
+            assert config.scheduler.async_scheduling == (config.device.device != "cpu"), command
         elif name != "num_blocks":  # "as many as fit": sized by the worker
             value = config_value(config, name)
             expected = tuple(parsed(w) for w in text.split()) if isinstance(value, tuple) else parsed(text)
             assert expected == value, (command, name, text)
+
+
+def test_scheduling_is_asynchronous_by_default_where_the_device_runs_apart_from_the_host(checkpoints):
+    resolved = {device: build_engine_config(checkpoints["llama"], device=device).scheduler.async_scheduling
+                for device in ("xla", "jax", "cuda", "cpu")}
+    assert resolved == {"xla": True, "jax": True, "cuda": True, "cpu": False}
+    explicit = build_engine_config(checkpoints["llama"], device="cpu", async_scheduling=True)
+    assert explicit.scheduler.async_scheduling is True
+    flags = engine_options_from_args(build_parser().parse_args(["generate", "--no-async-scheduling"]))
+    assert flags["async_scheduling"] is False
 
 
 def test_generate_from_outside_the_repository(checkpoints, tmp_path):

@@ -46,6 +46,7 @@ from tpu_executor.bench.hardware import CALIBRATION_SIZE, cpu_description, matmu
 
 NUM_PROMPTS, MIN_LEN, MAX_LEN, NEW_TOKENS = 32, 16, 256, 64
 MODELS = ("gemma-100m", "smollm2", "mixtral-small")
+SCHEDULING = {"default": None, "async": True, "sync": False}  # the engine's async_scheduling
 # The options each run sweeps over (their own flags below), and the engine settings of the workload.
 SWEPT = ("device", "tensor_parallel_size", "quantization", "async_scheduling")
 ENGINE_DEFAULTS = dict(max_model_len=MAX_LEN + NEW_TOKENS, max_num_seqs=NUM_PROMPTS,
@@ -92,8 +93,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1])
     parser.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "int8"])
-    parser.add_argument("--scheduling", nargs="+", default=["async"], choices=["async", "sync"],
-                        help="asynchronous (default) and/or synchronous scheduling, side by side")
+    parser.add_argument("--scheduling", nargs="+", default=["default"], choices=list(SCHEDULING),
+                        help="the device's default (asynchronous, synchronous on cpu), asynchronous and/or "
+                             "synchronous scheduling, side by side")
     parser.add_argument("--profile", action="store_true",
                         help="after each timed run, a profiled run of the same workload (tensor parallel size 1)")
     parser.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
@@ -137,25 +139,26 @@ def run_engine(path: str, prompts: List[List[int]], output_len: int, options: Di
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     stats = llm.stats()
+    scheduling = "async" if llm.engine.config.scheduler.async_scheduling else "sync"
     if profile_prompts is not None:
-        profiled_run(llm, profile_prompts, params, options)
+        profiled_run(llm, profile_prompts, params, scheduling)
     llm.shutdown()
     return {"tokens_per_s": tokens / elapsed, "seconds": elapsed, "warmup_s": warmup, "stats": stats,
             "tokens": [o.outputs[0].token_ids for o in outs], "tp": options["tensor_parallel_size"],
             "quantization": options["quantization"] or "fp32",
-            "scheduling": "async" if options["async_scheduling"] else "sync"}
+            "scheduling": scheduling}
 
 
-def profiled_run(llm, prompts: List[List[int]], params, options: Dict) -> None:
+def profiled_run(llm, prompts: List[List[int]], params, scheduling: str) -> None:
     from tpu_executor.bench.profile import StepProfile, print_profile
 
     profile = StepProfile(llm.engine)
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     profile.detach()
-    scheduling = "async" if options["async_scheduling"] else "sync"
-    print_profile(f"{os.path.basename(llm.engine.config.model.model)} on {options['device']}, {scheduling} "
-                  "scheduling", profile, time.perf_counter() - start)
+    config = llm.engine.config
+    print_profile(f"{os.path.basename(config.model.model)} on {config.device.device}, {scheduling} scheduling",
+                  profile, time.perf_counter() - start)
 
 
 def on_own_thread(fn, *args):
@@ -201,7 +204,7 @@ def run(args: argparse.Namespace) -> None:
         for device in args.devices:
             for quantization, tp, scheduling in itertools.product(args.quantizations, args.tensor_parallel_sizes,
                                                                   args.scheduling):
-                options = dict(base, device=device, tensor_parallel_size=tp, async_scheduling=scheduling == "async",
+                options = dict(base, device=device, tensor_parallel_size=tp, async_scheduling=SCHEDULING[scheduling],
                                quantization=None if quantization == "none" else quantization)
                 ours = run_engine(path, prompts, work.output_len, options, profile_prompts)
                 print_run(name, device, ours, peers["vllm"])

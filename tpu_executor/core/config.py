@@ -102,8 +102,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = option(2048, "tokens computed in one step (the token budget)")
     enable_chunked_prefill: bool = option(True, "split prompts longer than the token budget into chunks "
                                                 "(decodes go first each step; prefill buckets stop at the budget)")
-    async_scheduling: bool = option(True, "schedule and prepare step N+1 while step N runs (identical "
-                                          "outputs; a finished request may compute one discarded token)")
+    async_scheduling: Optional[bool] = option(
+        None, "schedule and prepare step N+1 while step N runs (identical outputs; a finished request may "
+              "compute one discarded token)",
+        none_means="on for xla, jax and cuda, off for cpu")
     core_process: bool = option(False, "run the engine core (scheduling, the executor, recording tokens) in a "
                                        "process of its own, beside the front-end's text, stop strings and deltas")
 
@@ -227,6 +229,11 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self):
+        if self.scheduler.async_scheduling is None:
+            # On the native CPU path the host is the device: there is nothing to overlap, and a
+            # prompt arriving mid-step would wait behind the step already scheduled.
+            scheduler = replace(self.scheduler, async_scheduling=self.device.device != "cpu")
+            object.__setattr__(self, "scheduler", scheduler)
         block = self.cache.block_size
         bad = [b for b in self.compile.prefill_buckets if b % block]
         _require(not bad, f"prefill_buckets {bad} are not multiples of block_size {block}")

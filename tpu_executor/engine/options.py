@@ -102,7 +102,7 @@ def _argument_kwargs(section: type, f: dataclasses.Field, defaults: Dict[str, An
     kwargs: Dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS,
                               "help": f.metadata.get("help", "") + shown}
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if hint is bool:
+    if hint is bool or args == [bool]:
         kwargs["action"] = argparse.BooleanOptionalAction
     elif typing.get_origin(hint) is tuple:
         kwargs.update(nargs="+", type=args[0], metavar=f.name.upper())
