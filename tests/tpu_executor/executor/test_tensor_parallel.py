@@ -112,8 +112,10 @@ def test_impossible_split_fails_before_any_worker_starts(cluster, checkpoints):
         LLM(checkpoints["llama"], tensor_parallel_size=3, **tensor_parallel_options())
 
 
-def test_a_lost_worker_fails_in_flight_requests_and_shuts_down(cluster, checkpoints, prompts):
-    llm = LLM(checkpoints["llama"], device="cpu", tensor_parallel_size=2, **tensor_parallel_options())
+@pytest.mark.parametrize("async_scheduling, call", [(True, "launch_step"), (False, "execute_model")])
+def test_a_lost_worker_fails_in_flight_requests_and_shuts_down(cluster, checkpoints, prompts, async_scheduling, call):
+    llm = LLM(checkpoints["llama"], device="cpu", tensor_parallel_size=2, async_scheduling=async_scheduling,
+              **tensor_parallel_options())
     engine = llm.engine
     actors = list(engine.core.executor.actors)
     ids = [engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=64)) for p in prompts]
@@ -121,7 +123,7 @@ def test_a_lost_worker_fails_in_flight_requests_and_shuts_down(cluster, checkpoi
     engine.step()
     ray.kill(actors[1])
     start = time.monotonic()
-    with pytest.raises(EngineDeadError, match="worker rank 1 failed in launch_step") as failure:
+    with pytest.raises(EngineDeadError, match=f"worker rank 1 failed in {call}") as failure:
         while True:
             engine.step()
     assert time.monotonic() - start < 60
