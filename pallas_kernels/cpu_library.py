@@ -16,7 +16,8 @@ import os
 import shutil
 import subprocess
 import tempfile
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -82,6 +83,35 @@ def kernel(source: str, name: str, argtypes: Sequence, restype=None):
     function = getattr(library, name)
     function.argtypes, function.restype = list(argtypes), restype
     return function
+
+
+@dataclass(frozen=True)
+class CFunction:
+    """One function of an op's C kernel (``source``, beside its ``cpu_native.py``), built and
+    loaded on first use: ``supported()`` for the provider's static check, called like the
+    function itself."""
+
+    source: str
+    name: str
+    argtypes: Tuple
+    restype: object = None
+
+    def loaded(self):
+        """The function with its C signature set, or None where the library cannot be built."""
+        return kernel(self.source, self.name, self.argtypes, self.restype)
+
+    def supported(self) -> bool:
+        """A static check: the kernel builds and loads on this machine."""
+        return self.loaded() is not None
+
+    def __call__(self, *args):
+        return self.loaded()(*args)
+
+
+def heads_contiguous(x: torch.Tensor) -> bool:
+    """x ``[T, heads, d]`` with each token's heads contiguous (the token stride free: q's or k's
+    heads may be a view inside a wider QKV row), as the C kernels read them."""
+    return x.dim() == 3 and x.stride()[1:] == (x.shape[2], 1)
 
 
 def untraced_fp32_cpu(*tensors) -> bool:

@@ -18,20 +18,14 @@ SOURCE = os.path.join(os.path.dirname(__file__), "cpu_act.c")
 ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}  # cpu_act.c's SILU, GELU_TANH
 _ARGTYPES = (ctypes.c_void_p,) * 2 + (ctypes.c_int64,) * 2 + (ctypes.c_int,) * 2
 
-
-def kernel():
-    """``act_and_mul_f32`` of the compiled library, or None where it cannot be built here."""
-    return cpu_library.kernel(SOURCE, "act_and_mul_f32", _ARGTYPES)
-
-
-def supported() -> bool:
-    """A static check: the kernel builds and loads on this machine."""
-    return kernel() is not None
+KERNEL = cpu_library.CFunction(SOURCE, "act_and_mul_f32", _ARGTYPES)
+supported = KERNEL.supported
 
 
 def supports_args(x=None, *args, activation=None, **kwargs) -> bool:
     """An fp32 CPU tensor with an even last dimension, untraced, SiLU or GELU-tanh."""
-    return cpu_library.untraced_fp32_cpu(x) and x.dim() >= 1 and x.shape[-1] % 2 == 0 and activation in ACTIVATION_CODES
+    return cpu_library.untraced_fp32_cpu(x) and x.dim() >= 1 and x.shape[-1] % 2 == 0 \
+        and activation in ACTIVATION_CODES
 
 
 def act_and_mul(x: torch.Tensor, *, activation: str) -> torch.Tensor:
@@ -39,6 +33,6 @@ def act_and_mul(x: torch.Tensor, *, activation: str) -> torch.Tensor:
     width = x.shape[-1] // 2
     x = x.contiguous()
     out = x.new_empty(*x.shape[:-1], width)
-    kernel()(x.data_ptr(), out.data_ptr(), x.shape[:-1].numel(), width, ACTIVATION_CODES[activation],
+    KERNEL(x.data_ptr(), out.data_ptr(), x.shape[:-1].numel(), width, ACTIVATION_CODES[activation],
              torch.get_num_threads())
     return out

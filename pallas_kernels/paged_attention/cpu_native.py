@@ -25,22 +25,16 @@ SOURCE = os.path.join(os.path.dirname(__file__), "cpu_decode.c")
 _ARGTYPES = (ctypes.c_void_p, ctypes.c_int64) + (ctypes.c_void_p,) * 6 + (ctypes.c_int64,) * 8 \
     + (ctypes.c_float, ctypes.c_float, ctypes.c_int64, ctypes.c_int)
 
-
-def kernel():
-    """``paged_attention_f32`` of the compiled library, or None where it cannot be built here."""
-    return cpu_library.kernel(SOURCE, "paged_attention_f32", _ARGTYPES, ctypes.c_int64)
-
-
-def supported() -> bool:
-    """A static check: the kernel builds and loads on this machine."""
-    return kernel() is not None
+KERNEL = cpu_library.CFunction(SOURCE, "paged_attention_f32", _ARGTYPES, ctypes.c_int64)
+supported = KERNEL.supported
 
 
 def fp32_cpu_operands(q, k_pages, v_pages) -> bool:
     """q ``[N, heads, d]`` and K/V pages ``[kv_heads, pages, page_size, d]``: fp32 CPU tensors,
     untraced, whose heads group evenly over the KV heads."""
     return (cpu_library.untraced_fp32_cpu(q, k_pages, v_pages) and q.dim() == 3 and k_pages.dim() == 4
-            and k_pages.shape == v_pages.shape and q.shape[1] % k_pages.shape[0] == 0 and q.shape[2] == k_pages.shape[3])
+            and k_pages.shape == v_pages.shape and q.shape[1] % k_pages.shape[0] == 0
+            and q.shape[2] == k_pages.shape[3])
 
 
 def cpu_tensors(*tensors) -> bool:
@@ -68,11 +62,11 @@ def attend(q, k_pages, v_pages, lens, tables, rows, *, scale, soft_cap=None, sli
     batch, heads, _ = q.shape
     lens, tables = lens.to(torch.int64).contiguous(), tables.to(torch.int64).contiguous()
     rows = None if rows is None else rows.to(torch.int64).contiguous()
-    if q.stride()[1:] != (q.shape[2], 1):  # q's heads as a view of the QKV row are read in place
+    if not cpu_library.heads_contiguous(q):  # q's heads as a view of the QKV row are read in place
         q = q.contiguous()
     k_pages, v_pages = k_pages.contiguous(), v_pages.contiguous()
     out = q.new_empty(q.shape)
-    bad_row = kernel()(
+    bad_row = KERNEL(
         q.data_ptr(), q.stride(0), k_pages.data_ptr(), v_pages.data_ptr(), lens.data_ptr(), tables.data_ptr(),
         None if rows is None else rows.data_ptr(), out.data_ptr(), batch, heads, kv_heads, num_pages, page_size,
         dim, tables.shape[1], tables.shape[0], scale, soft_cap or 0.0, sliding_window or 0, torch.get_num_threads())

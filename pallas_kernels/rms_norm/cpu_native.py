@@ -17,15 +17,8 @@ from tpu_executor.kernels import cpu_library
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_rms_norm.c")
 _ARGTYPES = (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 2 + (ctypes.c_float, ctypes.c_int, ctypes.c_int)
 
-
-def kernel():
-    """``rms_norm_f32`` of the compiled library, or None where it cannot be built here."""
-    return cpu_library.kernel(SOURCE, "rms_norm_f32", _ARGTYPES)
-
-
-def supported() -> bool:
-    """A static check: the kernel builds and loads on this machine."""
-    return kernel() is not None
+KERNEL = cpu_library.CFunction(SOURCE, "rms_norm_f32", _ARGTYPES)
+supported = KERNEL.supported
 
 
 def supports_args(x=None, weight=None, *args, residual=None, **kwargs) -> bool:
@@ -39,9 +32,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, unit_offset: 
     """Same contract as ``reference.rms_norm`` (fp32 CPU tensors)."""
     x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty_like(x)
-    summed = None if residual is None else torch.empty_like(x)
-    residual = None if residual is None else residual.contiguous()
-    kernel()(x.data_ptr(), None if residual is None else residual.data_ptr(),
-             None if summed is None else summed.data_ptr(), weight.data_ptr(), out.data_ptr(),
-             x.shape[:-1].numel(), x.shape[-1], eps, int(unit_offset), torch.get_num_threads())
-    return out if summed is None else (out, summed)
+    if residual is None:
+        _norm(x, None, None, weight, out, eps, unit_offset)
+        return out
+    summed = torch.empty_like(x)
+    _norm(x, residual.contiguous(), summed, weight, out, eps, unit_offset)
+    return out, summed
+
+
+def _norm(x, residual, summed, weight, out, eps: float, unit_offset: bool) -> None:
+    """The kernel over contiguous tensors (residual and summed both None, or both set)."""
+    pointers = (None, None) if residual is None else (residual.data_ptr(), summed.data_ptr())
+    KERNEL(x.data_ptr(), *pointers, weight.data_ptr(), out.data_ptr(), x.shape[:-1].numel(), x.shape[-1], eps,
+           int(unit_offset), torch.get_num_threads())

@@ -16,19 +16,12 @@ from tpu_executor.kernels import cpu_library
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_write.c")
 _ARGTYPES = (ctypes.c_void_p, ctypes.c_int64) * 2 + (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 4
 
-
-def kernel():
-    """``write_kv_cache_f32`` of the compiled library, or None where it cannot be built here."""
-    return cpu_library.kernel(SOURCE, "write_kv_cache_f32", _ARGTYPES, ctypes.c_int64)
+KERNEL = cpu_library.CFunction(SOURCE, "write_kv_cache_f32", _ARGTYPES, ctypes.c_int64)
+supported = KERNEL.supported
 
 
-def supported() -> bool:
-    """A static check: the kernel builds and loads on this machine."""
-    return kernel() is not None
-
-
-def _heads_contiguous(new: torch.Tensor, cache: torch.Tensor) -> bool:
-    return new.dim() == 3 and new.shape[1:] == (cache.shape[0], cache.shape[3]) and new.stride()[1:] == (new.shape[2], 1)
+def _fits_cache(new: torch.Tensor, cache: torch.Tensor) -> bool:
+    return cpu_library.heads_contiguous(new) and new.shape[1:] == (cache.shape[0], cache.shape[3])
 
 
 def supports_args(k=None, v=None, k_cache=None, v_cache=None, slot_mapping=None, *args, **kwargs) -> bool:
@@ -36,9 +29,9 @@ def supports_args(k=None, v=None, k_cache=None, v_cache=None, slot_mapping=None,
     with each token's heads contiguous, int64 slots ``[T]``."""
     if not cpu_library.untraced_fp32_cpu(k, v, k_cache, v_cache):
         return False
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return False
-    if not (_heads_contiguous(k, k_cache) and _heads_contiguous(v, v_cache)):
+    caches = k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.is_contiguous() \
+        and v_cache.is_contiguous()
+    if not (caches and _fits_cache(k, k_cache) and _fits_cache(v, v_cache)):
         return False
     return isinstance(slot_mapping, torch.Tensor) and slot_mapping.dtype == torch.int64 \
         and slot_mapping.device.type == "cpu" and slot_mapping.shape == k.shape[:1] and v.shape[0] == k.shape[0]
@@ -50,8 +43,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     caches raises a ValueError naming it, before anything is written."""
     kv_heads, num_blocks, block_size, d = k_cache.shape
     slots = slot_mapping.contiguous()
-    bad = kernel()(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                   slots.data_ptr(), k.shape[0], kv_heads, num_blocks * block_size, d)
+    bad = KERNEL(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                 slots.data_ptr(), k.shape[0], kv_heads, num_blocks * block_size, d)
     if bad >= 0:
         raise ValueError(f"token {bad}'s KV-cache slot {int(slots[bad])} is outside the cache's "
                          f"{num_blocks * block_size} slots ({num_blocks} blocks of {block_size})")
