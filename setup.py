@@ -3,7 +3,7 @@ from setuptools import find_packages, setup
 
 MAPPED_FOLDERS = {"models": "tpu_executor.models", "pallas_kernels": "tpu_executor.kernels"}
 # Ops with a C kernel for the native CPU path: compiled from source on the machine that runs it.
-C_KERNEL_OPS = ("act_and_mul", "paged_attention", "rms_norm", "rotary_embedding", "write_kv_cache")
+C_KERNEL_OPS = ("act_and_mul", "packed_matmul", "paged_attention", "rms_norm", "rotary_embedding", "write_kv_cache")
 
 
 def mapped_packages():

@@ -1,10 +1,12 @@
 """CPU-only matmul forms, chosen once after loading on a CPU (never on a TPU).
 
-Measured on a 2-core AVX2 EPYC (``tpu-executor bench throughput --profile``; docs/design.md):
-- native path (``pack_for_cpu``): fp32 weights reordered once into oneDNN's blocked layout;
-  decode-sized matmuls (32 rows) ran up to 2x faster than MKL's ``x @ W``; prefill-sized ones
-  within about 15% either way (faster for Gemma's shapes, slower for SmolLM2's). Inputs of
-  129-159 rows are split (``ONEDNN_SLOW_ROWS``, below).
+Measured with ``tpu-executor bench throughput --profile`` (docs/design.md):
+- native path (``pack_for_cpu``): fp32 weights packed once into the panels of the
+  ``packed_matmul`` op, whose C kernel streams them with prefetching (decode-sized products
+  1.2-1.5x faster than oneDNN's on a 2-core AVX-512 EPYC, prefill-sized ones level). Where
+  that kernel cannot be built, into oneDNN's blocked layout instead: on a 2-core AVX2 EPYC,
+  decode-sized matmuls (32 rows) ran up to 2x faster than MKL's ``x @ W``, prefill-sized ones
+  within about 15% either way; inputs of 129-159 rows are split (``ONEDNN_SLOW_ROWS``, below).
 - XLA on CPU (``use_xla_cpu_form``): XLA's CPU dot (Eigen) runs ``x @ W`` at about a third
   of its speed on prefill-sized inputs (128-512 rows) when neither the input nor the output
   features reach 3,072 (e.g. 33 vs 110 GFLOP/s for 768 -> 1,152 at 512 rows), while the
@@ -21,6 +23,10 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from tpu_executor.kernels.packed_matmul import cpu_native as packed_matmul_cpu
+from tpu_executor.kernels.packed_matmul.ops import packed_matmul
+from tpu_executor.kernels.packed_matmul.reference import pack
 
 
 def onednn_packed(weight: torch.Tensor) -> torch.Tensor:
@@ -40,6 +46,20 @@ def onednn_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     if x.shape[0] in ONEDNN_SLOW_ROWS:
         return torch.cat([onednn_matmul(x[:ONEDNN_SPLIT_AT], packed), onednn_matmul(x[ONEDNN_SPLIT_AT:], packed)])
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def cpu_packed(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 CPU weight ``[in, out]`` in the native path's form: ``packed_matmul``'s panels
+    where its C kernel builds here, else oneDNN's blocked layout (an opaque tensor)."""
+    return pack(weight) if packed_matmul_cpu.supported() else onednn_packed(weight)
+
+
+def cpu_packed_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x @ W`` for a weight in the form ``cpu_packed`` gave (``out_features`` columns)."""
+    if packed.is_mkldnn:
+        return onednn_matmul(x, packed)
+    rows = x.reshape(-1, x.shape[-1])
+    return packed_matmul(rows, packed, out_features=out_features).reshape(*x.shape[:-1], out_features)
 
 
 # Below this many input and output features, and from this many rows on, XLA's CPU dot

@@ -19,7 +19,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from tpu_executor.models.layers.cpu_matmul import (XLA_CPU_OUT_IN_BELOW, onednn_matmul, onednn_packed, packable_for_cpu,
+from tpu_executor.models.layers.cpu_matmul import (XLA_CPU_OUT_IN_BELOW, cpu_packed, cpu_packed_matmul, packable_for_cpu,
                                                    xla_cpu_small_matmul)
 from tpu_executor.models.layers.parallel import TensorParallelGroup, divide, kv_heads_of_rank
 from tpu_executor.kernels.w8a16_matmul.ops import w8a16_matmul
@@ -75,11 +75,12 @@ class QuantizableMatmul(nn.Module):
         quantize_parameter(self, "weight")
 
     def pack_for_cpu(self) -> bool:
-        """Replace an fp32 CPU ``weight`` by ``weight_packed`` (oneDNN layout, a buffer that is
-        not saved); returns whether it did. Call after loading, on the native CPU path only."""
+        """Replace an fp32 CPU ``weight`` by ``weight_packed`` (``cpu_matmul.cpu_packed``'s form,
+        a buffer that is not saved); returns whether it did. Call after loading, on the native
+        CPU path only."""
         if not packable_for_cpu(self._parameters.get("weight")):
             return False
-        packed = onednn_packed(self.weight)
+        packed, self.packed_out_features = cpu_packed(self.weight), self.weight.shape[1]
         delattr(self, "weight")
         self.register_buffer("weight_packed", packed, persistent=False)
         return True
@@ -98,7 +99,7 @@ class QuantizableMatmul(nn.Module):
         if "weight_q" in self._parameters:
             return w8a16_matmul(x, self.weight_q, self.weight_scale)
         if "weight_packed" in self._buffers:
-            return onednn_matmul(x, self.weight_packed)
+            return cpu_packed_matmul(x, self.weight_packed, self.packed_out_features)
         if "weight_out_in" in self._buffers:
             return xla_cpu_small_matmul(x, self.weight, self.weight_out_in)
         return x @ self.weight
@@ -229,17 +230,18 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(rows * owned[:, None].to(rows.dtype))
 
     def pack_for_cpu(self) -> bool:
-        """Add ``logits_packed``, the weight in oneDNN's layout for ``logits`` (the lookup
-        keeps ``weight``); returns whether it did. Native CPU path, after loading."""
+        """Add ``logits_packed``, the weight in ``cpu_matmul.cpu_packed``'s form for ``logits``
+        (the lookup keeps ``weight``); returns whether it did. Native CPU path, after loading."""
         if not packable_for_cpu(self._parameters.get("weight")):
             return False
-        self.register_buffer("logits_packed", onednn_packed(self.weight), persistent=False)
+        self.packed_out_features = self.weight.shape[1]
+        self.register_buffer("logits_packed", cpu_packed(self.weight), persistent=False)
         return True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits ``[T, vocab]`` (each rank computes its slice, then gathers)."""
         if "logits_packed" in self._buffers:
-            local = onednn_matmul(hidden, self.logits_packed)
+            local = cpu_packed_matmul(hidden, self.logits_packed, self.packed_out_features)
         else:
             local = hidden @ self.weight
         logits = self.tp.all_gather(local)
