@@ -1,10 +1,13 @@
-"""CPU matmul forms chosen after loading (oneDNN-packed on the native path, ``[out, in]`` for
-small layers on XLA's CPU backend): same products as ``x @ W``, the plain weight dropped."""
+"""CPU matmul forms chosen after loading (``packed_matmul``'s panels or oneDNN's layout on the
+native path, ``[out, in]`` for small layers on XLA's CPU backend): same products as ``x @ W``,
+the plain weight dropped."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tpu_executor.kernels import register_all
+from tpu_executor.kernels.packed_matmul import cpu_native as packed_matmul_cpu
 from tpu_executor.models.layers.cpu_matmul import (XLA_CPU_OUT_IN_BELOW, XLA_CPU_OUT_IN_MIN_ROWS, onednn_matmul,
                                                    onednn_packed)
 from tpu_executor.worker.model_loader import load_model, pack_for_cpu, quantize_int8, use_xla_cpu_forms
@@ -21,7 +24,13 @@ def _products(model, x):
     return [layer.self_attn.qkv_proj(x), layer.mlp(x), model.compute_logits(x)]
 
 
-def test_onednn_packed_weights_give_the_same_products(checkpoints):
+@pytest.mark.parametrize("panels", [True, False], ids=["panels", "onednn"])
+def test_packed_weights_give_the_same_products(checkpoints, monkeypatch, panels):
+    """The panels where packed_matmul's C kernel serves here, oneDNN's layout where it does not."""
+    if panels and not packed_matmul_cpu.supported():
+        pytest.skip("packed_matmul's C kernel does not build here (no compiler or no AVX-512)")
+    monkeypatch.setattr(packed_matmul_cpu, "supported", lambda: panels)
+    register_all()
     for arch in ("llama", "gemma"):  # untied head, tied embedding
         model = load_model(checkpoints[arch], torch.float32)
         x = _hidden(model)
@@ -30,7 +39,7 @@ def test_onednn_packed_weights_give_the_same_products(checkpoints):
         for got, want in zip(_products(model, x), expected):
             torch.testing.assert_close(got, want, **TOLERANCE)
         qkv = model.model.layers[0].self_attn.qkv_proj
-        assert "weight" not in qkv._parameters and qkv.weight_packed.is_mkldnn
+        assert "weight" not in qkv._parameters and qkv.weight_packed.is_mkldnn != panels
         assert "weight" in model.model.embed_tokens._parameters  # the lookup still needs it
         ids = torch.tensor([3, 1, 4])
         torch.testing.assert_close(model.model.embed_tokens(ids), load_model(checkpoints[arch], torch.float32)
