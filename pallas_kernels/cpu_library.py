@@ -96,16 +96,18 @@ class CFunction:
     argtypes: Tuple
     restype: object = None
 
+    @functools.cached_property
     def loaded(self):
-        """The function with its C signature set, or None where the library cannot be built."""
+        """The function with its C signature set, or None where the library cannot be built
+        (looked up once: a decode step makes hundreds of calls)."""
         return kernel(self.source, self.name, self.argtypes, self.restype)
 
     def supported(self) -> bool:
         """A static check: the kernel builds and loads on this machine."""
-        return self.loaded() is not None
+        return self.loaded is not None
 
     def __call__(self, *args):
-        return self.loaded()(*args)
+        return self.loaded(*args)
 
 
 def heads_contiguous(x: torch.Tensor) -> bool:
