@@ -3,7 +3,7 @@
     tpu-executor generate [MODEL] [--prompt ...] [engine options]
     tpu-executor serve [MODEL] [--host ...] [--port ...] [engine options]
     tpu-executor tune --trace TRACE [--model MODEL] [--max-graphs N] [--target v5e-8] [--out FILE]
-    tpu-executor bench throughput | serve | host | chunked-prefill | sampler | structured | kernels [...]
+    tpu-executor bench throughput | serve | host | chunked-prefill | sampler | structured | kernels | cpu-matmul [...]
 
 Every subcommand that starts an engine takes the same engine options (``engine/options.py``);
 ``--help`` shows the defaults that subcommand uses. This module is the composition root: it

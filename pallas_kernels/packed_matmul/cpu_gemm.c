@@ -97,13 +97,15 @@ static void group_products(const float *x, int64_t x_stride, int64_t m, const fl
 
 /* out [m, n] (row stride n) = x [m, k] (row stride x_stride) @ the weight packed in `panels`.
  * Rows go in blocks of about BLOCK_BYTES of x, which stay in a core's L2 cache while the
- * block meets every panel group (a prefill's x does not fit there whole). */
+ * block meets every panel group (a prefill's x does not fit there whole); at least 64 rows,
+ * so that a decode-sized input is one block and reads each group once (3,072 -> 768 features
+ * at 32 rows, weights cold: 485 us in 16-row blocks, 367 in one). */
 #define BLOCK_BYTES (256 * 1024)
 void packed_matmul_f32(const float *x, int64_t x_stride, const float *panels, float *out, int64_t m, int64_t k,
                        int64_t n, int threads) {
     int64_t groups = ((n + 15) / 16 + PANELS - 1) / PANELS;
     int64_t block = BLOCK_BYTES / 4 / k / ROWS * ROWS;
-    block = block < ROWS ? ROWS : block;
+    block = block < 64 ? 64 : block;
     #pragma omp parallel num_threads(threads)
     for (int64_t first = 0; first < m; first += block) {
         int64_t rows = m - first < block ? m - first : block;

@@ -46,7 +46,8 @@ def test_every_tile_shape_and_panel_group_remainder():
 
 @pytest.mark.parametrize("in_features", [576, 1536])
 def test_prefill_sized_inputs_run_in_several_row_blocks(in_features):
-    """A block holds 256 KiB of x (113 rows at 576 features, 42 at 1,536): 300 rows make 3-8."""
+    """A block holds 256 KiB of x, at least 64 rows (112 rows at 576 features, 64 at 1,536): 300
+    rows make 3 and 5 blocks."""
     x, weight = product(300, in_features, 200, seed=in_features, x_stride=in_features + 3)
     # Unit normals summed over 1,536 products in another order: ~1e-4 apart at |y| ~ 40.
     torch.testing.assert_close(cpu_native.packed_matmul(x, pack(weight), out_features=200), x @ weight,

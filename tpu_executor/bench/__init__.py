@@ -6,21 +6,23 @@
 ``host`` (the host's work per engine step), ``chunked-prefill`` (latency while a long prompt
 arrives), ``sampler`` (the sampler, plain and with logits processing), ``structured``
 (JSON-schema outputs against unconstrained ones), ``kernels`` (the Pallas kernels against their
-references).
+references), ``cpu-matmul`` (the native CPU path's matmul forms side by side).
 """
 from __future__ import annotations
 
 import argparse
 
-from tpu_executor.bench import chunked, host, kernels, replicas, sampler, serve, startup, structured, throughput
+from tpu_executor.bench import (chunked, cpu_matmul, host, kernels, replicas, sampler, serve, startup, structured,
+                                throughput)
 
-COMMANDS = (throughput, startup, serve, replicas, host, chunked, sampler, structured, kernels)
+COMMANDS = (throughput, startup, serve, replicas, host, chunked, sampler, structured, kernels, cpu_matmul)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """``bench`` and its subcommands."""
     parser = subparsers.add_parser("bench", help="benchmarks: offline throughput, start-up, a server under load, replicas, "
-                                                 "host work, chunked prefill, the sampler, structured outputs, kernels")
+                                                 "host work, chunked prefill, the sampler, structured outputs, kernels, "
+                                                 "CPU matmul forms")
     benchmarks = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for module in COMMANDS:
         module.add_parser(benchmarks)
