@@ -47,10 +47,11 @@ def split_dim(module: torch.nn.Module, name: str, shape: Tuple[int, ...], ranks:
 def compile_cache_key(parts: Tuple, checkpoint: str) -> str:
     """A directory name for one engine's traced programs and executables: a change of the
     checkpoint's config, the engine config (``parts``: bucket plan, kernel fingerprint, ...),
-    this package's source or a library version gives another directory (never a stale hit).
-    The weights are inputs of every program, so they are no part of it."""
+    this package's source, a library version or ``XLA_FLAGS`` (they steer XLA's compiler)
+    gives another directory (never a stale hit). The weights are inputs of every program, so
+    they are no part of it."""
     versions = tuple(importlib.metadata.version(name) for name in LIBRARIES)
-    digest = hashlib.sha256(repr(parts + versions).encode())
+    digest = hashlib.sha256(repr(parts + versions + (os.environ.get("XLA_FLAGS", ""),)).encode())
     with open(os.path.join(checkpoint, "config.json"), "rb") as config:
         digest.update(config.read())
     digest.update(source_fingerprint().encode())
