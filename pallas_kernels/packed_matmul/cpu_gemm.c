@@ -75,17 +75,22 @@ static void any_tile(const float *x, int64_t x_stride, int rows, const float *w,
 #undef TILE
 }
 
+/* Panels in group g of a weight with panel_count panels: PANELS, fewer in the last group. */
+static inline int panels_in_group(int64_t panel_count, int64_t g) {
+    int64_t left = panel_count - g * PANELS;
+    return (int)(left < PANELS ? left : PANELS);
+}
+
 /* One row block's products with panel group g (threads split the groups): each tile of the
  * block reads the group, the tiles prefetching the thread's next group between them. */
 static void group_products(const float *x, int64_t x_stride, int64_t m, const float *panels, float *out,
                            int64_t k, int64_t n, int64_t g) {
     int64_t panel_count = (n + 15) / 16, groups = (panel_count + PANELS - 1) / PANELS;
     int64_t tiles = (m + ROWS - 1) / ROWS, lines_per_tile = (PANELS * k + tiles - 1) / tiles;
-    int p = (int)(panel_count - g * PANELS < PANELS ? panel_count - g * PANELS : PANELS);
-    int width = g * PANELS + p < panel_count || n % 16 == 0 ? 16 : (int)(n % 16);
+    int p = panels_in_group(panel_count, g);
+    int width = g + 1 < groups || n % 16 == 0 ? 16 : (int)(n % 16);
     const float *w = panels + g * PANELS * k * 16;
-    int64_t next_lines = g + 1 < groups ? (panel_count - (g + 1) * PANELS < PANELS
-                                           ? panel_count - (g + 1) * PANELS : PANELS) * k : 0;
+    int64_t next_lines = g + 1 < groups ? panels_in_group(panel_count, g + 1) * k : 0;
     for (int64_t t = 0; t < tiles; t++) {
         int64_t first = t * lines_per_tile, lines = next_lines - first;
         lines = lines < 0 ? 0 : lines < lines_per_tile ? lines : lines_per_tile;

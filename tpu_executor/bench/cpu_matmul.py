@@ -70,11 +70,12 @@ def packed_copies(pack: Callable, in_features: int, out_features: int, count: in
     return [pack(weight.clone()) for _ in range(count)]
 
 
-def shape_rows(in_features: int, out_features: int, args: argparse.Namespace) -> List[str]:
-    """The table's rows for one layer shape: one per row count."""
+def shape_rows(in_features: int, out_features: int, available: Dict[str, Tuple[Callable, Callable]],
+               args: argparse.Namespace) -> List[str]:
+    """The table's rows for one layer shape, one per row count, timing the ``available`` forms."""
     count = max(2, math.ceil(args.cold_bytes * 2**20 / (in_features * out_features * 4)))
     timings = {}
-    for name, (pack, multiply) in forms().items():
+    for name, (pack, multiply) in available.items():
         copies = packed_copies(pack, in_features, out_features, count)
         for rows in args.rows:
             x = torch.randn(rows, in_features)
@@ -83,7 +84,7 @@ def shape_rows(in_features: int, out_features: int, args: argparse.Namespace) ->
         del copies
     lines = []
     for rows in args.rows:
-        cells = [f"{timings[name, rows][0]:,.0f} / {timings[name, rows][1]:,.0f}" for name in forms()]
+        cells = [f"{timings[name, rows][0]:,.0f} / {timings[name, rows][1]:,.0f}" for name in available]
         ratio = "-"
         if ("C panels", rows) in timings and ("oneDNN", rows) in timings:
             ratio = f"{timings['oneDNN', rows][0] / timings['C panels', rows][0]:.2f}x"
@@ -92,10 +93,10 @@ def shape_rows(in_features: int, out_features: int, args: argparse.Namespace) ->
 
 
 def run(args: argparse.Namespace) -> None:
-    names = list(forms())
+    available = forms()
     print(f"{cpu_description()}; {torch.get_num_threads()} threads; us per call, cold / hot")
-    print("| features | rows | " + " | ".join(names) + " | C panels vs oneDNN, cold |")
-    print("|---|---|" + "---|" * len(names) + "---|")
+    print("| features | rows | " + " | ".join(available) + " | C panels vs oneDNN, cold |")
+    print("|---|---|" + "---|" * len(available) + "---|")
     for in_features, out_features in SHAPES:
-        for line in shape_rows(in_features, out_features, args):
+        for line in shape_rows(in_features, out_features, available, args):
             print(line, flush=True)
