@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
 from tpu_executor.kernels.registry import Provider
+from tpu_executor.kernels.tpu_layout import pin_mosaic_ir_version
 
 
 def on_tpu() -> bool:
@@ -35,12 +36,19 @@ def on_tpu() -> bool:
 
 
 def on_jax_tpu() -> bool:
-    """True when this process's JAX (already loaded: the JAX path) runs on TPU chips."""
+    """True when the JAX path (already loaded) compiles for TPU chips: those of the mesh it
+    traces for (its runtime sets it; they may be a TPU slice this machine compiles for without
+    having it), else this process's own."""
     if sys.modules.get("torchax") is None:
         return False
+    mesh = _mesh()
+    if mesh is not None:
+        return mesh.devices.flat[0].platform == "tpu"
     import jax
 
     return jax.devices()[0].platform == "tpu"
+
+
 
 
 def is_xla_tensor(tensor) -> bool:
@@ -96,14 +104,22 @@ def jax_tpu_provider(name: str, priority: int, jax_fn: Callable, problem_fn: Cal
     partition: an attention kernel (``splits_heads``: q ``[T, heads, d]`` first, then the K/V
     pages ``[kv_heads, ...]``) runs per chip on its share of the heads through ``shard_map``,
     when both head counts divide over the chips; otherwise the reference serves."""
-    def supports_args(first, *args, **kwargs):
-        if not is_jax_tensor(first) or problem_fn(first, *args, **kwargs) is not None:
-            return False
+    def explain(first, *args, **kwargs) -> Optional[str]:
+        if not is_jax_tensor(first):
+            return "not a JAX-path tensor"
+        problem = problem_fn(first, *args, **kwargs)
         chips = _mesh_size()
-        return chips == 1 or (splits_heads and first.shape[1] % chips == 0 and args[0].shape[0] % chips == 0)
+        if problem is not None or chips == 1:
+            return problem
+        if not splits_heads:
+            return f"an opaque kernel call cannot be split over {chips} chips"
+        if first.shape[1] % chips or args[0].shape[0] % chips:
+            return f"{first.shape[1]} heads / {args[0].shape[0]} KV heads do not split over {chips} chips"
+        return None
 
     return Provider(name, functools.partial(call_on_jax, jax_fn), priority=priority, supported=on_jax_tpu,
-                    supports_args=supports_args, sources=(jax_fn.__module__,) + tuple(sources))
+                    supports_args=lambda *args, **kwargs: explain(*args, **kwargs) is None, explain=explain,
+                    sources=(jax_fn.__module__,) + tuple(sources), jax_path=True)
 
 
 def torchax_env():
@@ -139,10 +155,36 @@ def call_on_jax(jax_fn: Callable, *args, **kwargs):
     from torchax import interop
 
     args = [a.to(torch.int32) if isinstance(a, torch.Tensor) and a.dtype == torch.int64 else a for a in args]
-    fn = functools.partial(jax_fn, **kwargs)
+    fn = functools.partial(call_exported_kernel, jax_fn, tuple(sorted(kwargs.items())))
     if _mesh_size() > 1:
         fn = over_heads(fn, _mesh(), len(args))
     return interop.call_jax(fn, *args)
+
+
+_EXPORTED_KERNELS: Dict[Tuple, Any] = {}
+
+
+def call_exported_kernel(jax_fn: Callable, static: Tuple, *arrays):
+    """``jax_fn(*arrays, **dict(static))``, the kernel traced and lowered apart, for the TPU,
+    with JAX's 64-bit mode off, and embedded in the calling program as a call.
+
+    The JAX path traces its programs with 64-bit mode on (64-bit seeds and token ids), and
+    Pallas TPU kernels cannot be lowered under it (Mosaic's int64 -> int32 conversion rule
+    recurses without end). Lowering the kernel for export also pins its Mosaic IR version to
+    the forward-compatible one (``pin_mosaic_ir_version``). One export per kernel, static
+    arguments and operand shapes (every layer's call shares it)."""
+    import jax
+    from jax import export
+    from jax.experimental import disable_x64
+
+    key = (jax_fn, static, tuple((a.shape, a.dtype) for a in arrays))
+    if key not in _EXPORTED_KERNELS:
+        pin_mosaic_ir_version()
+        shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+        with disable_x64():
+            kernel = jax.jit(functools.partial(jax_fn, **dict(static)))
+            _EXPORTED_KERNELS[key] = export.export(kernel, platforms=("tpu",))(*shapes)
+    return _EXPORTED_KERNELS[key].call(*arrays)
 
 
 def over_heads(fn: Callable, mesh, num_args: int) -> Callable:
@@ -173,6 +215,7 @@ def jax_backed_op(name: str, schema: str, jax_fn: Callable, fake: Callable):
     def xla_impl(*args, **kwargs):
         from torch_xla.core.xla_builder import call_jax
 
+        pin_mosaic_ir_version()
         return call_jax(jax_fn, args, kwargs, name=name)
 
     def fake_impl(*args, interpret=False, **kwargs):

@@ -11,11 +11,12 @@ The selection string names which non-reference providers are enabled, by op name
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 
 def _always() -> bool:
@@ -37,6 +38,24 @@ class Provider:
     supports_args: Callable[..., bool] = _accept_all
     is_reference: bool = False
     sources: Tuple[str, ...] = ()  # modules whose code the provider runs, e.g. its kernel
+    jax_path: bool = False  # runs inside the JAX path's traced programs (a Pallas kernel there)
+    explain: Optional[Callable[..., Optional[str]]] = None  # why ``supports_args`` refuses a call
+
+    def refusal(self, *args, **kwargs) -> str:
+        """Why this provider does not take a call it refused."""
+        reason = self.explain(*args, **kwargs) if self.explain is not None else None
+        return reason or "its shapes or dtypes are not supported"
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One dispatch seen while recording: the op, the shapes of its tensor arguments, the
+    provider that ran, and each better provider that refused the call with its reason."""
+
+    op: str
+    shapes: str
+    provider: Provider
+    refused: Tuple[Tuple[Provider, str], ...] = ()
 
     def source_hash(self) -> str:
         """Hash of the provider's source: a change to a kernel invalidates compiled graphs.
@@ -63,6 +82,7 @@ class OpRegistry:
         self._providers: Dict[str, List[Provider]] = {}
         self._enabled: Dict[str, bool] = {}
         self._usable_cache: Dict[str, List[Provider]] = {}
+        self._selections: Optional[List[Selection]] = None
 
     def register(self, op: str, provider: Provider) -> None:
         providers = self._providers.setdefault(op, [])
@@ -111,19 +131,53 @@ class OpRegistry:
         return self._usable_cache[op]
 
     def select(self, op: str, *args, **kwargs) -> Provider:
-        """The provider that runs this call."""
+        """The provider that runs this call (noted, with the providers that refused it, while
+        ``recording``)."""
+        refused = []
         for provider in self._usable(op):
             if provider.is_reference or provider.supports_args(*args, **kwargs):
+                if self._selections is not None:
+                    self._selections.append(Selection(op, _shapes(args), provider, tuple(refused)))
                 return provider
+            if self._selections is not None:
+                refused.append((provider, provider.refusal(*args, **kwargs)))
         raise RuntimeError(f"op {op!r} has no reference provider")
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Within this block every dispatch is noted in the yielded list (``Selection``)."""
+        outer, self._selections = self._selections, []
+        try:
+            yield self._selections
+        finally:
+            self._selections = outer
 
     def dispatch(self, op: str, *args, **kwargs):
         return self.select(op, *args, **kwargs).fn(*args, **kwargs)
 
-    def fingerprint(self) -> str:
-        """Source hashes of the usable providers: part of the compile-cache key."""
-        parts = [f"{op}:{p.name}:{p.source_hash()}" for op in self.ops() for p in self._usable(op)]
+    def fingerprint(self, jax_path: bool = False) -> str:
+        """Source hashes of the usable providers: part of the compile-cache key. For the JAX
+        path (``jax_path``), those of every provider its programs can hold, usable here or
+        not: a program compiled here for a TPU holds the TPU's kernels, and the machine that
+        loads it must compute the same key whatever its own compiler or CPU offers."""
+        if jax_path:
+            providers = [(op, p) for op in self.ops() for p in self._providers[op] if p.is_reference or p.jax_path]
+        else:
+            providers = [(op, p) for op in self.ops() for p in self._usable(op)]
+        parts = [f"{op}:{p.name}:{p.source_hash()}" for op, p in providers]
+        if jax_path:
+            parts.append(repr(sorted(op for op, enabled in self._enabled.items() if not enabled)))
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _shapes(args) -> str:
+    """The shapes and dtypes of a call's tensor arguments, e.g. ``[8, 4, 128] bf16, [8] i32``."""
+    described = []
+    for arg in args:
+        if hasattr(arg, "shape") and hasattr(arg, "dtype"):
+            dtype = str(arg.dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float", "f")
+            described.append(f"{list(arg.shape)} {dtype.replace('int', 'i')}")
+    return ", ".join(described)
 
 
 REGISTRY = OpRegistry()

@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpu_executor.kernels.tpu_layout import LANES, check_dtype, check_vmem, gmm_row_tile, itemsize, sublanes
+from tpu_executor.kernels.tpu_layout import (LANES, check_dtype, check_vmem, gmm_row_tile, itemsize,
+                                             pin_mosaic_ir_version, sublanes)
 
 
 def _largest_tile(dim: int, preferred: Tuple[int, ...] = (512, 256, 128)) -> int:
@@ -162,6 +163,7 @@ def _call(lhs, rhs, schedule, n, tiling, transpose_rhs, interpret):
         out_specs=pl.BlockSpec((tm, tn), lambda n_i, v, k_i, o, g, t: (t[v], n_i)),
         scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)])
     kernel = functools.partial(_gmm_kernel, tm=tm, transpose_rhs=transpose_rhs)
+    pin_mosaic_ir_version()
     return pl.pallas_call(
         kernel, grid_spec=spec,
         out_shape=jax.ShapeDtypeStruct((lhs.shape[0], n), lhs.dtype),

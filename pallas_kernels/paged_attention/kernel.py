@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpu_executor.kernels.tpu_layout import (LANES, check_attention_operands, check_attention_shapes,
-                                      check_vmem, itemsize, sublanes)
+                                             check_vmem, itemsize, pin_mosaic_ir_version, sublanes)
 
 SMEM_TABLE_BUDGET_BYTES = 512 * 1024
 CHUNK_TOKENS = 512  # tokens per grid step: amortises the ~0.35 us per-step overhead
@@ -173,6 +173,7 @@ def _call(q, lens, tables, *, k_pages, v_pages, scale, soft_cap, sliding_window,
                         pltpu.VMEM((group, head_dim), jnp.float32)])
     kernel = functools.partial(_kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
                                pages_per_chunk=ppc, width=width)
+    pin_mosaic_ir_version()
     out = pl.pallas_call(
         kernel, grid_spec=spec, out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(

@@ -38,8 +38,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpu_executor.kernels.tpu_layout import (LANES, SUBLANES, check_attention_operands,
-                                      check_attention_shapes, check_vmem,
-                                      itemsize, sublanes)
+                                             check_attention_shapes, check_vmem, itemsize,
+                                             pin_mosaic_ir_version, sublanes)
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked block adds nothing
 
@@ -217,6 +217,7 @@ def _call(needed, pages, qg, k_pages, v_pages, q_pos, q_seg, k_pos, k_seg, block
                         pltpu.VMEM((rows, head_dim), jnp.float32)])
     lanes = lambda x: jnp.broadcast_to(x[:, None], (x.shape[0], LANES))  # noqa: E731
     sublanes = lambda x: jnp.broadcast_to(x[None, :], (SUBLANES, x.shape[0]))  # noqa: E731
+    pin_mosaic_ir_version()
     return pl.pallas_call(
         functools.partial(_kernel, **options), grid_spec=spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, qg.dtype),

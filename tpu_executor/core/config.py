@@ -6,6 +6,8 @@ relations between them (e.g. buckets versus the model's context length).
 """
 from __future__ import annotations
 
+import glob
+import json
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -13,8 +15,49 @@ from typing import Optional, Tuple
 
 # "xla": compiled graphs through torch_xla; any other torch device runs the native eager path.
 DEVICE_PATTERN = re.compile(r"^(xla|jax|cpu|cuda(:\d+)?)$")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8",)
+
+
+def tpu_attached() -> bool:
+    """Whether this machine has TPU chips (their device files; nothing is started)."""
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def checkpoint_dtype(path: str) -> Optional[str]:
+    """The dtype a checkpoint's config.json names for its weights (its text model's, for a
+    multimodal one), or None."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for section in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(section.get(key), str):
+                return section[key]
+    return None
+
+
+def resolve_dtype(requested: str, checkpoint: Optional[str], platform: str) -> str:
+    """``dtype="auto"`` made concrete: bf16 on a TPU (for bf16, fp16 and fp32 checkpoints
+    alike: its MXU runs bf16, and fp32 weights would take twice the HBM); the checkpoint's half
+    type on a GPU (bf16 for an fp32 one), as vLLM does; fp32 on the CPU paths, where bf16 is
+    slower. Any other value is kept."""
+    if requested != "auto":
+        return requested
+    if platform == "tpu":
+        return "bfloat16"
+    if platform == "cuda":
+        return checkpoint if checkpoint in ("bfloat16", "float16") else "bfloat16"
+    return "float32"
+
+
+def device_platform(device: str) -> str:
+    """The chips a device setting runs on here: tpu, cuda or cpu."""
+    if device in ("xla", "jax"):
+        return "tpu" if tpu_attached() else "cpu"
+    return "cuda" if device.startswith("cuda") else "cpu"
 
 
 def _require(condition: bool, message: str) -> None:
@@ -51,7 +94,8 @@ class ModelConfig:
     """
 
     model: str
-    dtype: str = option("float32", f"weights and activations, one of {DTYPES}")
+    dtype: str = option("auto", f"weights and activations, one of {DTYPES}; auto: bfloat16 on a TPU, the "
+                                "checkpoint's half type on a GPU, float32 on a CPU")
     max_model_len: Optional[int] = option(None, "prompt + output tokens per sequence", none_means=(
         "the checkpoint's context length, lowered to what the KV cache holds"))
     seed: int = option(0, "seed of the engine (draws the seeds of unseeded requests)")
@@ -229,6 +273,9 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self):
+        if self.model.dtype == "auto":
+            dtype = resolve_dtype("auto", checkpoint_dtype(self.model.model), device_platform(self.device.device))
+            object.__setattr__(self, "model", replace(self.model, dtype=dtype))
         if self.scheduler.async_scheduling is None:
             # On the native CPU path the host is the device: there is nothing to overlap, and a
             # prompt arriving mid-step would wait behind the step already scheduled.

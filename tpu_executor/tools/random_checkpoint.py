@@ -157,6 +157,26 @@ RESIDUAL_GAIN = 16.0
 TIED_RESIDUAL_GAIN = 32.0
 
 
+# Sizes the Pallas TPU kernels take (head_dim 128; heads and KV heads that split over 8 chips),
+# small enough to compile for a TPU in seconds: configs for ``tpu-executor compile``.
+TPU_TINY = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                num_attention_heads=8, num_key_value_heads=8, head_dim=128, max_position_embeddings=2048)
+
+
+def write_config(out_dir: str, arch: str = "llama", sizes: Dict = TPU_TINY) -> str:
+    """Write only the config.json of ``arch`` with ``sizes`` (no weights, no tokenizer): all
+    that compiling for a TPU reads."""
+    from transformers.models.auto import modeling_auto
+
+    config = _config(arch, sizes, sizes["vocab_size"])
+    names = (modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if arch == "gemma3_mm"
+             else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    config.architectures = [names[config.model_type]]
+    os.makedirs(out_dir, exist_ok=True)
+    config.to_json_file(os.path.join(out_dir, "config.json"))
+    return out_dir
+
+
 def build(out_dir: str, arch: str = "llama", sizes: Dict = TINY, seed: int = 0,
           residual_gain: Optional[float] = None) -> str:
     """Write a random checkpoint of ``arch`` to ``out_dir`` (reused if already there)."""

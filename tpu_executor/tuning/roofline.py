@@ -4,63 +4,17 @@ A call takes the longer of its FLOPs at peak and its HBM bytes at full bandwidth
 tensor parallelism, two all-reduces per layer over ICI. It is an estimate of the best case:
 real kernels reach a fraction of peak, which ``check_against`` measures on this machine.
 
-Chip figures are Google Cloud's published per-chip specifications (cloud.google.com/tpu/docs/
-v4, v5e, v5p-training, v6e). Slice names count chips for v5e/v6e (``v5e-8``: 8 chips) and
-TensorCores for v4/v5p (``v5p-8``: 4 chips), as Cloud's accelerator types do.
+The chips and slices are ``core/tpu_slices.py``'s table.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Optional
 
 from tpu_executor.core.buckets import DecodeGraph, PrefillGraph
+from tpu_executor.core.tpu_slices import GIB, TPUS, Chip, Target  # noqa: F401 - the cost model's chips and slices
 
-GIB = 1 << 30
 ALL_REDUCE_LATENCY_S = 10e-6  # our assumption per collective hop setup; not a published figure
-
-
-@dataclass(frozen=True)
-class Chip:
-    """One accelerator chip: memory, bandwidths and peak compute."""
-
-    name: str
-    hbm_bytes: float
-    hbm_bytes_per_s: float
-    peak_flops: float  # bf16 (fp32 for a measured CPU)
-    ici_bytes_per_s: float  # bidirectional, per chip
-    cores_per_chip: int = 1
-
-
-TPUS: Dict[str, Chip] = {
-    "v4": Chip("v4", 32 * GIB, 1200e9, 275e12, 300e9, cores_per_chip=2),  # ICI: not on the page; assumed
-    "v5e": Chip("v5e", 16e9, 819e9, 197e12, 400e9),
-    "v5p": Chip("v5p", 95e9, 2765e9, 459e12, 1200e9, cores_per_chip=2),
-    "v6e": Chip("v6e", 32e9, 1638e9, 918e12, 800e9),
-}
-
-
-@dataclass(frozen=True)
-class Target:
-    """A slice: ``num_chips`` chips of one kind, the model sharded over all of them."""
-
-    chip: Chip
-    num_chips: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.chip.name}-{self.num_chips * self.chip.cores_per_chip}"
-
-    @classmethod
-    def parse(cls, name: str) -> "Target":
-        match = re.fullmatch(r"(v4|v5e|v5p|v6e)-(\d+)", name)
-        if not match:
-            raise ValueError(f"target {name!r} is not a TPU slice like v5e-8; generations: {sorted(TPUS)}")
-        chip = TPUS[match.group(1)]
-        count = int(match.group(2))
-        if count % chip.cores_per_chip:
-            raise ValueError(f"{name}: {chip.name} slices count TensorCores ({chip.cores_per_chip} a chip)")
-        return cls(chip, count // chip.cores_per_chip)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -31,8 +32,8 @@ from torch.utils import _pytree as pytree
 from torchax import interop
 from torchax.tensor import Tensor as JaxTensor
 
-from tpu_executor.worker.jax_programs import OutputStructure, ProgramStore, TracedProgram, program_key
-from tpu_executor.worker.jax_runtime import to_mesh
+from tpu_executor.kernels.registry import REGISTRY
+from tpu_executor.worker.jax_programs import KernelChoice, OutputStructure, TracedProgram, program_key
 
 
 class CallSignature(NamedTuple):
@@ -53,10 +54,25 @@ class _Call(NamedTuple):
 
 
 class Pending(NamedTuple):
-    """A lowered program waiting for XLA (``JaxFunction.compile`` finishes it)."""
+    """A lowered program waiting for XLA (``JaxFunction.compile`` finishes it); ``label``
+    names the graph of the plan it was lowered for."""
 
     signature: CallSignature
     lowered: Any
+    program: TracedProgram
+    key: str
+    label: str
+
+
+class CompileRecord(NamedTuple):
+    """One executable compiled at warm-up: the graph it serves, its function, how long XLA
+    took, and the executable (its memory and cost analyses)."""
+
+    label: str
+    function: str
+    key: str
+    seconds: float
+    compiled: Any
     program: TracedProgram
 
 
@@ -81,15 +97,21 @@ class JaxGraphs:
     environment they trace in, where traced programs are kept, and the mesh placement of
     their outputs."""
 
-    def __init__(self, model: torch.nn.Module, env, replicated, store: ProgramStore):
+    def __init__(self, model: torch.nn.Module, runtime):
         self.model = model
-        self.env = env
-        self.replicated = replicated
-        self.store = store
+        self.env = runtime.env
+        self.replicated = runtime.replicated
+        self.place = runtime.place  # host arrays onto the mesh (shapes only, compiling for another machine)
+        self.platform = runtime.platform
+        self.store = runtime.programs
+        self.executables = runtime.executables
         self.lock = threading.Lock()
         self._weights: Optional[Dict[str, Any]] = None
         self._pool: Optional[ThreadPoolExecutor] = None
         self.compiling: List[Future] = []
+        self.label = ""  # the plan's graph being warmed up (names what compiles)
+        self.records: List[CompileRecord] = []
+        self.functions: List["JaxFunction"] = []
 
     @contextlib.contextmanager
     def ahead_of_time(self, threads: int):
@@ -111,8 +133,20 @@ class JaxGraphs:
             self._weights = {name: tensor.jax() for name, tensor in named.items()}
         return self._weights
 
+    @property
+    def compiling_ahead(self) -> bool:
+        """Inside ``ahead_of_time``: calls answer with zeros, nothing runs."""
+        return self._pool is not None
+
     def function(self, fn: Callable) -> "JaxFunction":
-        return JaxFunction(fn, self)
+        function = JaxFunction(fn, self)
+        self.functions.append(function)
+        return function
+
+    def kernel_choices(self) -> List[KernelChoice]:
+        """The kernel providers held by every program compiled or loaded so far."""
+        return [choice for function in self.functions for _, program in function.executables.values()
+                for choice in program.kernels]
 
 
 class JaxFunction:
@@ -128,8 +162,8 @@ class JaxFunction:
 
     def __call__(self, **kwargs):
         call = _split(kwargs)
-        entry = self.executables.get(call.signature)
-        if entry is None and self.graphs._pool is not None:
+        entry = self.executables.get(call.signature) or self._load(call)
+        if entry is None and self.graphs.compiling_ahead:
             return self._compile_ahead(call)
         if entry is None:
             self.compile(self._lower(call))
@@ -142,9 +176,33 @@ class JaxFunction:
         return program.outputs.rebuild([JaxTensor(a, self.graphs.env) for a in outputs])
 
     def compile(self, pending: Optional[Pending]) -> None:
-        """Compile a lowered program (XLA's work: safe on a worker thread)."""
-        if pending is not None:
-            self.executables[pending.signature] = (pending.lowered.compile(), pending.program)
+        """Compile a lowered program (XLA's work: safe on a worker thread); at warm-up the
+        executable is recorded, and kept in the executable store when it takes new ones."""
+        if pending is None:
+            return
+        start = time.perf_counter()
+        compiled = pending.lowered.compile()
+        seconds = time.perf_counter() - start
+        self.executables[pending.signature] = (compiled, pending.program)
+        if self.graphs.compiling_ahead:
+            self.graphs.records.append(CompileRecord(pending.label, self.name, pending.key, seconds, compiled,
+                                                     pending.program))
+        if self.graphs.executables.writes:
+            self.graphs.executables.save(pending.key, compiled)
+
+    def _load(self, call: _Call) -> Optional[Tuple[Any, TracedProgram]]:
+        """The executable compiled ahead of time for this call, with its traced program, when
+        the executable store holds both (None otherwise: it is compiled here)."""
+        if self.graphs.executables.directory is None:
+            return None
+        key = program_key(self.name, call.signature)
+        program = self.graphs.store.load(key)
+        executable = self.graphs.executables.load(key) if program is not None else None
+        if executable is None:
+            return None
+        self._onto_mesh(call)
+        self.executables[call.signature] = (executable, program)
+        return self.executables[call.signature]
 
     def _compile_ahead(self, call: _Call):
         """Lower now, compile on the pool, answer with zeros shaped like the outputs."""
@@ -154,7 +212,7 @@ class JaxFunction:
             self.graphs.compiling.append(self.graphs._pool.submit(self.compile, pending))
         shapes, outputs = self._ahead[call.signature]
         # Host zeros moved over: an eager jnp.zeros would compile a program of its own.
-        zeros = [to_mesh(np.zeros(info.shape, info.dtype), self.graphs.replicated) for info in shapes]
+        zeros = [self.graphs.place(np.zeros(info.shape, info.dtype), self.graphs.replicated) for info in shapes]
         return outputs.rebuild([JaxTensor(a, self.graphs.env) for a in zeros])
 
     def _lower(self, call: _Call) -> Pending:
@@ -171,7 +229,7 @@ class JaxFunction:
         out_shardings = (self.graphs.replicated, [a.sharding for a in donated])
         jitted = jax.jit(program.exported.call, donate_argnums=(2,), out_shardings=out_shardings)
         lowered = jitted.trace(self.graphs.weights(), kept, donated).lower()
-        return Pending(call.signature, lowered, program)
+        return Pending(call.signature, lowered, program, key, self.graphs.label)
 
     def _trace(self, call: _Call) -> TracedProgram:
         """Trace ``fn`` through torchax and export the program (StableHLO)."""
@@ -183,9 +241,14 @@ class JaxFunction:
         structure: List[OutputStructure] = []
         out_shardings = (self.graphs.replicated, [a.sharding for a in donated_arrays])
         jitted = jax.jit(self._program(call, donated, structure), donate_argnums=(2,), out_shardings=out_shardings)
-        with self.graphs.lock:
-            exported = export.export(jitted)(weights, kept, donated_arrays)
-        return TracedProgram(exported, donated, structure[0])
+        with self.graphs.lock, REGISTRY.recording() as selections:
+            exported = export.export(jitted, platforms=(self.graphs.platform,))(weights, kept, donated_arrays)
+        # The refusals that matter here are the JAX path's own kernels' (the C and eager
+        # providers never serve a traced program).
+        kernels = tuple(KernelChoice(s.op, s.shapes, s.provider.name, s.provider.jax_path,
+                                     tuple((p.name, reason) for p, reason in s.refused if p.jax_path))
+                        for s in selections)
+        return TracedProgram(exported, donated, structure[0], kernels)
 
     def _onto_mesh(self, call: _Call) -> None:
         """Replicate over the mesh the inputs made elsewhere (a tensor moved with ``.to("jax")``
@@ -194,7 +257,7 @@ class JaxFunction:
         for i in call.tensor_positions:
             tensor = call.leaves[i]
             if tensor.jax().sharding.device_set != mesh_devices:
-                tensor._elem = to_mesh(tensor.jax(), self.graphs.replicated)
+                tensor._elem = self.graphs.place(tensor.jax(), self.graphs.replicated)
 
     def _updated_inputs(self, call: _Call, weights, arrays) -> Tuple[int, ...]:
         """Which tensor inputs ``fn`` updates in place (found by tracing it once per structure)."""

@@ -49,12 +49,25 @@ class OutputStructure(NamedTuple):
         return pytree.tree_unflatten(leaves, self.spec)
 
 
+class KernelChoice(NamedTuple):
+    """The provider a traced program holds for one op call, and the better ones that refused
+    it (``(provider, reason)``); ``pallas``: the chosen one is a Pallas kernel."""
+
+    op: str
+    shapes: str
+    provider: str
+    pallas: bool
+    refused: Tuple[Tuple[str, str], ...]
+
+
 class TracedProgram(NamedTuple):
-    """One call signature's exported program, the inputs it updates, its outputs' structure."""
+    """One call signature's exported program, the inputs it updates, its outputs' structure,
+    and the kernel providers its trace chose."""
 
     exported: Any  # jax.export.Exported
     donated: Tuple[int, ...]
     outputs: OutputStructure
+    kernels: Tuple[KernelChoice, ...] = ()
 
 
 def program_key(name: str, signature) -> str:
@@ -81,8 +94,8 @@ class ProgramStore:
             from jax import export
 
             with open(path, "rb") as f:
-                serialized, donated, outputs = pickle.load(f)
-            return TracedProgram(export.deserialize(bytearray(serialized)), tuple(donated), outputs)
+                serialized, donated, outputs, kernels = pickle.load(f)
+            return TracedProgram(export.deserialize(bytearray(serialized)), tuple(donated), outputs, kernels)
         except Exception as err:  # noqa: BLE001 - any unreadable record is traced again
             warnings.warn(f"traced program {path} cannot be read ({type(err).__name__}: {err}); tracing it again")
             return None
@@ -91,8 +104,49 @@ class ProgramStore:
         """Write atomically: a start that reads concurrently sees the old file or the new one."""
         if self.directory is None:
             return
-        record = pickle.dumps((bytes(program.exported.serialize()), program.donated, program.outputs))
-        handle, temporary = tempfile.mkstemp(dir=self.directory, prefix=".writing-")
-        with os.fdopen(handle, "wb") as f:
-            f.write(record)
-        os.replace(temporary, os.path.join(self.directory, key))
+        record = pickle.dumps((bytes(program.exported.serialize()), program.donated, program.outputs,
+                               program.kernels))
+        write_atomically(self.directory, key, record)
+
+
+def write_atomically(directory: str, name: str, data: bytes) -> None:
+    """A reader at the same time sees the old file or the new one, never a part."""
+    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".writing-")
+    with os.fdopen(handle, "wb") as f:
+        f.write(data)
+    os.replace(temporary, os.path.join(directory, name))
+
+
+class ExecutableStore:
+    """Executables compiled ahead of time (``tpu-executor compile``), by program key, in
+    ``directory`` (None: none are kept). The format is JAX's ``serialize_executable``, which is
+    pickle-based: only files this package wrote are ever loaded, from a directory the user
+    named. An executable runs only under the platform, chips and compiler that built it: the
+    directory's key names them (``worker/jax_aot.py``)."""
+
+    def __init__(self, directory: Optional[str], writes: bool = False):
+        self.directory = directory
+        self.writes = writes and directory is not None  # keeps what compiles (the compile command)
+        if directory is not None:
+            os.makedirs(directory, exist_ok=True)
+
+    def save(self, key: str, compiled) -> None:
+        from jax.experimental.serialize_executable import serialize
+
+        if self.writes:
+            write_atomically(self.directory, key, pickle.dumps(serialize(compiled)))
+
+    def load(self, key: str):
+        """The executable kept under ``key`` loaded onto this process's devices, or None."""
+        path = None if self.directory is None else os.path.join(self.directory, key)
+        if path is None or not os.path.exists(path):
+            return None
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        try:
+            with open(path, "rb") as f:
+                payload, in_tree, out_tree = pickle.load(f)
+            return deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as err:  # noqa: BLE001 - an executable that cannot load is compiled again
+            warnings.warn(f"executable {path} cannot be loaded ({type(err).__name__}: {err}); compiling it")
+            return None

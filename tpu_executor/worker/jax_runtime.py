@@ -15,7 +15,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -56,6 +56,15 @@ def compile_cache_key(parts: Tuple, checkpoint: str) -> str:
         digest.update(config.read())
     digest.update(source_fingerprint().encode())
     return digest.hexdigest()[:20]
+
+
+def libtpu_version() -> str:
+    """The installed libtpu's version ("none" without it): an executable runs only under the
+    libtpu that compiled it."""
+    try:
+        return importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
 
 def join_hosts(placement, local_chips: int, on_tpu: bool) -> None:
@@ -99,17 +108,20 @@ def source_fingerprint() -> str:
 
 
 class JaxRuntime:
-    """One process's JAX devices for one engine: ``tensor_parallel_size`` of them in a mesh."""
+    """One process's JAX devices for one engine: ``tensor_parallel_size`` of them in a mesh
+    (``devices``: these, not the process's own)."""
 
-    def __init__(self, tensor_parallel_size: int):
+    abstract = False  # arrays hold shapes and placements only (compiling for another machine)
+
+    def __init__(self, tensor_parallel_size: int, devices: Optional[Sequence] = None):
         import jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         from tpu_executor.kernels.binding import torchax_env
 
-        from tpu_executor.worker.jax_programs import ProgramStore
+        from tpu_executor.worker.jax_programs import ExecutableStore, ProgramStore
 
-        devices = jax.devices()
+        devices = list(devices) if devices is not None else jax.devices()
         if len(devices) < tensor_parallel_size:
             hint = (" (on a CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count="
                     f"{tensor_parallel_size})" if devices[0].platform == "cpu" else "")
@@ -123,6 +135,31 @@ class JaxRuntime:
         self._spec, self._named = PartitionSpec, NamedSharding
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.programs = ProgramStore(None)  # traced programs: kept once a compile cache is set
+        self.executables = ExecutableStore(None)  # compiled ahead of time (``tpu-executor compile``)
+
+    def place(self, array, sharding):
+        """``array`` (host or device) on the mesh as ``sharding`` says."""
+        return to_mesh(array, sharding)
+
+    def place_tensor(self, tensor: torch.Tensor, sharding):
+        """A CPU torch tensor (a weight, a buffer) on the mesh as ``sharding`` says."""
+        from tpu_executor.kernels.binding import torch_to_host
+
+        return self.place(torch_to_host(tensor.detach()), sharding)
+
+    @property
+    def target(self) -> Dict[str, str]:
+        """What the executables compiled for these devices depend on besides the program:
+        the platform, the chips (kind and count), and on a TPU the compiler (libtpu's version
+        and its flags)."""
+        device = self.mesh.devices.flat[0]
+        described = {"platform": self.platform, "device_kind": device.device_kind,
+                     "devices": str(self.mesh.size)}
+        if self.platform == "tpu":
+            described.update(libtpu=libtpu_version(), libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS", ""))
+        else:
+            described["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+        return described
 
     @contextlib.contextmanager
     def context(self):
@@ -150,15 +187,13 @@ class JaxRuntime:
         """Move every parameter and buffer onto the mesh, split as ``split_dim`` says."""
         from torchax.tensor import Tensor as JaxTensor
 
-        from tpu_executor.kernels.binding import torch_to_host
-
         for module in model.modules():
             for table in (module._parameters, module._buffers):
                 for name, tensor in table.items():
                     if tensor is None:
                         continue
                     where = self.sharding(tuple(tensor.shape), split_dim(module, name, tuple(tensor.shape), self.ranks))
-                    placed = JaxTensor(to_mesh(torch_to_host(tensor.detach()), where), self.env)
+                    placed = JaxTensor(self.place_tensor(tensor, where), self.env)
                     table[name] = torch.nn.Parameter(placed, requires_grad=False) \
                         if isinstance(tensor, torch.nn.Parameter) else placed
         return model
@@ -169,7 +204,7 @@ class JaxRuntime:
         from torchax.tensor import Tensor as JaxTensor
 
         # Host zeros moved over: an eager jnp.zeros would compile a program of its own.
-        array = to_mesh(np.zeros(shape, t2j_dtype(dtype)), self.sharding(shape, split))
+        array = self.place(np.zeros(shape, t2j_dtype(dtype)), self.sharding(shape, split))
         return JaxTensor(array, self.env)
 
     def put(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -180,10 +215,10 @@ class JaxRuntime:
         from tpu_executor.kernels.binding import torch_to_host
 
         hosts = [torch_to_host(t) for t in tensors.values()]
-        if self.replicated.is_fully_addressable:
+        if self.replicated.is_fully_addressable and not self.abstract:
             arrays = jax.device_put(hosts, self.replicated)
         else:
-            arrays = [to_mesh(host, self.replicated) for host in hosts]
+            arrays = [self.place(host, self.replicated) for host in hosts]
         return {name: JaxTensor(array, self.env) for name, array in zip(tensors, arrays)}
 
     def memory_figures(self) -> Tuple[int, int]:

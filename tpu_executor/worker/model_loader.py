@@ -151,3 +151,17 @@ def load_model(path: str, dtype: torch.dtype, tp: Optional[TensorParallelGroup] 
     if quantization == "int8":
         quantize_int8(model)
     return model
+
+
+def build_model_shapes(path: str, dtype: torch.dtype, quantization: Optional[str] = None) -> torch.nn.Module:
+    """The model named by the checkpoint's config, its parameters on the meta device (shapes
+    and dtypes, no memory, no weight files read), quantized when asked: what compiling for
+    another machine needs, for a model of any size."""
+    hf_config = load_hf_config(path)
+    model_class = model_class_for(getattr(hf_config, "architectures", None))
+    with torch.device("meta"):
+        model = model_class(hf_config, None)
+    model = model.to(dtype).eval()
+    if quantization == "int8":
+        quantize_int8(model)
+    return model

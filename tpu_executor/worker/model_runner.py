@@ -67,7 +67,7 @@ class ModelRunner:
         if runtime is not None:
             from tpu_executor.worker.jax_graphs import JaxGraphs  # imports JAX and torchax
 
-            self.jax_graphs = JaxGraphs(model, runtime.env, runtime.replicated, runtime.programs)
+            self.jax_graphs = JaxGraphs(model, runtime)
         self.padding = PaddingStats()
         self.timer = NullPhaseTimer()  # see LLMEngine.attach_phase_timer
         # On XLA a call only queues work: reading tokens back can wait for the next launch.
@@ -318,6 +318,7 @@ class ModelRunner:
         with self.jax_graphs.ahead_of_time(threads) as compiling:
             with tqdm(total=len(graphs), desc="tracing buckets", disable=not show_progress) as bar:
                 for graph in graphs:
+                    self.jax_graphs.label = graph_label(graph)
                     self._run_dummy(graph)
                     bar.update()
             for future in tqdm(compiling, desc=f"compiling buckets ({threads} threads)", disable=not show_progress):
@@ -338,17 +339,17 @@ class ModelRunner:
         """Run ``graph`` once on padding-only inputs (writes go to the null block)."""
         if isinstance(graph, PrefillGraph):
             dummy = [PrefillWork("warmup", (0,), 0, (NULL_BLOCK,), SamplingMeta.greedy())]
-            self._prefill_logits(dummy, graph, self.kv_caches)[0].cpu()
+            self._wait(self._prefill_logits(dummy, graph, self.kv_caches)[0])
         elif isinstance(graph, PromptLogprobsGraph):
             hidden = torch.zeros(graph.num_tokens, self.model.config.hidden_size).to(self.device)
             outputs = self._run_fn(self._prompt_logprobs_fn, padding_group(graph.num_rows), "prefill", hidden=hidden,
                                    num_logprobs=max(1, self.config.compile.max_logprobs))
-            outputs[0].cpu()
+            self._wait(outputs[0])
         elif isinstance(graph, DecodeGraph):
-            self._decode_logits([DecodeWork("warmup", 0, 0, (NULL_BLOCK,), SamplingMeta.greedy())], graph).cpu()
+            self._wait(self._decode_logits([DecodeWork("warmup", 0, 0, (NULL_BLOCK,), SamplingMeta.greedy())], graph))
         elif isinstance(graph, HistoryGraph):
             tensors = fill_tensors([], self.plan.max_prefill_seqs, graph.num_tokens, self.processing.discard)
-            self._run_fn(self._fill_fn, tensors, "sample", state=self.processing.state).cpu()
+            self._wait(self._run_fn(self._fill_fn, tensors, "sample", state=self.processing.state))
         else:
             rows = graph.num_rows
             logits = torch.zeros(rows, self.model.config.vocab_size).to(self.device)  # device data, as in serving
@@ -359,4 +360,24 @@ class ModelRunner:
                 fn = partial(self._sample_processed_fn, state=self.processing.state)
             out, _ = self._run_fn(fn, tensors, "sample", logits=logits, feed_tokens=self.feed.written_tokens,
                                   num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy)
-            out.token_ids.cpu()
+            self._wait(out.token_ids)
+
+    def _wait(self, tensor: torch.Tensor) -> None:
+        """Wait for a warm-up call (compiling ahead there is nothing to wait for: the call
+        answered with zeros, which are no more than shapes when compiling for another machine)."""
+        if self.jax_graphs is None or not self.jax_graphs.compiling_ahead:
+            tensor.cpu()
+
+
+def graph_label(graph: Graph) -> str:
+    """A graph of the plan as reports name it, e.g. ``decode rows=8 blocks=32``."""
+    if isinstance(graph, PrefillGraph):
+        return f"prefill tokens={graph.num_tokens} keys={graph.keys}"
+    if isinstance(graph, DecodeGraph):
+        return f"decode rows={graph.num_rows} blocks={graph.context_blocks}"
+    if isinstance(graph, PromptLogprobsGraph):
+        return f"prompt log-probs tokens={graph.num_tokens}"
+    if isinstance(graph, HistoryGraph):
+        return f"processing state tokens={graph.num_tokens}"
+    return (f"sampler rows={graph.num_rows} logprobs={graph.num_logprobs} greedy={graph.all_greedy} "
+            f"processing={graph.processing}")

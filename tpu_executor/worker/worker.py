@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import glob
 import hashlib
 import itertools
 import logging
@@ -18,7 +17,7 @@ import torch
 
 from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup
 from tpu_executor.core.buckets import Graph
-from tpu_executor.core.config import EngineConfig
+from tpu_executor.core.config import EngineConfig, tpu_attached
 from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerStats
 from tpu_executor.worker.distributed import GlooGroup, RankPlacement, XlaGroup, tpu_topology_env
 from tpu_executor.worker.model_loader import load_model, pack_for_cpu, use_xla_cpu_forms
@@ -27,11 +26,7 @@ from tpu_executor.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _tpu_present() -> bool:
-    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Worker:
@@ -54,6 +49,7 @@ class Worker:
         self.kv_cache_bytes = 0
         self.runner: Optional[ModelRunner] = None
         self.jax = None  # the JAX path's JaxRuntime (device, mesh, torchax environment)
+        self.aot_job = None  # the JAX path's executables compiled ahead of time, when found
         self._launched: Deque[LaunchedStep] = collections.deque()  # launched, not yet collected
 
     @property
@@ -88,18 +84,35 @@ class Worker:
         ``tensor_parallel_size`` devices (this process's, or in a Ray actor, those of every
         host's process together); JAX's persistent cache is used."""
         from tpu_executor.kernels import register_all
-        from tpu_executor.worker.jax_runtime import JaxRuntime, join_hosts
+        from tpu_executor.worker.jax_runtime import join_hosts
 
         chips = self.config.parallel.tensor_parallel_size
         if self.config.uses_ray:
-            join_hosts(self.placement, chips // self.placement.world_size, on_tpu=_tpu_present())
-        self.jax = JaxRuntime(chips)
-        registry = register_all()  # after JAX has started, so its TPU providers see the chips
+            join_hosts(self.placement, chips // self.placement.world_size, on_tpu=tpu_attached())
+        self.jax = self._new_jax_runtime(chips)
+        with self.jax.context():  # the providers are chosen for the mesh's chips
+            registry = register_all()
         self.device = self.jax.device
         if self.config.compile.cache_dir is not None:
-            path = self.jax.use_compile_cache(self.config.compile.cache_dir,
-                                              self._compile_cache_key(registry.fingerprint()))
-            logger.info("JAX compile cache: %s", path)
+            self._use_jax_caches(self.config.compile.cache_dir, registry.fingerprint(jax_path=True))
+
+    def _new_jax_runtime(self, chips: int):
+        from tpu_executor.worker.jax_runtime import JaxRuntime
+
+        return JaxRuntime(chips)
+
+    def _use_jax_caches(self, cache_dir: str, kernels_fingerprint: str) -> None:
+        """Executables compiled ahead of time for this engine and these chips, when
+        ``cache_dir`` holds them (``tpu-executor compile``); else JAX's persistent cache."""
+        from tpu_executor.worker.jax_aot import AotJob, job_parts
+
+        self.aot_job = AotJob.find(cache_dir, job_parts(self.config, self.jax, kernels_fingerprint))
+        if self.aot_job is not None:
+            self.aot_job.attach(self.jax)
+            logger.info("executables compiled ahead of time: %s", self.aot_job.path)
+            return
+        path = self.jax.use_compile_cache(cache_dir, self._compile_cache_key(kernels_fingerprint))
+        logger.info("JAX compile cache: %s", path)
 
     def _compile_cache_key(self, kernels_fingerprint: str) -> str:
         from tpu_executor.core.buckets import BucketPlan
@@ -119,7 +132,7 @@ class Worker:
         return self.jax.context() if self.jax is not None else contextlib.nullcontext()
 
     def _init_xla_device(self) -> None:
-        os.environ.setdefault("PJRT_DEVICE", "TPU" if _tpu_present() else "CPU")
+        os.environ.setdefault("PJRT_DEVICE", "TPU" if tpu_attached() else "CPU")
         on_tpu = os.environ["PJRT_DEVICE"] == "TPU"
         if on_tpu and self.placement.world_size > 1:
             self._init_tpu_multiprocess()
@@ -213,6 +226,8 @@ class Worker:
         cache = self.config.cache
         if cache.num_blocks is not None:
             num_blocks = cache.num_blocks
+        elif self.aot_job is not None:  # the cache's shape is an input of every executable
+            num_blocks = self.aot_job.num_blocks
         else:
             num_blocks = int(self._free_cache_bytes() // self.cache_block_bytes())
         needed = self.config.max_blocks_per_seq + 1

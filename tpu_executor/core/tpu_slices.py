@@ -1,0 +1,106 @@
+"""TPU slices by name: each generation's chip (HBM in bytes, bandwidths, peak compute) and how
+a slice of it is laid out (topology, chips per host), in one table.
+
+Chip figures are Google Cloud's published per-chip specifications (cloud.google.com/tpu/docs/
+v4, v5e, v5p-training, v6e). Slice names count chips for v5e/v6e (``v5e-8``: 8 chips) and
+TensorCores for v4/v5p (``v5p-8``: 4 chips), as Cloud's accelerator types do. The layouts are
+Cloud's: a v5e/v6e host holds up to 8 chips (one host up to ``-8``, 4 chips a host above);
+a v4/v5p host holds 4 chips (2x2x1).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One accelerator chip: memory, bandwidths and peak compute."""
+
+    name: str
+    hbm_bytes: float
+    hbm_bytes_per_s: float
+    peak_flops: float  # bf16 (fp32 for a measured CPU)
+    ici_bytes_per_s: float  # bidirectional, per chip
+    cores_per_chip: int = 1
+
+
+TPUS: Dict[str, Chip] = {
+    "v4": Chip("v4", 32 * GIB, 1200e9, 275e12, 300e9, cores_per_chip=2),  # ICI: not on the page; assumed
+    "v5e": Chip("v5e", 16 * GIB, 819e9, 197e12, 400e9),
+    "v5p": Chip("v5p", 95 * GIB, 2765e9, 459e12, 1200e9, cores_per_chip=2),
+    "v6e": Chip("v6e", 32 * GIB, 1638e9, 918e12, 800e9),
+}
+# Chips -> the slice's 2-D grid (v5e, v6e) or 3-D grid (v4, v5p).
+GRIDS_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
+GRIDS_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8)}
+# The device names JAX gives each generation's chips (``device_kind``).
+DEVICE_KINDS = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite"}
+
+
+@dataclass(frozen=True)
+class Target:
+    """A slice: ``num_chips`` chips of one kind, the model sharded over all of them."""
+
+    chip: Chip
+    num_chips: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.chip.name}-{self.num_chips * self.chip.cores_per_chip}"
+
+    @classmethod
+    def parse(cls, name: str) -> "Target":
+        match = re.fullmatch(r"(v4|v5e|v5p|v6e)-(\d+)", name)
+        if not match:
+            raise ValueError(f"target {name!r} is not a TPU slice like v5e-8; generations: {sorted(TPUS)}")
+        chip = TPUS[match.group(1)]
+        count = int(match.group(2))
+        if count % chip.cores_per_chip:
+            raise ValueError(f"{name}: {chip.name} slices count TensorCores ({chip.cores_per_chip} a chip)")
+        return cls(chip, count // chip.cores_per_chip)
+
+    @property
+    def is_3d(self) -> bool:
+        return self.chip.name in ("v4", "v5p")
+
+    @property
+    def grid(self) -> Tuple[int, ...]:
+        """The slice's chip grid, or a ValueError naming the sizes Cloud offers."""
+        grids = GRIDS_3D if self.is_3d else GRIDS_2D
+        if self.num_chips not in grids:
+            sizes = ", ".join(f"{self.chip.name}-{n * self.chip.cores_per_chip}" for n in grids)
+            raise ValueError(f"target {self.name}: no such {self.chip.name} slice; the slices are {sizes}")
+        return grids[self.num_chips]
+
+    @property
+    def topology_name(self) -> str:
+        """The topology as libtpu names it, e.g. ``v6e:2x4``."""
+        return f"{self.chip.name}:{'x'.join(map(str, self.grid))}"
+
+    @property
+    def chips_per_host_bounds(self) -> Tuple[int, int, int]:
+        """One host's share of the grid (x, y, z)."""
+        if self.is_3d:
+            return (2, 2, 1)
+        grid = self.grid
+        return (grid[0], grid[1], 1) if self.num_chips <= 8 else (2, 2, 1)
+
+    @property
+    def num_hosts(self) -> int:
+        per_host = 1
+        for bound in self.chips_per_host_bounds:
+            per_host *= bound
+        return self.num_chips // per_host
+
+    @property
+    def chip_config_name(self) -> str:
+        """v4's two TensorCores act as one device (megacore), as JAX runs them."""
+        return "megacore" if self.chip.name == "v4" else "default"
+
+    @property
+    def device_kind(self) -> str:
+        return DEVICE_KINDS[self.chip.name]

@@ -1,0 +1,140 @@
+"""Executables compiled ahead of time (``tpu-executor compile``), found again by the machine
+that runs them.
+
+A job is one engine's bucket plan compiled for one slice. It lies in ``CACHE_DIR/aot/<key>/``:
+``manifest.json`` (what the key was made of, and the KV-cache blocks and context length the
+compile fixed), ``programs/`` (the traced programs) and ``executables/`` (JAX's serialized
+executables, pickle-based: only our own files are loaded). The key is computed identically on
+the compiling machine and on the TPU host, from what the executables depend on: the model
+config's content, the engine options that shape the graphs, the JAX path's kernel sources, this
+package's sources, the library versions, and the target (platform, chip kind and count, libtpu
+and ``LIBTPU_INIT_ARGS`` on a TPU; ``XLA_FLAGS`` on a CPU). Nothing only the compiling machine
+has (its C compiler, its cores) is part of it. A start that finds no job of its key logs one
+line naming what differs from the nearest job in the directory and compiles as usual.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+logger = logging.getLogger(__name__)
+
+AOT_FOLDER = "aot"
+MANIFEST = "manifest.json"
+
+
+def model_config_text(checkpoint: str) -> str:
+    """The checkpoint's config.json as canonical JSON (its content, not its bytes)."""
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        return json.dumps(json.load(f), sort_keys=True)
+
+
+def engine_parts(config) -> Dict[str, object]:
+    """The engine options that shape the compiled graphs (not where caches lie, nor how many
+    threads compile)."""
+    compile_config, scheduler = config.compile, config.scheduler
+    return {"dtype": config.model.dtype, "quantization": config.model.quantization,
+            "max_model_len": config.max_model_len, "block_size": config.cache.block_size,
+            "num_blocks": config.cache.num_blocks, "tensor_parallel_size": config.parallel.tensor_parallel_size,
+            "max_num_seqs": scheduler.max_num_seqs, "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+            "enable_chunked_prefill": scheduler.enable_chunked_prefill,
+            "async_scheduling": scheduler.async_scheduling,
+            "prefill_buckets": compile_config.prefill_buckets, "decode_buckets": compile_config.decode_buckets,
+            "decode_context_buckets": compile_config.decode_context_buckets,
+            "max_logprobs": compile_config.max_logprobs, "max_prefill_seqs": compile_config.max_prefill_seqs}
+
+
+def job_parts(config, runtime, kernels_fingerprint: str) -> Dict[str, str]:
+    """Everything a job's key is made of, by name (the miss line names the ones that differ)."""
+    import importlib.metadata
+
+    from tpu_executor.worker.jax_runtime import LIBRARIES, source_fingerprint
+
+    parts = {"model_config": model_config_text(config.model.model),
+             **{name: repr(value) for name, value in engine_parts(config).items()},
+             "kernels": kernels_fingerprint, "sources": source_fingerprint(),
+             **{name: importlib.metadata.version(name) for name in LIBRARIES}}
+    parts.update(runtime.target)
+    return parts
+
+
+def job_key(parts: Dict[str, str]) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class AotJob:
+    """One compiled job in a cache directory."""
+
+    path: str
+    parts: Dict[str, str]
+    num_blocks: int
+    max_model_len: int
+    target: str
+
+    @classmethod
+    def create(cls, cache_dir: str, parts: Dict[str, str], num_blocks: int, max_model_len: int,
+               target: str) -> "AotJob":
+        """A new job's folder (an older one of the same key is replaced as it is written)."""
+        job = cls(os.path.join(cache_dir, AOT_FOLDER, job_key(parts)), parts, num_blocks, max_model_len, target)
+        os.makedirs(job.path, exist_ok=True)
+        return job
+
+    def write_manifest(self) -> None:
+        """Written last: a job without its manifest is never found."""
+        from tpu_executor.worker.jax_programs import write_atomically
+
+        record = {"target": self.target, "num_blocks": self.num_blocks, "max_model_len": self.max_model_len,
+                  "parts": self.parts}
+        write_atomically(self.path, MANIFEST, json.dumps(record, indent=1, sort_keys=True).encode())
+
+    @classmethod
+    def read(cls, path: str) -> Optional["AotJob"]:
+        try:
+            with open(os.path.join(path, MANIFEST)) as f:
+                record = json.load(f)
+            return cls(path, record["parts"], int(record["num_blocks"]), int(record["max_model_len"]),
+                       record["target"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    @classmethod
+    def find(cls, cache_dir: str, parts: Dict[str, str]) -> Optional["AotJob"]:
+        """The job compiled for exactly ``parts``, or None (with a line saying why not)."""
+        job = cls.read(os.path.join(cache_dir, AOT_FOLDER, job_key(parts)))
+        if job is not None and job.parts == parts:
+            return job
+        others = [j for j in map(cls.read, _job_folders(cache_dir)) if j is not None]
+        if others:
+            nearest = min(others, key=lambda j: len(differences(j.parts, parts)))
+            logger.warning("no executables compiled ahead of time for this engine in %s: %s; compiling here",
+                           cache_dir, "; ".join(differences(nearest.parts, parts)))
+        return None
+
+    def attach(self, runtime) -> None:
+        """Let ``runtime``'s compiled functions load this job's programs and executables."""
+        from tpu_executor.worker.jax_programs import ExecutableStore, ProgramStore
+
+        runtime.programs = ProgramStore(os.path.join(self.path, "programs"))
+        runtime.executables = ExecutableStore(os.path.join(self.path, "executables"))
+
+
+def _job_folders(cache_dir: str) -> List[str]:
+    root = os.path.join(cache_dir, AOT_FOLDER)
+    return [os.path.join(root, name) for name in sorted(os.listdir(root))] if os.path.isdir(root) else []
+
+
+def differences(compiled: Dict[str, str], here: Dict[str, str]) -> List[str]:
+    """What differs between a compiled job's parts and this engine's, as short phrases."""
+    def shown(value: Optional[str]) -> str:
+        if value is None:
+            return "absent"
+        return value if len(value) <= 40 else value[:12] + "..."
+
+    return [f"{name} differs (compiled: {shown(compiled.get(name))}, here: {shown(here.get(name))})"
+            for name in sorted(set(compiled) | set(here)) if compiled.get(name) != here.get(name)]

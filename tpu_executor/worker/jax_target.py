@@ -1,0 +1,132 @@
+"""The JAX path compiled for a TPU slice this machine does not have.
+
+libtpu's compiler runs on a CPU-only machine: ``get_topology_desc`` gives compile-only devices
+of any slice, and ``jax.jit(f).lower(shapes with shardings).compile()`` compiles for them.
+``TargetWorker`` is the worker of such a slice: the model is built from the checkpoint's config
+alone (every parameter and buffer a shape on the slice's mesh, never a constant), the KV cache
+likewise, and the model runner's warm-up traces every graph of the bucket plan as it would on
+the slice, with the kernel providers the slice's chips select (the Pallas kernels), and hands
+each to libtpu. Nothing runs: each call answers with the shapes of its outputs.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import List, Optional, Sequence
+
+import torch
+
+from tpu_executor.core.config import EngineConfig
+from tpu_executor.core.tpu_slices import Target
+from tpu_executor.worker.jax_aot import AotJob
+from tpu_executor.worker.jax_runtime import JaxRuntime
+from tpu_executor.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+def keep_runtime_on_cpu() -> None:
+    """With libtpu installed JAX would try to start a TPU first; the compile-only devices do not
+    need one. Takes effect before JAX starts its backends (later, the CPU is all there is)."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+
+
+def target_devices(target: Target) -> List:
+    """The compile-only devices of every chip of ``target`` (all its hosts', from this process)."""
+    from jax.experimental import topologies
+
+    keep_runtime_on_cpu()
+    try:
+        topology = topologies.get_topology_desc(
+            platform="tpu", topology_name=target.topology_name, chip_config_name=target.chip_config_name,
+            chips_per_host_bounds=target.chips_per_host_bounds, num_slices=1)
+    except Exception as err:  # noqa: BLE001 - libtpu missing or refusing the topology
+        raise ValueError(f"cannot describe {target.name} ({target.topology_name}) for the TPU compiler: {err}; "
+                         "the compiler is libtpu: pip install 'tpu_executor[tpu]'") from err
+    return list(topology.devices)
+
+
+class TargetRuntime(JaxRuntime):
+    """A ``JaxRuntime`` over compile-only devices: arrays are shapes with placements."""
+
+    abstract = True
+
+    def place(self, array, sharding):
+        import jax
+
+        return jax.ShapeDtypeStruct(tuple(array.shape), array.dtype, sharding=sharding)
+
+    def place_tensor(self, tensor: torch.Tensor, sharding):
+        from torchax.ops.mappings import t2j_dtype
+
+        return self.place(_Shape(tuple(tensor.shape), t2j_dtype(tensor.dtype)), sharding)
+
+    def memory_figures(self):
+        raise ValueError("compile-only devices have no memory figures: the compile sizes the KV cache")
+
+
+class _Shape:
+    """An array's shape and dtype, nothing else."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+
+class TargetWorker(Worker):
+    """The worker of a slice compiled for here: ``devices`` are its compile-only devices,
+    ``job`` (if any) where its programs and executables are written."""
+
+    def __init__(self, config: EngineConfig, devices: Sequence, job: Optional[AotJob] = None):
+        super().__init__(config)
+        self.target_devices = list(devices)
+        self.job = job
+
+    def _new_jax_runtime(self, chips: int) -> JaxRuntime:
+        return TargetRuntime(chips, self.target_devices)
+
+    def _use_jax_caches(self, cache_dir: str, kernels_fingerprint: str) -> None:
+        self.kernels_fingerprint = kernels_fingerprint
+        if self.job is not None:
+            from tpu_executor.worker.jax_programs import ExecutableStore, ProgramStore
+
+            self.jax.programs = ProgramStore(f"{self.job.path}/programs")
+            self.jax.executables = ExecutableStore(f"{self.job.path}/executables", writes=True)
+
+    def load_model(self) -> int:
+        """The model's shapes on the slice's mesh (no weights are read)."""
+        from tpu_executor.worker.model_loader import build_model_shapes
+
+        model = build_model_shapes(self.config.model.model, self.dtype, self.config.model.quantization)
+        with self.device_context():
+            self.model = self.jax.place_model(model)
+            self.runner = self._new_runner()
+        self.weight_bytes = self.weight_bytes_per_chip()
+        return self.model.config.vocab_size
+
+    def weight_bytes_per_chip(self) -> int:
+        """Bytes of one chip's share of every parameter and buffer, as placed."""
+        total = 0
+        for tensor in itertools.chain(self.model.parameters(), self.model.buffers()):
+            array = tensor.jax()
+            shard = array.sharding.shard_shape(array.shape)
+            count = 1
+            for size in shard:
+                count *= size
+            total += count * array.dtype.itemsize
+        return total
+
+    def cache_block_bytes_per_chip(self) -> int:
+        """One KV block's bytes on one chip: the cache is split over its heads when they divide
+        over the chips, else every chip holds all of it."""
+        ranks = self.config.parallel.tensor_parallel_size
+        split = ranks if self.model.num_kv_heads % ranks == 0 else 1
+        return self.cache_block_bytes() // split
+
+    def compile_plan(self, num_blocks: int, show_progress: bool = True) -> List:
+        """Compile every graph of the plan over a KV cache of ``num_blocks`` blocks; returns
+        the compile records (``jax_graphs.CompileRecord``), model steps first."""
+        self.init_cache(num_blocks, self.config.max_model_len)
+        self.warmup(show_progress)
+        return list(self.runner.jax_graphs.records)
