@@ -46,17 +46,6 @@ class Provider:
         reason = self.explain(*args, **kwargs) if self.explain is not None else None
         return reason or "its shapes or dtypes are not supported"
 
-
-@dataclass(frozen=True)
-class Selection:
-    """One dispatch seen while recording: the op, the shapes of its tensor arguments, the
-    provider that ran, and each better provider that refused the call with its reason."""
-
-    op: str
-    shapes: str
-    provider: Provider
-    refused: Tuple[Tuple[Provider, str], ...] = ()
-
     def source_hash(self) -> str:
         """Hash of the provider's source: a change to a kernel invalidates compiled graphs.
 
@@ -73,6 +62,17 @@ class Selection:
             with open(spec.origin, "rb") as source:
                 digest.update(source.read())
         return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One dispatch seen while recording: the op, the shapes of its tensor arguments, the
+    provider that ran, and each better provider that refused the call with its reason."""
+
+    op: str
+    shapes: str
+    provider: Provider
+    refused: Tuple[Tuple[Provider, str], ...] = ()
 
 
 class OpRegistry:

@@ -2,6 +2,7 @@
 
     tpu-executor generate [MODEL] [--prompt ...] [engine options]
     tpu-executor serve [MODEL] [--host ...] [--port ...] [engine options]
+    tpu-executor compile MODEL --target v6e-8 [--cache-dir DIR] [--json FILE] [engine options]
     tpu-executor tune --trace TRACE [--model MODEL] [--max-graphs N] [--target v5e-8] [--out FILE]
     tpu-executor bench throughput | serve | host | chunked-prefill | sampler | structured | kernels | cpu-matmul [...]
 
@@ -16,6 +17,7 @@ import logging
 from typing import List, Optional
 
 import tpu_executor.bench as bench
+from tpu_executor.entrypoints import compile as compile_command
 from tpu_executor.entrypoints import generate, serve
 from tpu_executor.tuning import command as tune
 
@@ -23,7 +25,7 @@ from tpu_executor.tuning import command as tune
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpu-executor", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (generate, serve, tune, bench):
+    for module in (generate, serve, compile_command, tune, bench):
         module.add_parser(subparsers)
     return parser
 

@@ -183,6 +183,8 @@ class CompileConfig:
     decode_buckets: Tuple[int, ...] = option((8, 16, 32, 64), "decode buckets, in sequences")
     decode_context_buckets: Tuple[int, ...] = option((512, 2048), "decode context buckets, in tokens")
     strict: bool = option(False, "raise on any compilation after warm-up")
+    strict_kernels: bool = option(False, "on a TPU, a Pallas kernel that refuses a bucket's shapes is an error "
+                                         "(else a warning naming the op, the shapes and the reason)")
     cache_dir: Optional[str] = option(
         default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "tpu_executor", "xla"),
         help="persistent compile cache (torch_xla: TPU only; the jax path: every platform)")

@@ -12,7 +12,7 @@ under ``--max-graphs`` model graphs (prefill + decode; the sampler's small graph
 apart) is written with ``--out``. ``--measure N`` runs the default and the chosen buckets on
 the first N requests in the real engine here. ``--target`` adds a roofline estimate on a TPU
 slice, the HBM fit, and lowers every chosen bucket's Pallas kernels for the TPU. ``--model``
-may name a published config (``tuning/published.py``) when the weights are not here.
+may name a published config (``tools/published_models.py``) when the weights are not here.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 from tpu_executor.core.buckets import write_bucket_file
 from tpu_executor.engine.options import (HelpFormatter, add_engine_arguments, build_engine_config,
                                          engine_options_from_args)
-from tpu_executor.tuning.published import MODEL_SHAPES
+from tpu_executor.tools.published_models import MODEL_SHAPES
 
 COLUMNS = ("scheme", "model graphs", "all graphs", "prefill waste", "rows waste", "context waste",
            "worst waste", "est. warm-up s", "TPU est. tok/s", "here: sample tok/s", "here: trace tok/s")
@@ -66,7 +66,8 @@ def _run(args: argparse.Namespace) -> None:
     from tpu_executor.tools.default_model import prepare
     from tpu_executor.tuning.roofline import ModelShape, Target
     from tpu_executor.tuning.traces import load_trace
-    from tpu_executor.tuning.tuner import model_directory, tune
+    from tpu_executor.tools.published_models import model_directory
+    from tpu_executor.tuning.tuner import tune
     from tpu_executor.worker.model_loader import load_hf_config
 
     options = engine_options_from_args(args)

@@ -6,12 +6,8 @@ runner saw, pick the optimum under the graph budget, and estimate it on a TPU sl
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -19,27 +15,11 @@ from tqdm import tqdm
 from tpu_executor.core.buckets import BucketPlan, DecodeCall, DecodeGraph, PrefillCall, PrefillGraph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.tuning.lowering import kernel_support, lower_graphs
-from tpu_executor.tuning.published import MODEL_SHAPES
 from tpu_executor.tuning.replay import ReplayResult, replay
 from tpu_executor.tuning.roofline import CostModel, HbmFit, ModelShape, Target, hbm_fit
 from tpu_executor.tuning.schemes import (Dimension, Plan, optimal_tables, recipe_plans, round_up,
                                                split_budget)
 from tpu_executor.tuning.traces import TraceRequest
-
-@contextmanager
-def model_directory(model: str) -> Iterator[str]:
-    """A checkpoint directory for ``model``: the directory itself, or a temporary one holding
-    only the config.json of a name in ``MODEL_SHAPES``."""
-    if os.path.isdir(model):
-        yield model
-        return
-    if model not in MODEL_SHAPES:
-        raise ValueError(f"model {model!r} is neither a checkpoint directory nor one of {sorted(MODEL_SHAPES)}")
-    with tempfile.TemporaryDirectory(prefix="tpu-executor-shape-") as path:
-        with open(os.path.join(path, "config.json"), "w") as handle:
-            json.dump(MODEL_SHAPES[model], handle)
-        yield path
-
 
 def with_buckets(config: EngineConfig, plan: Plan) -> EngineConfig:
     """``config`` serving ``plan``'s buckets (the configs validate them again)."""

@@ -193,7 +193,8 @@ class JaxFunction:
     def _load(self, call: _Call) -> Optional[Tuple[Any, TracedProgram]]:
         """The executable compiled ahead of time for this call, with its traced program, when
         the executable store holds both (None otherwise: it is compiled here)."""
-        if self.graphs.executables.directory is None:
+        store = self.graphs.executables
+        if store.directory is None or store.writes:  # nothing kept, or compiling them now
             return None
         key = program_key(self.name, call.signature)
         program = self.graphs.store.load(key)

@@ -131,6 +131,11 @@ class JaxRuntime:
         self.mesh = Mesh(np.array(devices[:tensor_parallel_size]), ("tp",))
         self.ranks = tensor_parallel_size
         self.platform = devices[0].platform
+        if self.platform == "tpu":
+            # libtpu 0.0.21's Shardy import aborts the process on the sampler's programs
+            # ("import_shardy_attrs.cc: Check failed: funcResultSharding.getNumOperands() == 1");
+            # its GSPMD partitioner compiles every graph of the plan.
+            jax.config.update("jax_use_shardy_partitioner", False)
         self.device = torch.device("jax")
         self._spec, self._named = PartitionSpec, NamedSharding
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -153,8 +158,11 @@ class JaxRuntime:
         the platform, the chips (kind and count), and on a TPU the compiler (libtpu's version
         and its flags)."""
         device = self.mesh.devices.flat[0]
+        import jax
+
         described = {"platform": self.platform, "device_kind": device.device_kind,
-                     "devices": str(self.mesh.size)}
+                     "devices": str(self.mesh.size),
+                     "partitioner": "shardy" if jax.config.jax_use_shardy_partitioner else "gspmd"}
         if self.platform == "tpu":
             described.update(libtpu=libtpu_version(), libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS", ""))
         else:

@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.tpu_slices import Target
 from tpu_executor.worker.jax_aot import AotJob
@@ -75,24 +76,27 @@ class _Shape:
 
 
 class TargetWorker(Worker):
-    """The worker of a slice compiled for here: ``devices`` are its compile-only devices,
-    ``job`` (if any) where its programs and executables are written."""
+    """The worker of a slice compiled for here; ``devices`` are its compile-only devices."""
 
-    def __init__(self, config: EngineConfig, devices: Sequence, job: Optional[AotJob] = None):
+    def __init__(self, config: EngineConfig, devices: Sequence):
         super().__init__(config)
         self.target_devices = list(devices)
-        self.job = job
 
     def _new_jax_runtime(self, chips: int) -> JaxRuntime:
         return TargetRuntime(chips, self.target_devices)
 
     def _use_jax_caches(self, cache_dir: str, kernels_fingerprint: str) -> None:
-        self.kernels_fingerprint = kernels_fingerprint
-        if self.job is not None:
-            from tpu_executor.worker.jax_programs import ExecutableStore, ProgramStore
+        """Nothing is loaded: a compile for a slice compiles every graph (``keep_in``)."""
 
-            self.jax.programs = ProgramStore(f"{self.job.path}/programs")
-            self.jax.executables = ExecutableStore(f"{self.job.path}/executables", writes=True)
+    def keep_in(self, job: AotJob) -> None:
+        """Write the programs traced and the executables compiled from here on into ``job``."""
+        from tpu_executor.worker.jax_programs import ExecutableStore, ProgramStore
+
+        self.jax.programs = ProgramStore(f"{job.path}/programs")
+        self.jax.executables = ExecutableStore(f"{job.path}/executables", writes=True)
+        if self.runner is not None:  # a runner takes the stores it finds when it is made
+            with self.device_context():
+                self.runner = self._new_runner()
 
     def load_model(self) -> int:
         """The model's shapes on the slice's mesh (no weights are read)."""
@@ -124,9 +128,11 @@ class TargetWorker(Worker):
         split = ranks if self.model.num_kv_heads % ranks == 0 else 1
         return self.cache_block_bytes() // split
 
-    def compile_plan(self, num_blocks: int, show_progress: bool = True) -> List:
-        """Compile every graph of the plan over a KV cache of ``num_blocks`` blocks; returns
-        the compile records (``jax_graphs.CompileRecord``), model steps first."""
-        self.init_cache(num_blocks, self.config.max_model_len)
-        self.warmup(show_progress)
+    def compile_plan(self, num_blocks: int, max_model_len: int, show_progress: bool = True,
+                     graphs: Optional[List[Graph]] = None) -> List:
+        """Compile every graph of the plan (or ``graphs``) over a KV cache of ``num_blocks``
+        blocks, serving ``max_model_len`` tokens; returns the compile records
+        (``jax_graphs.CompileRecord``), model steps first."""
+        self.init_cache(num_blocks, max_model_len)
+        self.warmup(show_progress, graphs)
         return list(self.runner.jax_graphs.records)

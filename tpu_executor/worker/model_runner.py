@@ -300,10 +300,10 @@ class ModelRunner:
         self._prefill_logits([work], self.plan.pack_graph([work]), kv_caches)[0].cpu()
 
     @torch.no_grad()
-    def warmup(self, show_progress: bool = True) -> None:
-        """Compile every graph of the bucket plan, with a progress bar."""
+    def warmup(self, show_progress: bool = True, graphs: Optional[Sequence[Graph]] = None) -> None:
+        """Compile every graph of the bucket plan (or ``graphs`` of it), with a progress bar."""
         self.guard.begin_warmup()
-        graphs = self.plan.graphs()
+        graphs = self.plan.graphs() if graphs is None else graphs
         if self.jax_graphs is not None:
             self._compile_ahead(graphs, show_progress)  # compiled, not run: nothing is left to do at a first call
         else:

@@ -288,11 +288,12 @@ class Worker:
             self.runner.bind_kv_caches(self._allocate_cache(num_blocks))
         self.kv_cache_bytes = num_blocks * self.cache_block_bytes()
 
-    def warmup(self, show_progress: bool = True) -> None:
-        """Compile every graph of the bucket plan (nothing to compile on the native path)."""
+    def warmup(self, show_progress: bool = True, graphs: Optional[List[Graph]] = None) -> None:
+        """Compile every graph of the bucket plan, or ``graphs`` of it (nothing to compile on
+        the native path)."""
         if self.config.device.compiles:
             with self.device_context():
-                self.runner.warmup(show_progress and self.rank == 0)
+                self.runner.warmup(show_progress and self.rank == 0, graphs)
 
     def time_graphs(self, graphs: List[Graph], repeats: int) -> List[float]:
         """Median seconds of each graph on padding-only inputs (the cost model's check)."""

@@ -17,7 +17,8 @@ from tpu_executor.tuning.measure import run_engine
 from tpu_executor.tuning.replay import replay
 from tpu_executor.tuning.roofline import CostModel, ModelShape, Target
 from tpu_executor.tuning.traces import TraceRequest, load_trace
-from tpu_executor.tuning.tuner import model_directory, tune
+from tpu_executor.tools.published_models import model_directory
+from tpu_executor.tuning.tuner import tune
 
 TINY = dict(max_model_len=320, max_num_seqs=8, max_num_batched_tokens=320, prefill_buckets=(32, 128, 320),
             decode_buckets=(2, 8), decode_context_buckets=(128, 320), memory_budget_bytes=256 << 20)
@@ -132,7 +133,7 @@ def test_published_shapes_load_and_add_up_to_their_model_cards(name):
     counts the LM head apart, since a step reads it; a tied one is no weight of its own)."""
     from tpu_executor.models.layers.parallel import check_tensor_parallel
     from tpu_executor.models.layers.rotary import check_rope
-    from tpu_executor.tuning.published import MODEL_SHAPES
+    from tpu_executor.tools.published_models import MODEL_SHAPES
     from tpu_executor.worker.model_loader import load_hf_config
 
     assert set(PUBLISHED_BILLIONS) == set(MODEL_SHAPES)

@@ -1,9 +1,13 @@
 """Published configs (config.json on the Hugging Face hub, the fields the engine reads) of
-models a user may size a TPU job for without the weights here: ``tpu-executor tune --model
-NAME`` needs only their shapes."""
+models a user may size or compile a TPU job for without the weights here: ``tpu-executor tune
+--model NAME`` and ``tpu-executor compile NAME`` need only their shapes."""
 from __future__ import annotations
 
-from typing import Any, Dict
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator
 
 _LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=8192)
@@ -39,3 +43,18 @@ MODEL_SHAPES: Dict[str, Dict[str, Any]] = {
                         rope_scaling=dict(rope_type="linear", factor=8.0), rope_theta=1000000.0,
                         rope_local_base_freq=10000.0),
 }
+
+
+@contextmanager
+def model_directory(model: str) -> Iterator[str]:
+    """A checkpoint directory for ``model``: the directory itself, or a temporary one holding
+    only the config.json of a name in ``MODEL_SHAPES``."""
+    if os.path.isdir(model):
+        yield model
+        return
+    if model not in MODEL_SHAPES:
+        raise ValueError(f"model {model!r} is neither a checkpoint directory nor one of {sorted(MODEL_SHAPES)}")
+    with tempfile.TemporaryDirectory(prefix="tpu-executor-shape-") as path:
+        with open(os.path.join(path, "config.json"), "w") as handle:
+            json.dump(MODEL_SHAPES[model], handle)
+        yield path

@@ -1,0 +1,241 @@
+"""One compile for a TPU slice: the engine config, the HBM fit, every graph of the plan
+compiled by libtpu, the executables kept (``tpu-executor compile``).
+
+The KV cache's shape is an input of every graph, so its block count is fixed before the plan
+is compiled: the largest prefill and decode graphs are compiled first over a minimal cache,
+and the cache gets the HBM they leave (``usable - weights - the largest graph's other bytes``).
+The TPU host reuses that block count and context length (they are in the job's manifest)
+instead of profiling.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from tpu_executor.core.buckets import DecodeGraph, PrefillGraph
+from tpu_executor.core.config import EngineConfig, fit_max_model_len, resolve_dtype
+from tpu_executor.core.tpu_slices import GIB, Target
+
+logger = logging.getLogger(__name__)
+
+
+class DoesNotFit(ValueError):
+    """The job cannot fit the slice's HBM; the message says by how much and what to change."""
+
+
+@dataclass(frozen=True)
+class GraphFigures:
+    """One compiled graph as the compiler accounts it, per chip."""
+
+    name: str
+    function: str
+    compile_seconds: float
+    arguments: int
+    outputs: int
+    temp: int
+    code: int
+    alias: int
+    flops: float
+    bytes_accessed: float
+    pallas_kernels: Tuple[str, ...]
+
+    @property
+    def peak(self) -> int:
+        """Bytes live at once while it runs: inputs, outputs not written in place, scratch, code."""
+        return self.arguments + self.outputs - self.alias + self.temp + self.code
+
+    @classmethod
+    def of(cls, record) -> "GraphFigures":
+        memory = record.compiled.memory_analysis()
+        cost = record.compiled.cost_analysis() or {}
+        cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+        pallas = tuple(sorted({k.op for k in record.program.kernels if k.pallas}))
+        return cls(record.label, record.function, record.seconds, memory.argument_size_in_bytes,
+                   memory.output_size_in_bytes, memory.temp_size_in_bytes, memory.generated_code_size_in_bytes,
+                   memory.alias_size_in_bytes, float(cost.get("flops", 0.0)),
+                   float(cost.get("bytes accessed", 0.0)), pallas)
+
+
+@dataclass
+class CompileReport:
+    """What ``compile_job`` found: the figures of every graph and the fit."""
+
+    target: Target
+    libtpu: str
+    config: EngineConfig
+    weight_bytes: int
+    block_bytes: int
+    usable_bytes: int
+    num_blocks: int
+    max_model_len: int
+    graphs: List[GraphFigures] = field(default_factory=list)
+    kernel_warnings: List[str] = field(default_factory=list)
+    strict_kernels: bool = False
+    job_path: Optional[str] = None
+
+    @property
+    def peak_graph(self) -> GraphFigures:
+        return max(self.graphs, key=lambda g: g.peak)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak_graph.peak if self.graphs else self.weight_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.usable_bytes
+
+    @property
+    def verdict(self) -> str:
+        if self.fits:
+            return "fits"
+        over = self.peak_bytes - self.usable_bytes
+        return (f"does not fit: graph '{self.peak_graph.name}' needs {self.peak_bytes / GIB:.2f} GiB per chip, "
+                f"{over / GIB:.2f} GiB ({over} bytes) over the {self.usable_bytes / GIB:.2f} GiB usable; "
+                + remedies())
+
+
+def remedies() -> str:
+    return ("lower --max-num-seqs or --max-model-len or the largest bucket, use more chips (a larger --target), "
+            "or --quantization int8")
+
+
+def engine_config(checkpoint: str, target: Target, options: Dict[str, Any], platform: str = "tpu") -> EngineConfig:
+    """The JAX path's config for ``target``: ``dtype="auto"`` as on its platform (bf16 on a
+    TPU), tensor parallelism over the slice's chips unless given."""
+    from tpu_executor.engine.options import build_engine_config
+
+    options = dict(options)
+    options["dtype"] = resolve_dtype(options.get("dtype", "auto"), None, platform)
+    options.setdefault("tensor_parallel_size", target.num_chips)
+    tp = options["tensor_parallel_size"]
+    if target.num_chips % tp:
+        raise ValueError(f"--tensor-parallel-size {tp} does not divide {target.name}'s {target.num_chips} chips")
+    return build_engine_config(checkpoint, device="jax", **options)
+
+
+def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_progress: bool = True,
+                devices: Optional[List] = None) -> CompileReport:
+    """Compile the plan of ``options`` for ``target``; keep the executables in the config's
+    cache directory when the job fits. Raises DoesNotFit before compiling anything when the
+    weights alone (with one sequence's KV cache) exceed a chip's usable HBM. ``devices``: other
+    devices to compile for than the slice's (this process's CPU devices prove the load path
+    here, with the slice's HBM figures)."""
+    from tpu_executor.kernels.registry import REGISTRY
+    from tpu_executor.worker.jax_aot import AotJob, job_parts
+    from tpu_executor.worker.jax_runtime import libtpu_version
+    from tpu_executor.worker.jax_target import target_devices
+
+    devices = list(devices) if devices is not None else target_devices(target)
+    config = engine_config(checkpoint, target, options, devices[0].platform)
+    devices = devices[:config.parallel.tensor_parallel_size]
+    worker = _shapes_worker(config, devices)
+    report = _empty_report(config, target, worker, libtpu_version())
+    _refuse_early(report)
+    report.num_blocks = config.cache.num_blocks or _blocks_that_fit(report, config, devices, show_progress)
+    report.max_model_len = _context_length(report)
+    if config.compile.cache_dir is not None:
+        parts = job_parts(config, worker.jax, REGISTRY.fingerprint(jax_path=True))
+        job = AotJob.create(config.compile.cache_dir, parts, report.num_blocks, report.max_model_len, target.name)
+        worker.keep_in(job)
+        report.job_path = job.path
+    records = worker.compile_plan(report.num_blocks, report.max_model_len, show_progress)
+    report.graphs = [GraphFigures.of(r) for r in in_plan_order(records, worker.runner.plan)]
+    report.kernel_warnings = kernel_warnings(records)
+    if report.job_path is not None and report.fits:
+        job.write_manifest()
+    return report
+
+
+def _shapes_worker(config: EngineConfig, devices):
+    """A started worker of the slice with the model's shapes placed (its runner is replaced
+    when the cache is allocated)."""
+    from tpu_executor.worker.jax_target import TargetWorker
+
+    worker = TargetWorker(config, devices)
+    worker.init_device()
+    worker.load_model()
+    return worker
+
+
+def _empty_report(config: EngineConfig, target: Target, worker, libtpu: str) -> CompileReport:
+    usable = int(target.chip.hbm_bytes * config.cache.memory_utilization)
+    return CompileReport(target, libtpu, config, worker.weight_bytes, worker.cache_block_bytes_per_chip(), usable,
+                         num_blocks=0, max_model_len=config.max_model_len,
+                         strict_kernels=config.compile.strict_kernels)
+
+
+def _min_blocks(config: EngineConfig) -> int:
+    """The fewest blocks a job may run with: one sequence of the context length the user set
+    (a default one is lowered to what fits), plus the null block."""
+    return config.max_blocks_per_seq + 1 if config.model.max_model_len is not None else 2
+
+
+def _refuse_early(report: CompileReport) -> None:
+    config = report.config
+    needed = report.weight_bytes + _min_blocks(config) * report.block_bytes
+    if needed > report.usable_bytes:
+        over = needed - report.usable_bytes
+        raise DoesNotFit(
+            f"{report.target.name}: the weights take {report.weight_bytes / GIB:.2f} GiB per chip and "
+            f"{_min_blocks(config)} KV blocks {_min_blocks(config) * report.block_bytes / GIB:.2f} GiB, "
+            f"{over / GIB:.2f} GiB over the {report.usable_bytes / GIB:.2f} GiB usable of each chip's "
+            f"{report.target.chip.hbm_bytes / GIB:.1f} GiB (memory_utilization {config.cache.memory_utilization}); "
+            f"nothing was compiled. To fit: {remedies()}")
+
+
+def _blocks_that_fit(report: CompileReport, config: EngineConfig, devices, show_progress: bool) -> int:
+    """Compile the largest prefill and decode graphs over a minimal cache; the cache gets what
+    each chip's usable HBM leaves beside the larger of them."""
+    from tpu_executor.core.buckets import BucketPlan
+
+    graphs = BucketPlan.from_config(config).graphs()
+    largest = _largest_graphs(graphs)
+    probe = _shapes_worker(config, devices)
+    blocks = _min_blocks(config)
+    records = probe.compile_plan(blocks, config.max_model_len, show_progress, graphs=largest)
+    fixed = max(GraphFigures.of(r).peak for r in records) - blocks * report.block_bytes
+    fitting = (report.usable_bytes - fixed) // report.block_bytes
+    if fitting < _min_blocks(config):
+        probe_graph = max((GraphFigures.of(r) for r in records), key=lambda g: g.peak)
+        over = fixed + _min_blocks(config) * report.block_bytes - report.usable_bytes
+        raise DoesNotFit(f"{report.target.name}: graph '{probe_graph.name}' with the weights leaves no room for "
+                         f"{_min_blocks(config)} KV blocks: {over / GIB:.2f} GiB ({over} bytes) over the "
+                         f"{report.usable_bytes / GIB:.2f} GiB usable per chip. To fit: {remedies()}")
+    return int(fitting)
+
+
+def _largest_graphs(graphs) -> list:
+    prefill = max((g for g in graphs if isinstance(g, PrefillGraph)), key=lambda g: (g.num_tokens, g.keys))
+    decode = max((g for g in graphs if isinstance(g, DecodeGraph)), key=lambda g: (g.num_rows, g.context_blocks))
+    return [prefill, decode]
+
+
+def _context_length(report: CompileReport) -> int:
+    """The context length the engine serves with ``report.num_blocks`` blocks (a default one is
+    lowered to what they hold, as the TPU host's engine would)."""
+    fitted = fit_max_model_len(report.config, report.num_blocks)
+    return fitted.max_model_len
+
+
+def in_plan_order(records, plan) -> list:
+    """Compile records (in the order they finished) in the order of the plan's graphs."""
+    from tpu_executor.worker.model_runner import graph_label
+
+    order = {graph_label(g): i for i, g in enumerate(plan.graphs())}
+    return sorted(records, key=lambda r: order.get(r.label, len(order)))
+
+
+def kernel_warnings(records) -> List[str]:
+    """One line per op and shapes where a Pallas kernel refused the call and another provider
+    serves it (each line once, however many layers and graphs repeat it)."""
+    lines = []
+    for record in records:
+        for choice in record.program.kernels:
+            for provider, reason in choice.refused:
+                line = f"{choice.op} at [{choice.shapes}]: {provider} refused ({reason}); {choice.provider} serves it"
+                if line not in lines:
+                    lines.append(line)
+    return lines
+

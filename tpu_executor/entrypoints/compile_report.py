@@ -1,0 +1,70 @@
+"""What ``tpu-executor compile`` prints and writes: a table of the compiled graphs (compile
+seconds, HBM per chip, the compiler's FLOPs and bytes, Pallas kernels), the HBM fit, and the
+same facts as JSON."""
+from __future__ import annotations
+
+from typing import Dict, List
+
+from tpu_executor.core.tpu_slices import GIB
+from tpu_executor.entrypoints.compile_job import CompileReport, GraphFigures
+
+MIB = 1 << 20
+COLUMNS = ("graph", "compile s", "args MiB", "out MiB", "temp MiB", "code MiB", "GFLOP", "GB accessed",
+           "Pallas kernels")
+
+
+def _row(graph: GraphFigures) -> List[str]:
+    return [graph.name, f"{graph.compile_seconds:.1f}", f"{graph.arguments / MIB:.1f}", f"{graph.outputs / MIB:.1f}",
+            f"{graph.temp / MIB:.1f}", f"{graph.code / MIB:.2f}", f"{graph.flops / 1e9:.3g}",
+            f"{graph.bytes_accessed / 1e9:.3g}", ", ".join(graph.pallas_kernels) or "-"]
+
+
+def print_table(graphs: List[GraphFigures]) -> None:
+    rows = [_row(g) for g in graphs]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(COLUMNS)]
+    for line in [list(COLUMNS)] + rows:
+        print("  ".join(cell.ljust(width) if i in (0, len(COLUMNS) - 1) else cell.rjust(width)
+                        for i, (cell, width) in enumerate(zip(line, widths))))
+
+
+def print_report(report: CompileReport, wall_seconds: float) -> None:
+    """The table, the kernel warnings, the fit and where the executables went."""
+    print_table(report.graphs)
+    for line in report.kernel_warnings:
+        print(f"warning: Pallas kernel refused: {line}")
+    target, config = report.target, report.config
+    compile_seconds = sum(g.compile_seconds for g in report.graphs)
+    print(f"{len(report.graphs)} graphs compiled by libtpu {report.libtpu} for {target.name} "
+          f"({target.topology_name}, {target.num_hosts} host(s), tensor_parallel_size "
+          f"{config.parallel.tensor_parallel_size}, {config.model.dtype}) in {wall_seconds:.0f} s "
+          f"({compile_seconds:.0f} s of compiler time), 0 failures")
+    print(f"per chip: weights {report.weight_bytes / GIB:.2f} GiB + KV cache {report.num_blocks} blocks x "
+          f"{report.block_bytes / MIB:.2f} MiB = {report.num_blocks * report.block_bytes / GIB:.2f} GiB; "
+          f"peak {report.peak_bytes / GIB:.2f} GiB in '{report.peak_graph.name}' of "
+          f"{report.usable_bytes / GIB:.2f} GiB usable ({config.cache.memory_utilization:.0%} of "
+          f"{target.chip.hbm_bytes / GIB:.1f} GiB HBM): {report.verdict}")
+    full = (report.num_blocks - 1) // -(-report.max_model_len // config.cache.block_size)
+    print(f"serves a context of {report.max_model_len} tokens, {min(full, config.scheduler.max_num_seqs)} "
+          f"full-length sequences at once of max_num_seqs {config.scheduler.max_num_seqs} "
+          f"({(report.num_blocks - 1) * config.cache.block_size} tokens of KV cache)")
+    if report.job_path and report.fits:
+        print(f"executables: {report.job_path}; on the {target.name} host (libtpu {report.libtpu}): "
+              f"tpu-executor serve {config.model.model} --device jax --cache-dir {config.compile.cache_dir} "
+              "with the same engine options")
+
+
+def report_json(report: CompileReport) -> Dict:
+    """The report's facts under stable keys."""
+    return {
+        "target": report.target.name, "topology": report.target.topology_name, "libtpu": report.libtpu,
+        "fits": report.fits, "hbm_per_chip_bytes": int(report.target.chip.hbm_bytes),
+        "usable_bytes_per_chip": report.usable_bytes, "peak_bytes_per_chip": report.peak_bytes,
+        "weight_bytes_per_chip": report.weight_bytes, "kv_cache_blocks": report.num_blocks,
+        "kv_block_bytes_per_chip": report.block_bytes, "max_model_len": report.max_model_len,
+        "tensor_parallel_size": report.config.parallel.tensor_parallel_size, "dtype": report.config.model.dtype,
+        "executables": report.job_path if report.fits else None, "kernel_warnings": report.kernel_warnings,
+        "graphs": [{"name": g.name, "function": g.function, "compile_seconds": g.compile_seconds,
+                    "hbm": {"arguments": g.arguments, "outputs": g.outputs, "temp": g.temp, "code": g.code},
+                    "flops": g.flops, "bytes_accessed": g.bytes_accessed, "pallas_kernels": list(g.pallas_kernels)}
+                   for g in report.graphs],
+    }
