@@ -165,8 +165,10 @@ _EXPORTED_KERNELS: Dict[Tuple, Any] = {}
 
 
 def call_exported_kernel(jax_fn: Callable, static: Tuple, *arrays):
-    """``jax_fn(*arrays, **dict(static))``, the kernel traced and lowered apart, for the TPU,
-    with JAX's 64-bit mode off, and embedded in the calling program as a call.
+    """``jax_fn(*arrays, **dict(static))``. For a TPU (the chips of the mesh the JAX path
+    traces for) the kernel is traced and lowered apart, with JAX's 64-bit mode off, and
+    embedded in the calling program as a call; elsewhere (TPU interpret mode on a CPU, whose
+    host callbacks cannot be exported) it is traced inline.
 
     The JAX path traces its programs with 64-bit mode on (64-bit seeds and token ids), and
     Pallas TPU kernels cannot be lowered under it (Mosaic's int64 -> int32 conversion rule
@@ -177,6 +179,9 @@ def call_exported_kernel(jax_fn: Callable, static: Tuple, *arrays):
     from jax import export
     from jax.experimental import disable_x64
 
+    mesh = _mesh()
+    if (mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()) != "tpu":
+        return jax_fn(*arrays, **dict(static))  # TPU interpret mode on a CPU: plain HLO, no Mosaic
     key = (jax_fn, static, tuple((a.shape, a.dtype) for a in arrays))
     if key not in _EXPORTED_KERNELS:
         pin_mosaic_ir_version()

@@ -77,6 +77,8 @@ def test_help_shows_the_defaults_the_command_uses(command, checkpoints, capsys):
     for name, text in shown.items():
         if name == "max_model_len" and text.startswith("the checkpoint's context length"):
             assert config.max_model_len == checkpoint_limit(load_hf_config(checkpoints["llama"])), command
+        elif name == "dtype" and text == "auto":  # resolved for the device: fp32 on this CPU
+            assert config.model.dtype == "float32", command
         elif name == "async_scheduling" and text == "on for xla, jax and cuda, off for cpu":
             assert config.scheduler.async_scheduling == (config.device.device != "cpu"), command
         elif name != "num_blocks":  # "as many as fit": sized by the worker

@@ -39,6 +39,7 @@ class GraphFigures:
     flops: float
     bytes_accessed: float
     pallas_kernels: Tuple[str, ...]
+    providers: Tuple[Tuple[str, str], ...]  # (op, provider) of every op the graph calls
 
     @property
     def peak(self) -> int:
@@ -50,11 +51,12 @@ class GraphFigures:
         memory = record.compiled.memory_analysis()
         cost = record.compiled.cost_analysis() or {}
         cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
-        pallas = tuple(sorted({k.op for k in record.program.kernels if k.pallas}))
+        kernels = record.program.kernels
+        pallas = tuple(sorted({k.op for k in kernels if k.pallas}))
         return cls(record.label, record.function, record.seconds, memory.argument_size_in_bytes,
                    memory.output_size_in_bytes, memory.temp_size_in_bytes, memory.generated_code_size_in_bytes,
                    memory.alias_size_in_bytes, float(cost.get("flops", 0.0)),
-                   float(cost.get("bytes accessed", 0.0)), pallas)
+                   float(cost.get("bytes accessed", 0.0)), pallas, tuple(sorted({(k.op, k.provider) for k in kernels})))
 
 
 @dataclass
@@ -228,14 +230,7 @@ def in_plan_order(records, plan) -> list:
 
 
 def kernel_warnings(records) -> List[str]:
-    """One line per op and shapes where a Pallas kernel refused the call and another provider
-    serves it (each line once, however many layers and graphs repeat it)."""
-    lines = []
-    for record in records:
-        for choice in record.program.kernels:
-            for provider, reason in choice.refused:
-                line = f"{choice.op} at [{choice.shapes}]: {provider} refused ({reason}); {choice.provider} serves it"
-                if line not in lines:
-                    lines.append(line)
-    return lines
+    """Where a Pallas kernel refused a bucket's shapes (``jax_programs.refusal_lines``)."""
+    from tpu_executor.worker.jax_programs import refusal_lines
 
+    return refusal_lines(choice for record in records for choice in record.program.kernels)

@@ -65,6 +65,7 @@ def report_json(report: CompileReport) -> Dict:
         "executables": report.job_path if report.fits else None, "kernel_warnings": report.kernel_warnings,
         "graphs": [{"name": g.name, "function": g.function, "compile_seconds": g.compile_seconds,
                     "hbm": {"arguments": g.arguments, "outputs": g.outputs, "temp": g.temp, "code": g.code},
-                    "flops": g.flops, "bytes_accessed": g.bytes_accessed, "pallas_kernels": list(g.pallas_kernels)}
+                    "flops": g.flops, "bytes_accessed": g.bytes_accessed, "pallas_kernels": list(g.pallas_kernels),
+                    "providers": dict(g.providers)}
                    for g in report.graphs],
     }

@@ -60,6 +60,18 @@ class KernelChoice(NamedTuple):
     refused: Tuple[Tuple[str, str], ...]
 
 
+def refusal_lines(choices) -> List[str]:
+    """One line per op and shapes where a Pallas kernel refused a call that another provider
+    serves (each once, however many layers and graphs repeat it)."""
+    lines: List[str] = []
+    for choice in choices:
+        for provider, reason in choice.refused:
+            line = f"{choice.op} at [{choice.shapes}]: {provider} refused ({reason}); {choice.provider} serves it"
+            if line not in lines:
+                lines.append(line)
+    return lines
+
+
 class TracedProgram(NamedTuple):
     """One call signature's exported program, the inputs it updates, its outputs' structure,
     and the kernel providers its trace chose."""

@@ -306,10 +306,25 @@ class ModelRunner:
         graphs = self.plan.graphs() if graphs is None else graphs
         if self.jax_graphs is not None:
             self._compile_ahead(graphs, show_progress)  # compiled, not run: nothing is left to do at a first call
+            self._report_kernels()
         else:
             for graph in tqdm(graphs, desc="compiling buckets", disable=not show_progress):
                 self._run_dummy(graph)
         self.guard.end_warmup()
+
+    def _report_kernels(self) -> None:
+        """On a TPU, each op and shape where a Pallas kernel refused a bucket is a warning (an
+        error with ``strict_kernels``): a silent fallback to the reference costs speed."""
+        from tpu_executor.worker.jax_programs import refusal_lines
+
+        if self.jax_graphs.platform != "tpu":
+            return
+        lines = refusal_lines(self.jax_graphs.kernel_choices())
+        for line in lines:
+            logger.warning("Pallas kernel refused: %s", line)
+        if lines and self.config.compile.strict_kernels:
+            raise ValueError(f"strict_kernels: {len(lines)} op calls fall back from their Pallas kernel, "
+                             f"first: {lines[0]}")
 
     def _compile_ahead(self, graphs: Sequence[Graph], show_progress: bool) -> None:
         """JAX path: trace every graph of the plan (or read its traced program back), handing

@@ -59,7 +59,7 @@ def test_second_start_compiles_nothing_and_changes_miss(checkpoints, tmp_path, m
 
     from tpu_executor.kernels.registry import OpRegistry
 
-    monkeypatch.setattr(OpRegistry, "fingerprint", lambda self: "a-changed-kernel-source")
+    monkeypatch.setattr(OpRegistry, "fingerprint", lambda self, jax_path=False: "a-changed-kernel-source")
     other_kernels, _ = start(path, tmp_path)
     assert other_kernels.stats().compile_cache_hits == 0
     assert len(os.listdir(tmp_path)) == 3  # one directory per (model, config, plan, kernels, versions)
