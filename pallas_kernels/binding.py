@@ -95,15 +95,16 @@ def tpu_provider(name: str, priority: int, op_factory: Callable, problem_fn: Cal
 
 
 def jax_tpu_provider(name: str, priority: int, jax_fn: Callable, problem_fn: Callable,
-                     sources: Tuple[str, ...], splits_heads: bool = False) -> Provider:
+                     sources: Tuple[str, ...], split=None) -> Provider:
     """The JAX path's provider of a Pallas kernel: only where JAX runs on TPU, only for
     torchax tensors whose shapes ``problem_fn`` accepts. ``jax_fn`` (the same adapter the
-    torch_xla binding calls) runs inline in the traced program, int64 metadata as int32.
+    torch_xla binding calls) runs in the traced program, int64 metadata as int32.
 
     Under SPMD (a mesh of several chips) a kernel is an opaque custom call that XLA cannot
-    partition: an attention kernel (``splits_heads``: q ``[T, heads, d]`` first, then the K/V
-    pages ``[kv_heads, ...]``) runs per chip on its share of the heads through ``shard_map``,
-    when both head counts divide over the chips; otherwise the reference serves."""
+    partition: it runs per chip through ``shard_map`` as ``split`` says (``mesh_split.py``:
+    attention over its heads, grouped matmul over the experts' split features), when the call
+    splits over the chips and one chip's share passes ``problem_fn``; otherwise the reference
+    serves."""
     def explain(first, *args, **kwargs) -> Optional[str]:
         if not is_jax_tensor(first):
             return "not a JAX-path tensor"
@@ -111,15 +112,14 @@ def jax_tpu_provider(name: str, priority: int, jax_fn: Callable, problem_fn: Cal
         chips = _mesh_size()
         if problem is not None or chips == 1:
             return problem
-        if not splits_heads:
+        if split is None:
             return f"an opaque kernel call cannot be split over {chips} chips"
-        if first.shape[1] % chips or args[0].shape[0] % chips:
-            return f"{first.shape[1]} heads / {args[0].shape[0]} KV heads do not split over {chips} chips"
-        return None
+        every = (first,) + args
+        return split.problem(chips, every, kwargs) or problem_fn(*split.local_args(chips, every, kwargs), **kwargs)
 
-    return Provider(name, functools.partial(call_on_jax, jax_fn), priority=priority, supported=on_jax_tpu,
+    return Provider(name, functools.partial(call_on_jax, jax_fn, split), priority=priority, supported=on_jax_tpu,
                     supports_args=lambda *args, **kwargs: explain(*args, **kwargs) is None, explain=explain,
-                    sources=(jax_fn.__module__,) + tuple(sources), jax_path=True)
+                    sources=(jax_fn.__module__, "tpu_executor.kernels.mesh_split") + tuple(sources), jax_path=True)
 
 
 def torchax_env():
@@ -149,15 +149,15 @@ def _mesh_size() -> int:
     return 1 if mesh is None else mesh.size
 
 
-def call_on_jax(jax_fn: Callable, *args, **kwargs):
+def call_on_jax(jax_fn: Callable, split, *args, **kwargs):
     """``jax_fn`` on torchax tensors (keyword arguments static), integer tensors as int32; on
-    a mesh of several chips, per chip over its heads (``over_heads``)."""
+    a mesh of several chips, per chip as ``split`` says (``mesh_split.py``)."""
     from torchax import interop
 
     args = [a.to(torch.int32) if isinstance(a, torch.Tensor) and a.dtype == torch.int64 else a for a in args]
     fn = functools.partial(call_exported_kernel, jax_fn, tuple(sorted(kwargs.items())))
     if _mesh_size() > 1:
-        fn = over_heads(fn, _mesh(), len(args))
+        fn = split.wrap(fn, _mesh(), len(args), kwargs)
     return interop.call_jax(fn, *args)
 
 
@@ -190,18 +190,6 @@ def call_exported_kernel(jax_fn: Callable, static: Tuple, *arrays):
             kernel = jax.jit(functools.partial(jax_fn, **dict(static)))
             _EXPORTED_KERNELS[key] = export.export(kernel, platforms=("tpu",))(*shapes)
     return _EXPORTED_KERNELS[key].call(*arrays)
-
-
-def over_heads(fn: Callable, mesh, num_args: int) -> Callable:
-    """``fn`` run on every chip of ``mesh`` over its share of the heads: q ``[T, heads, d]``
-    and the K/V pages ``[kv_heads, ...]`` split over the mesh's axis, the metadata after them
-    whole; the output split like q."""
-    import jax
-    from jax.sharding import PartitionSpec
-
-    axis = mesh.axis_names[0]
-    specs = (PartitionSpec(None, axis), PartitionSpec(axis), PartitionSpec(axis)) + (PartitionSpec(),) * (num_args - 3)
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(None, axis), check_vma=False)
 
 
 @functools.lru_cache(maxsize=None)

@@ -58,8 +58,9 @@ def sparse_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, 
     rows = num_tokens * top_k
     # Pad rows to the kernel's row tile; padding rows lie past the last group and come back zero.
     lhs = torch.nn.functional.pad(x[token_of_row], (0, 0, 0, padded_rows(rows, x.dtype) - rows))
-    gate, up = gmm(lhs, w13, group_sizes).chunk(2, dim=-1)
-    out = gmm(act(gate) * up, w2, group_sizes)[:rows]
+    # Megatron's split: gate/up by their output features, down by its input features.
+    gate, up = gmm(lhs, w13, group_sizes, tp_split="columns").chunk(2, dim=-1)
+    out = gmm(act(gate) * up, w2, group_sizes, tp_split="rows")[:rows]
     out = out * weights.reshape(-1)[order].to(out.dtype)[:, None]
     return torch.zeros_like(x).index_add(0, token_of_row, out)
 

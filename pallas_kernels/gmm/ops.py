@@ -6,17 +6,18 @@ import torch
 
 from tpu_executor.kernels.binding import eager_only, first_problem, jax_backed_op, jax_tpu_provider, tpu_provider
 from tpu_executor.kernels.gmm import reference
+from tpu_executor.kernels.mesh_split import EXPERT_WEIGHTS
 from tpu_executor.kernels.registry import REGISTRY, Provider
 from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
 from tpu_executor.kernels.tpu_layout import gmm_row_tile, torch_dtype_name
 
 OP_NAME = "gmm"
 KERNEL_MODULE = "tpu_executor.kernels.gmm.kernel"
-SCHEMA = ("(Tensor lhs, Tensor rhs, Tensor group_sizes, *, bool transpose_rhs=False, "
+SCHEMA = ("(Tensor lhs, Tensor rhs, Tensor group_sizes, *, bool transpose_rhs=False, str? tp_split=None, "
           "bool interpret=False) -> Tensor")
 
 
-def fake(lhs, rhs, group_sizes, *, transpose_rhs=False):
+def fake(lhs, rhs, group_sizes, *, transpose_rhs=False, tp_split=None):
     """Output shape and dtype, for tracing providers that are opaque custom calls."""
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     return lhs.new_empty(lhs.shape[0], n)
@@ -49,7 +50,7 @@ SPEC = OpSpec(
                 torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2)})
 
 
-def shape_problem(lhs, rhs, group_sizes, *, transpose_rhs=False, require_whole_tiles=False):
+def shape_problem(lhs, rhs, group_sizes, *, transpose_rhs=False, tp_split=None, require_whole_tiles=False):
     """Why our kernel's TPU constraints reject these tensors, or None when they fit."""
     from tpu_executor.kernels.gmm import kernel
 
@@ -68,13 +69,13 @@ def shape_problem(lhs, rhs, group_sizes, *, transpose_rhs=False, require_whole_t
     return first_problem(lambda: kernel.validate(m, k, n, rhs.shape[0], dtype_name, tiling))
 
 
-def _pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, interpret=False):
+def _pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tp_split=None, interpret=False):
     from tpu_executor.kernels.gmm import kernel
 
     return kernel.gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, interpret=interpret)
 
 
-def _megablox_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, interpret=False):
+def _megablox_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tp_split=None, interpret=False):
     """JAX's shipped kernel, adapted to our contract: rows past the last group are zero
     (megablox leaves them undefined)."""
     import jax.numpy as jnp
@@ -91,7 +92,7 @@ def _megablox_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, interpret=False
     return jnp.where(covered, out, 0).astype(lhs.dtype)
 
 
-def _eager_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False):
+def _eager_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tp_split=None):
     """Only each group's real rows times its matrix, by slicing on the group sizes: the
     reference's cost without its ``groups``-fold work. Data-dependent shapes, so it serves
     eager (untraced) CPU/GPU calls only - the native path."""
@@ -121,7 +122,8 @@ def register(registry=REGISTRY) -> None:
     non-XLA calls, then the reference (which accepts everything)."""
     registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem,
                                             sources=(KERNEL_MODULE,)))
-    registry.register(OP_NAME, jax_tpu_provider("pallas_jax", 20, _pallas_gmm, shape_problem, sources=(KERNEL_MODULE,)))
+    registry.register(OP_NAME, jax_tpu_provider("pallas_jax", 20, _pallas_gmm, shape_problem, sources=(KERNEL_MODULE,),
+                                                split=EXPERT_WEIGHTS))
     registry.register(OP_NAME, tpu_provider(
         "jax_megablox", 10, megablox_op,
         lambda *a, **kw: shape_problem(*a, require_whole_tiles=True, **kw),
@@ -137,6 +139,8 @@ def padded_rows(m: int, dtype: torch.dtype) -> int:
     return -(-m // tile) * tile
 
 
-def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False):
-    """Grouped matmul; see ``reference.gmm`` for the contract."""
-    return REGISTRY.dispatch(OP_NAME, lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
+def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tp_split=None):
+    """Grouped matmul; see ``reference.gmm`` for the contract. ``tp_split`` says how ``rhs``
+    is split over tensor-parallel chips ("columns": its output features, "rows": its input
+    features, as ``lhs``'s): the JAX path runs the kernel per chip by it."""
+    return REGISTRY.dispatch(OP_NAME, lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, tp_split=tp_split)

@@ -9,6 +9,8 @@ sum(group_sizes) (and rows a group would place past m) are zero. Accumulates in 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -24,8 +26,9 @@ def row_groups(group_sizes: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def gmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *,
-        transpose_rhs: bool = False) -> torch.Tensor:
+        transpose_rhs: bool = False, tp_split: Optional[str] = None) -> torch.Tensor:
     """Each row times its group's matrix, as one masked batched matmul over groups.
+    ``tp_split`` (how a mesh splits ``rhs``) changes nothing here: XLA partitions this.
 
     Fixed shapes only (no data-dependent slicing), so it compiles once per shape under XLA;
     it does ``groups`` times the work of a real grouped matmul, which is why it is the

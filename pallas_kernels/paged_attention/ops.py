@@ -6,6 +6,7 @@ import torch
 
 from tpu_executor.kernels.binding import eager_only, first_problem, jax_backed_op, jax_tpu_provider, tpu_provider
 from tpu_executor.kernels.paged_attention import cpu_native, eager, reference
+from tpu_executor.kernels.mesh_split import HEADS
 from tpu_executor.kernels.registry import REGISTRY, Provider
 from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
 from tpu_executor.kernels.tpu_layout import check_attention_operands, torch_dtype_name
@@ -129,7 +130,7 @@ def register(registry=REGISTRY) -> None:
     registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem,
                                             sources=(KERNEL_MODULE,)))
     registry.register(OP_NAME, jax_tpu_provider("pallas_jax", 20, _pallas_paged_attention, shape_problem,
-                                                sources=(KERNEL_MODULE,), splits_heads=True))
+                                                sources=(KERNEL_MODULE,), split=HEADS))
     # Below ours: it rounds K/V to bf16 and has no sliding window.
     registry.register(OP_NAME, tpu_provider(
         "jax_paged_attention", 10, jax_shipped_op, shipped_kernel_problem,

@@ -7,6 +7,7 @@ import torch
 from tpu_executor.kernels.binding import eager_only, first_problem, jax_backed_op, jax_tpu_provider, tpu_provider
 from tpu_executor.kernels.paged_attention.ops import random_block_tables
 from tpu_executor.kernels.prefill_attention import cpu_native, eager, reference
+from tpu_executor.kernels.mesh_split import HEADS
 from tpu_executor.kernels.registry import REGISTRY, Provider
 from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
 from tpu_executor.kernels.tpu_layout import check_attention_operands, torch_dtype_name
@@ -107,7 +108,7 @@ def register(registry=REGISTRY) -> None:
     contract (its flash attention knows neither pages, packed positions, soft-cap nor windows)."""
     registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem, sources=(KERNEL_MODULE,)))
     registry.register(OP_NAME, jax_tpu_provider("pallas_jax", 20, _pallas_prefill_attention, shape_problem,
-                                                sources=(KERNEL_MODULE,), splits_heads=True))
+                                                sources=(KERNEL_MODULE,), split=HEADS))
     registry.register(OP_NAME, Provider("cpu_c", cpu_native.prefill_attention, priority=6,
                                         supported=cpu_native.supported, supports_args=cpu_native.supports_args))
     registry.register(OP_NAME, Provider("eager_segments", eager.prefill_attention, priority=5,

@@ -100,7 +100,7 @@ def test_jax_provider_on_a_mesh_needs_heads_that_divide(op, kv_heads, on_two_chi
 
 
 def run_over_two_chips(op: str) -> int:
-    """``over_heads`` (what the provider wraps its kernel in on a mesh) around the op's
+    """``mesh_split.HEADS`` (how the provider wraps its kernel on a mesh) around the op's
     reference on two virtual CPU chips, each with its share of the heads, against the
     reference on the whole arrays. (Pallas's TPU interpret mode cannot run across several
     devices of one process, so the kernel itself is checked per chip by the cases above.)"""
@@ -114,7 +114,8 @@ def run_over_two_chips(op: str) -> int:
     from jax.sharding import Mesh
     from torchax import interop
 
-    from tpu_executor.kernels.binding import jax_to_torch, over_heads, torch_to_jax
+    from tpu_executor.kernels.binding import jax_to_torch, torch_to_jax
+    from tpu_executor.kernels.mesh_split import HEADS
 
     module, env = ops_module(op), torchax_env()
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
@@ -127,7 +128,7 @@ def run_over_two_chips(op: str) -> int:
             with env:
                 return interop.jax_view(module.SPEC.reference(*interop.torch_view(arrays), **case.kwargs))
 
-        split = over_heads(functools.partial(reference), mesh, len(case.args))
+        split = HEADS.wrap(functools.partial(reference), mesh, len(case.args), case.kwargs)
         with enable_x64():
             got = jax_to_torch(jax.jit(split)(*[torch_to_jax(a) for a in case.args]))
         module.SPEC.assert_close(got, case.run(module.SPEC.reference), case.label)

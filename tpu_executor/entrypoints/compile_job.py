@@ -126,6 +126,7 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
     here, with the slice's HBM figures)."""
     from tpu_executor.kernels.registry import REGISTRY
     from tpu_executor.worker.jax_aot import AotJob, job_parts
+    from tpu_executor.worker.jax_graphs import GraphCompileError
     from tpu_executor.worker.jax_runtime import libtpu_version
     from tpu_executor.worker.jax_target import target_devices
 
@@ -142,7 +143,10 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
         job = AotJob.create(config.compile.cache_dir, parts, report.num_blocks, report.max_model_len, target.name)
         worker.keep_in(job)
         report.job_path = job.path
-    records = worker.compile_plan(report.num_blocks, report.max_model_len, show_progress)
+    try:
+        records = worker.compile_plan(report.num_blocks, report.max_model_len, show_progress)
+    except GraphCompileError as err:
+        raise ValueError(f"the TPU compiler refused the job for {target.name}: {err}") from err
     report.graphs = [GraphFigures.of(r) for r in in_plan_order(records, worker.runner.plan)]
     report.kernel_warnings = kernel_warnings(records)
     if report.job_path is not None and report.fits:

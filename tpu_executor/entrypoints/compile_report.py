@@ -37,7 +37,7 @@ def print_report(report: CompileReport, wall_seconds: float) -> None:
     print(f"{len(report.graphs)} graphs compiled by libtpu {report.libtpu} for {target.name} "
           f"({target.topology_name}, {target.num_hosts} host(s), tensor_parallel_size "
           f"{config.parallel.tensor_parallel_size}, {config.model.dtype}) in {wall_seconds:.0f} s "
-          f"({compile_seconds:.0f} s of compiler time), 0 failures")
+          f"({compile_seconds:.0f} s of compiler time)")
     print(f"per chip: weights {report.weight_bytes / GIB:.2f} GiB + KV cache {report.num_blocks} blocks x "
           f"{report.block_bytes / MIB:.2f} MiB = {report.num_blocks * report.block_bytes / GIB:.2f} GiB; "
           f"peak {report.peak_bytes / GIB:.2f} GiB in '{report.peak_graph.name}' of "

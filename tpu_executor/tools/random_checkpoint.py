@@ -157,9 +157,10 @@ RESIDUAL_GAIN = 16.0
 TIED_RESIDUAL_GAIN = 32.0
 
 
-# Sizes the Pallas TPU kernels take (head_dim 128; heads and KV heads that split over 8 chips),
+# Sizes the Pallas TPU kernels take (head_dim 128; heads, KV heads and every expert's features
+# that split over 8 chips into whole 128-lane tiles),
 # small enough to compile for a TPU in seconds: configs for ``tpu-executor compile``.
-TPU_TINY = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+TPU_TINY = dict(vocab_size=1024, hidden_size=256, intermediate_size=2048, num_hidden_layers=2,
                 num_attention_heads=8, num_key_value_heads=8, head_dim=128, max_position_embeddings=2048)
 
 

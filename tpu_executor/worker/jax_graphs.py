@@ -64,6 +64,10 @@ class Pending(NamedTuple):
     label: str
 
 
+class GraphCompileError(RuntimeError):
+    """XLA (or libtpu) refused a graph; the message names it."""
+
+
 class CompileRecord(NamedTuple):
     """One executable compiled at warm-up: the graph it serves, its function, how long XLA
     took, and the executable (its memory and cost analyses)."""
@@ -181,7 +185,11 @@ class JaxFunction:
         if pending is None:
             return
         start = time.perf_counter()
-        compiled = pending.lowered.compile()
+        try:
+            compiled = pending.lowered.compile()
+        except Exception as err:  # noqa: BLE001 - named by its graph, raised as the compiler's error
+            raise GraphCompileError(f"compiling {pending.label or self.name} failed: {type(err).__name__}: "
+                                    f"{str(err)[:2000]}") from err
         seconds = time.perf_counter() - start
         self.executables[pending.signature] = (compiled, pending.program)
         if self.graphs.compiling_ahead:

@@ -64,6 +64,13 @@ class TargetRuntime(JaxRuntime):
 
         return self.place(_Shape(tuple(tensor.shape), t2j_dtype(tensor.dtype)), sharding)
 
+    def zeros(self, shape, dtype: torch.dtype, split=None):
+        """Zeros' shape and placement only (a slice's KV cache may be larger than this host)."""
+        from torchax.ops.mappings import t2j_dtype
+        from torchax.tensor import Tensor as JaxTensor
+
+        return JaxTensor(self.place(_Shape(tuple(shape), t2j_dtype(dtype)), self.sharding(shape, split)), self.env)
+
     def memory_figures(self):
         raise ValueError("compile-only devices have no memory figures: the compile sizes the KV cache")
 

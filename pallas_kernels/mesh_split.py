@@ -1,0 +1,91 @@
+"""How a Pallas kernel runs under SPMD on the JAX path: per chip, through ``shard_map``, over
+its share of the operands.
+
+A kernel is an opaque custom call that XLA's partitioner cannot split, so a mesh of several
+chips either runs it per chip on operands split the way the model's weights and caches are
+placed (``jax_runtime.SPLIT_DIMS``), or falls back to the op's reference. Each split says
+whether a call can be split over the chips, what one chip's operands look like (the kernel's
+own shape checks run on them), and how to wrap the kernel.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+
+def _local(tensor: torch.Tensor, dim: int, chips: int) -> torch.Tensor:
+    """A meta tensor shaped like one chip's share of ``tensor`` split on ``dim``."""
+    shape = list(tensor.shape)
+    shape[dim] //= chips
+    return torch.empty(shape, dtype=tensor.dtype, device="meta")
+
+
+class OverHeads:
+    """Attention: q ``[T, heads, d]`` first, then the K/V pages ``[kv_heads, ...]`` (the KV
+    cache is split over its heads), the metadata after them whole; the output split like q."""
+
+    def problem(self, chips: int, args: Sequence, kwargs) -> Optional[str]:
+        if args[0].shape[1] % chips or args[1].shape[0] % chips:
+            return f"{args[0].shape[1]} heads / {args[1].shape[0]} KV heads do not split over {chips} chips"
+        return None
+
+    def local_args(self, chips: int, args: Sequence, kwargs) -> list:
+        return [_local(args[0], 1, chips), _local(args[1], 0, chips), _local(args[2], 0, chips), *args[3:]]
+
+    def wrap(self, fn: Callable, mesh, num_args: int, kwargs) -> Callable:
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        axis = mesh.axis_names[0]
+        specs = (P(None, axis), P(axis), P(axis)) + (P(),) * (num_args - 3)
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(None, axis), check_vma=False)
+
+
+class OverExpertWeights:
+    """Grouped matmul over expert weights split as Megatron splits the experts: the fused
+    gate/up weights by their output features (``tp_split="columns"``: lhs whole, the output
+    split like the weights), the down weights by their input features (``"rows"``: lhs split
+    the same way, each chip's partial sums added over the mesh)."""
+
+    def _dims(self, kwargs):
+        """(rhs dim split, lhs dim split or None) for the call's ``tp_split``."""
+        transposed = kwargs.get("transpose_rhs", False)
+        if kwargs.get("tp_split") == "columns":
+            return (1 if transposed else 2), None
+        return (2 if transposed else 1), 1
+
+    def problem(self, chips: int, args: Sequence, kwargs) -> Optional[str]:
+        split = kwargs.get("tp_split")
+        if split not in ("columns", "rows"):
+            return f"tp_split={split!r}: the caller did not say how the expert weights are split"
+        rhs_dim, _ = self._dims(kwargs)
+        if args[1].shape[rhs_dim] % chips:
+            return f"expert weights {list(args[1].shape)} do not split over {chips} chips on dim {rhs_dim}"
+        return None
+
+    def local_args(self, chips: int, args: Sequence, kwargs) -> list:
+        rhs_dim, lhs_dim = self._dims(kwargs)
+        lhs = args[0] if lhs_dim is None else _local(args[0], lhs_dim, chips)
+        return [lhs, _local(args[1], rhs_dim, chips), *args[2:]]
+
+    def wrap(self, fn: Callable, mesh, num_args: int, kwargs) -> Callable:
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        axis = mesh.axis_names[0]
+        rhs_dim, lhs_dim = self._dims(kwargs)
+        rhs_spec = P(*[axis if d == rhs_dim else None for d in range(3)])
+        if lhs_dim is None:
+            return jax.shard_map(fn, mesh=mesh, in_specs=(P(), rhs_spec, P()), out_specs=P(None, axis),
+                                 check_vma=False)
+
+        def summed(*arrays):
+            return jax.lax.psum(fn(*arrays), axis)
+
+        return jax.shard_map(summed, mesh=mesh, in_specs=(P(None, axis), rhs_spec, P()), out_specs=P(),
+                             check_vma=False)
+
+
+HEADS = OverHeads()
+EXPERT_WEIGHTS = OverExpertWeights()
