@@ -96,15 +96,16 @@ def rope_frequencies(hf_config, head_dim: int, layer_type: Optional[str] = None)
     check_rope(hf_config)
     params = rope_parameters(hf_config, layer_type)
     rope_type = params["rope_type"]
-    if rope_type == "default":
-        theta = float(params["rope_theta"])
-        # On the CPU even while a model is built on the meta device: the frequencies are the
-        # config's, and equal ones are shared between layers (``frequencies_key``).
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
-        return 1.0 / (theta ** exponents), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    # On the CPU even while a model is built on the meta device: the frequencies are the
+    # config's (a few numbers), and equal ones are shared between layers (``frequencies_key``).
+    with torch.device("cpu"):
+        if rope_type == "default":
+            theta = float(params["rope_theta"])
+            return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", layer_type=per_type_key(hf_config, layer_type))
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu",
+                                                           layer_type=per_type_key(hf_config, layer_type))
     return inv_freq, float(scaling)
 
 

@@ -73,7 +73,6 @@ class CompileReport:
     max_model_len: int
     graphs: List[GraphFigures] = field(default_factory=list)
     kernel_warnings: List[str] = field(default_factory=list)
-    strict_kernels: bool = False
     job_path: Optional[str] = None
 
     @property
@@ -146,12 +145,22 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
     try:
         records = worker.compile_plan(report.num_blocks, report.max_model_len, show_progress)
     except GraphCompileError as err:
+        if "RESOURCE_EXHAUSTED" in str(err):
+            raise DoesNotFit(_out_of_memory(report, err)) from err
         raise ValueError(f"the TPU compiler refused the job for {target.name}: {err}") from err
     report.graphs = [GraphFigures.of(r) for r in in_plan_order(records, worker.runner.plan)]
     report.kernel_warnings = kernel_warnings(records)
     if report.job_path is not None and report.fits:
         job.write_manifest()
     return report
+
+
+def _out_of_memory(report: CompileReport, err: Exception) -> str:
+    """The compiler's own out-of-memory report, with what to change."""
+    first = str(err).split("\n")[0]
+    copies = ("; a graph whose ops fall back to their reference (see the kernel warnings) may copy the KV cache: "
+              f"give --num-blocks below {report.num_blocks // 2}" if report.config.cache.num_blocks is None else "")
+    return (f"{report.target.name}: {first}{copies}. To fit: {remedies()}")
 
 
 def _shapes_worker(config: EngineConfig, devices):
@@ -168,8 +177,7 @@ def _shapes_worker(config: EngineConfig, devices):
 def _empty_report(config: EngineConfig, target: Target, worker, libtpu: str) -> CompileReport:
     usable = int(target.chip.hbm_bytes * config.cache.memory_utilization)
     return CompileReport(target, libtpu, config, worker.weight_bytes, worker.cache_block_bytes_per_chip(), usable,
-                         num_blocks=0, max_model_len=config.max_model_len,
-                         strict_kernels=config.compile.strict_kernels)
+                         num_blocks=0, max_model_len=config.max_model_len)
 
 
 def _min_blocks(config: EngineConfig) -> int:
@@ -183,33 +191,58 @@ def _refuse_early(report: CompileReport) -> None:
     needed = report.weight_bytes + _min_blocks(config) * report.block_bytes
     if needed > report.usable_bytes:
         over = needed - report.usable_bytes
+        larger = _larger_slice(report, needed)
         raise DoesNotFit(
             f"{report.target.name}: the weights take {report.weight_bytes / GIB:.2f} GiB per chip and "
             f"{_min_blocks(config)} KV blocks {_min_blocks(config) * report.block_bytes / GIB:.2f} GiB, "
             f"{over / GIB:.2f} GiB over the {report.usable_bytes / GIB:.2f} GiB usable of each chip's "
             f"{report.target.chip.hbm_bytes / GIB:.1f} GiB (memory_utilization {config.cache.memory_utilization}); "
-            f"nothing was compiled. To fit: {remedies()}")
+            f"nothing was compiled. To fit: use more chips{larger} or --quantization int8"
+            + (", or a shorter --max-model-len" if config.model.max_model_len is not None else ""))
+
+
+def _larger_slice(report: CompileReport, needed_per_chip: int) -> str:
+    """`` (e.g. --target v6e-8)``: the smallest slice of the same chips whose share would fit,
+    counting every byte as split over the chips (replicated ones make it a lower bound)."""
+    from tpu_executor.core.tpu_slices import GRIDS_2D, GRIDS_3D
+
+    target = report.target
+    total = needed_per_chip * report.config.parallel.tensor_parallel_size
+    for chips in sorted(GRIDS_3D if target.is_3d else GRIDS_2D):
+        if chips > target.num_chips and total / chips <= report.usable_bytes:
+            return f" (at least --target {Target(target.chip, chips).name})"
+    return ""
 
 
 def _blocks_that_fit(report: CompileReport, config: EngineConfig, devices, show_progress: bool) -> int:
-    """Compile the largest prefill and decode graphs over a minimal cache; the cache gets what
-    each chip's usable HBM leaves beside the larger of them."""
+    """Compile the largest prefill and decode graphs over two small caches: a graph's bytes grow
+    with the cache by at least its own size (more where a graph copies it: the reference
+    attention gathers it), so the line through the two gives the blocks each chip's usable HBM
+    holds beside the larger graph."""
     from tpu_executor.core.buckets import BucketPlan
 
-    graphs = BucketPlan.from_config(config).graphs()
-    largest = _largest_graphs(graphs)
-    probe = _shapes_worker(config, devices)
-    blocks = _min_blocks(config)
-    records = probe.compile_plan(blocks, config.max_model_len, show_progress, graphs=largest)
-    fixed = max(GraphFigures.of(r).peak for r in records) - blocks * report.block_bytes
-    fitting = (report.usable_bytes - fixed) // report.block_bytes
-    if fitting < _min_blocks(config):
-        probe_graph = max((GraphFigures.of(r) for r in records), key=lambda g: g.peak)
-        over = fixed + _min_blocks(config) * report.block_bytes - report.usable_bytes
-        raise DoesNotFit(f"{report.target.name}: graph '{probe_graph.name}' with the weights leaves no room for "
+    largest = _largest_graphs(BucketPlan.from_config(config).graphs())
+    small, large = _min_blocks(config), 2 * _min_blocks(config) + 64
+    peaks = [_probe_peaks(config, devices, blocks, largest, show_progress) for blocks in (small, large)]
+    fitting = None
+    for name in peaks[0]:
+        per_block = max(report.block_bytes, (peaks[1][name] - peaks[0][name]) / (large - small))
+        blocks = int((report.usable_bytes - peaks[0][name]) // per_block) + small
+        if fitting is None or blocks < fitting[0]:
+            fitting = (blocks, name, peaks[0][name] + (_min_blocks(config) - small) * per_block)
+    if fitting[0] < _min_blocks(config):
+        over = int(peaks[0][fitting[1]] - report.usable_bytes)
+        raise DoesNotFit(f"{report.target.name}: graph '{fitting[1]}' with the weights leaves no room for "
                          f"{_min_blocks(config)} KV blocks: {over / GIB:.2f} GiB ({over} bytes) over the "
                          f"{report.usable_bytes / GIB:.2f} GiB usable per chip. To fit: {remedies()}")
-    return int(fitting)
+    return fitting[0]
+
+
+def _probe_peaks(config: EngineConfig, devices, blocks: int, graphs, show_progress: bool) -> Dict[str, int]:
+    """{graph: peak bytes per chip} of ``graphs`` compiled over a cache of ``blocks`` blocks."""
+    probe = _shapes_worker(config, devices)
+    records = probe.compile_plan(blocks, config.max_model_len, show_progress, graphs=graphs)
+    return {r.label: GraphFigures.of(r).peak for r in records}
 
 
 def _largest_graphs(graphs) -> list:

@@ -1,0 +1,71 @@
+"""Every Pallas kernel compiled by the TPU compiler itself (libtpu, ahead of time, no TPU),
+lowered as each path lowers it: a plain ``jax.jit(...).lower()`` (what torch_xla's
+``call_jax`` does) and the JAX path's exported kernel call inside a 64-bit program. The
+installed libtpu is the one ``torch_xla[tpu]`` pins, and it reads Mosaic IR version 7 only:
+these compile because every lowering is pinned to it (``tpu_layout.pin_mosaic_ir_version``)."""
+import importlib.metadata
+
+import pytest
+
+from tests.pallas_kernels.kernel_cases import in_fresh_process
+
+pytestmark = pytest.mark.slow  # libtpu's compiler, in a fresh interpreter
+
+LIBTPU = "0.0.21"  # torch_xla[tpu]==2.9.0's exact pin: one libtpu for both paths
+
+
+def test_the_installed_libtpu_is_the_one_torch_xla_pins():
+    assert importlib.metadata.version("libtpu") == LIBTPU
+    requirements = importlib.metadata.requires("torch_xla")
+    assert f'libtpu=={LIBTPU}; extra == "tpu"' in requirements
+
+
+def kernel_calls():
+    """(name, function, operand shapes) of each kernel at shapes a v5e takes."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from tpu_executor.kernels.gmm.kernel import gmm
+    from tpu_executor.kernels.paged_attention.kernel import paged_attention
+    from tpu_executor.kernels.prefill_attention.kernel import prefill_attention
+
+    shape = jax.ShapeDtypeStruct
+    pages = shape((2, 64, 16, 128), jnp.bfloat16)
+    ints = lambda n: shape((n,), jnp.int32)  # noqa: E731
+    return [
+        ("paged_attention", functools.partial(paged_attention, scale=0.1),
+         (shape((8, 8, 128), jnp.bfloat16), pages, pages, ints(8), shape((8, 32), jnp.int32))),
+        ("prefill_attention", functools.partial(prefill_attention, scale=0.1),
+         (shape((128, 8, 128), jnp.bfloat16), pages, pages, ints(256), ints(256), ints(256), ints(128), ints(128))),
+        ("gmm", gmm, (shape((256, 256), jnp.bfloat16), shape((4, 256, 512), jnp.bfloat16), ints(4))),
+    ]
+
+
+def compile_each_way() -> dict:
+    """{kernel: (plain lowering compiled, exported call compiled)} for one v5e chip."""
+    import jax
+    import numpy as np
+    from jax.experimental import enable_x64
+
+    from tpu_executor.core.tpu_slices import Target
+    from tpu_executor.kernels.binding import call_exported_kernel, torchax_env
+    from tpu_executor.worker.jax_target import target_devices
+
+    mesh = jax.sharding.Mesh(np.array(target_devices(Target.parse("v5e-1"))), ("tp",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    results = {}
+    for name, fn, shapes in kernel_calls():
+        placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in shapes]
+        plain = jax.jit(fn).lower(*placed).compile()
+        # As the JAX path traces (64-bit mode on, the mesh set): the kernel is exported apart.
+        with enable_x64(), torchax_env().override_property(mesh=mesh):
+            exported = jax.jit(lambda *a, fn=fn: call_exported_kernel(fn, (), *a)).lower(*placed).compile()
+        results[name] = ("tpu_custom_call" in plain.as_text(), "tpu_custom_call" in exported.as_text())
+    return results
+
+
+def test_every_kernel_compiles_for_a_tpu_both_ways():
+    assert in_fresh_process(compile_each_way) == {name: (True, True) for name in
+                                                  ("paged_attention", "prefill_attention", "gmm")}

@@ -1,0 +1,140 @@
+"""``tpu-executor compile``: a job compiled by libtpu for TPU slices on this CPU machine, every
+architecture's graphs holding their Pallas kernels, the report's keys, the fit check (a job
+refused before any compile), the kernel refusals, and ``dtype="auto"``."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.pallas_kernels.kernel_cases import in_fresh_process
+from tpu_executor.tools.random_checkpoint import ARCHITECTURES
+
+SMALL_PLAN = ["--max-model-len", "512", "--max-num-seqs", "8", "--prefill-buckets", "128", "--decode-buckets", "8",
+              "--decode-context-buckets", "512", "--max-logprobs", "2"]
+# The op each model graph must hold as a Pallas kernel; MoE layers add gmm.
+MOE = ("mixtral", "qwen3_moe")
+
+
+def compile_command(args, cwd, expect_ok=True):
+    result = subprocess.run(["tpu-executor", "compile", *args], cwd=cwd, capture_output=True, text=True, timeout=900)
+    assert (result.returncode == 0) == expect_ok, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def model_graph_kernels(target_name: str, architectures, root: str) -> dict:
+    """{architecture: {graph: Pallas ops}} for the largest prefill and decode graphs of a small
+    plan, each compiled by libtpu for ``target_name`` over the slice's chips."""
+    from tpu_executor.core.buckets import BucketPlan
+    from tpu_executor.core.tpu_slices import Target
+    from tpu_executor.entrypoints.compile_job import _largest_graphs, engine_config
+    from tpu_executor.tools.random_checkpoint import write_config
+    from tpu_executor.worker.jax_target import TargetWorker, target_devices
+
+    target = Target.parse(target_name)
+    devices = target_devices(target)
+    found = {}
+    for arch in architectures:
+        config = engine_config(write_config(os.path.join(root, arch), arch), target, dict(
+            max_model_len=512, max_num_seqs=8, prefill_buckets=(128,), decode_buckets=(8,),
+            decode_context_buckets=(512,), cache_dir=None))
+        worker = TargetWorker(config, devices)
+        worker.init_device()
+        worker.load_model()
+        graphs = _largest_graphs(BucketPlan.from_config(config).graphs())
+        records = worker.compile_plan(64, config.max_model_len, show_progress=False, graphs=graphs)
+        found[arch] = {r.label: sorted({k.op for k in r.program.kernels if k.pallas}) for r in records}
+    return found
+
+
+@pytest.mark.slow  # libtpu compiles 2 graphs of every architecture for two slices (about 4 minutes)
+@pytest.mark.parametrize("target", ["v5e-1", "v6e-4"])
+def test_every_architecture_compiles_for_a_tpu_with_its_pallas_kernels(target, tmp_path):
+    found = in_fresh_process(model_graph_kernels, target, ARCHITECTURES, str(tmp_path))
+    for arch in ARCHITECTURES:
+        moe = ["gmm"] if arch in MOE else []
+        prefill, decode = found[arch]["prefill tokens=128 keys=512"], found[arch]["decode rows=8 blocks=32"]
+        assert (prefill, decode) == (sorted(moe + ["prefill_attention"]), sorted(moe + ["paged_attention"])), arch
+
+
+@pytest.mark.slow  # libtpu compiles a whole plan (about a minute)
+def test_the_command_compiles_every_graph_and_reports_them(tmp_path):
+    from tpu_executor.core.buckets import BucketPlan
+    from tpu_executor.entrypoints.compile_job import engine_config
+    from tpu_executor.core.tpu_slices import Target
+    from tpu_executor.tools.random_checkpoint import write_config
+
+    checkpoint = write_config(str(tmp_path / "llama"), "llama")
+    out = compile_command([checkpoint, "--target", "v5e-1", "--cache-dir", str(tmp_path / "aot"), "--json",
+                           str(tmp_path / "report.json"), *SMALL_PLAN], tmp_path).stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {"target", "libtpu", "fits", "hbm_per_chip_bytes", "peak_bytes_per_chip", "kv_cache_blocks",
+            "graphs"} <= set(report)
+    assert (report["target"], report["libtpu"], report["fits"]) == ("v5e-1", "0.0.21", True)
+    config = engine_config(checkpoint, Target.parse("v5e-1"), dict(
+        max_model_len=512, max_num_seqs=8, prefill_buckets=(128,), decode_buckets=(8,),
+        decode_context_buckets=(512,), max_logprobs=2))
+    assert len(report["graphs"]) == len(BucketPlan.from_config(config).graphs())
+    for graph in report["graphs"]:
+        assert set(graph) >= {"name", "compile_seconds", "hbm", "flops", "bytes_accessed", "pallas_kernels"}
+        assert set(graph["hbm"]) == {"arguments", "outputs", "temp", "code"} and graph["compile_seconds"] > 0
+        expected = {"prefill": ["prefill_attention"], "decode": ["paged_attention"]}.get(graph["name"].split()[0], [])
+        assert graph["pallas_kernels"] == expected, graph
+    assert report["peak_bytes_per_chip"] <= 0.9 * report["hbm_per_chip_bytes"] and report["kv_cache_blocks"] > 1000
+    assert "bfloat16" in out and "fits" in out
+    assert os.path.isfile(os.path.join(report["executables"], "manifest.json"))
+
+
+def test_a_job_that_cannot_fit_is_refused_before_any_compile(tmp_path):
+    result = compile_command(["llama-3.3-70b", "--target", "v6e-1", "--cache-dir", str(tmp_path), "--max-model-len",
+                              "4096"], tmp_path, expect_ok=False)
+    message = result.stderr
+    assert "nothing was compiled" in message and "GiB over" in message, message
+    assert "--quantization int8" in message and "more chips (at least --target v6e-8)" in message
+    assert not os.path.exists(tmp_path / "aot")
+
+
+def kernel_warnings_of_head_dim_64(root: str):
+    """The compile of a model with head_dim 64 (SmolLM2's), whose attention cannot use Pallas:
+    its warnings and kernels, and the error ``strict_kernels`` makes of them."""
+    from tpu_executor.core.tpu_slices import Target
+    from tpu_executor.entrypoints.compile_job import compile_job
+    from tpu_executor.tools.random_checkpoint import TPU_TINY, write_config
+
+    checkpoint = write_config(os.path.join(root, "llama"), "llama", dict(TPU_TINY, head_dim=64))
+    # The reference attention and cache write copy the cache on a TPU (its 64-wide rows are
+    # padded to 128 lanes): a small cache keeps the copies in HBM.
+    options = dict(max_model_len=256, max_num_seqs=8, prefill_buckets=(128,), decode_buckets=(8,),
+                   decode_context_buckets=(256,), max_logprobs=0, cache_dir=None, num_blocks=256)
+    report = compile_job(checkpoint, Target.parse("v5e-1"), options, show_progress=False)
+    try:
+        compile_job(checkpoint, Target.parse("v5e-1"), dict(options, strict_kernels=True), show_progress=False)
+        strict = "no error"
+    except ValueError as err:
+        strict = str(err)
+    return report.kernel_warnings, [g.pallas_kernels for g in report.graphs], strict
+
+
+@pytest.mark.slow  # libtpu compiles a small plan
+def test_a_kernel_that_refuses_a_bucket_is_named_with_its_reason(tmp_path):
+    warnings, kernels, strict = in_fresh_process(kernel_warnings_of_head_dim_64, str(tmp_path))
+    assert strict.startswith("strict_kernels: 2 op calls fall back") and "head_dim=64" in strict, strict
+    assert all(not k for k in kernels)
+    assert any(w.startswith("paged_attention at [[8, 8, 64] bf16") and "head_dim=64 must be a multiple of 128" in w
+               and "reference serves it" in w for w in warnings), warnings
+    assert any(w.startswith("prefill_attention") for w in warnings)
+
+
+def test_dtype_auto_is_bf16_on_a_tpu_and_fp32_on_the_cpu(checkpoints, tmp_path):
+    from tpu_executor.core.config import resolve_dtype
+    from tpu_executor.core.tpu_slices import Target
+    from tpu_executor.engine.options import build_engine_config
+    from tpu_executor.entrypoints.compile_job import engine_config
+
+    assert build_engine_config(checkpoints["llama"], device="jax").model.dtype == "float32"  # no TPU here
+    assert build_engine_config(checkpoints["llama"], device="cpu").model.dtype == "float32"
+    assert engine_config(checkpoints["llama"], Target.parse("v5e-1"), {}).model.dtype == "bfloat16"
+    assert engine_config(checkpoints["llama"], Target.parse("v5e-1"), {"dtype": "float32"}).model.dtype == "float32"
+    assert [resolve_dtype("auto", c, "tpu") for c in ("float32", "float16", "bfloat16")] == ["bfloat16"] * 3
+    assert [resolve_dtype("auto", c, "cuda") for c in ("float32", "float16", "bfloat16")] == \
+        ["bfloat16", "float16", "bfloat16"]
