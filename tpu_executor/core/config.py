@@ -188,7 +188,8 @@ class CompileConfig:
     cache_dir: Optional[str] = option(
         default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "tpu_executor", "xla"),
         help="persistent compile cache (torch_xla: TPU only; the jax path: every platform)")
-    compile_threads: int = option(0, "graphs the jax path compiles at once at start-up (0: one per host core)")
+    compile_threads: int = option(0, "graphs the jax path compiles at once at start-up (0: one per host core; "
+                                     "one on a TPU, whose compiler crashes compiling two at once)")
     max_logprobs: int = option(20, "largest logprobs a request may ask for")
     max_prefill_seqs: int = option(8, "prompts packed into one prefill call")
     bucket_config: Optional[str] = option(None, "bucket file from `tpu-executor tune`: sets the three "

@@ -107,7 +107,7 @@ def engine_config(checkpoint: str, target: Target, options: Dict[str, Any], plat
     TPU), tensor parallelism over the slice's chips unless given."""
     from tpu_executor.engine.options import build_engine_config
 
-    options = dict(options)
+    options = {name: value for name, value in options.items() if name != "device"}  # the JAX path's, always
     options["dtype"] = resolve_dtype(options.get("dtype", "auto"), None, platform)
     options.setdefault("tensor_parallel_size", target.num_chips)
     tp = options["tensor_parallel_size"]

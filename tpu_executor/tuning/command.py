@@ -41,6 +41,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--num-requests", type=int, default=None, help="first N requests (synthetic: 1000)")
     parser.add_argument("--max-graphs", type=int, default=24, help="model graphs (prefill + decode) to compile")
     parser.add_argument("--target", default=None, help="TPU slice to estimate and lower for, e.g. v5e-8")
+    parser.add_argument("--compile", action="store_true",
+                        help="with --target: compile the chosen plan for the slice with libtpu and print the "
+                             "compiler's per-chip HBM beside the roofline's estimate")
     parser.add_argument("--measure", type=int, default=32, metavar="N",
                         help="run default and chosen buckets on the first N requests here (0: skip)")
     parser.add_argument("--out", default=None, help="write the chosen buckets here (a bucket file)")
@@ -80,9 +83,11 @@ def _run(args: argparse.Namespace) -> None:
                            config.max_model_len, config.model.seed)
         report = tune(config, trace, hf.vocab_size, args.max_graphs, target, shape, show_progress=True)
         measured = _measure(args, model_dir, config, options, report, shape)
+        compiled = _compile_chosen(args, model_dir, options, report)
     rows = [_row(c, measured, seconds_per_graph(measured)) for c in report.candidates]
     _print_report(report, rows, measured, args)
-    _write_outputs(args, config, report, rows, measured)
+    _print_compiled(compiled)
+    _write_outputs(args, config, report, rows, measured, compiled)
 
 
 def _tokenizer(model_dir: str, trace: str):
@@ -114,6 +119,44 @@ def _measure(args, model_dir: str, config, options: Dict, report, shape) -> Dict
     finalists = [(c.name, c.plan) for c in (report.candidates[0], report.chosen)]
     runs, checks = measure_finalists(model_dir, options, finalists, sample, report.replay, shape)
     return {"runs": runs, "checks": checks, "requests": len(sample)}
+
+
+def _compile_chosen(args, model_dir: str, options: Dict, report) -> Optional[Dict]:
+    """The chosen plan compiled for ``--target`` by libtpu (``--compile``): the compiler's
+    per-chip figures beside the roofline's, or why it does not fit."""
+    if not args.compile:
+        return None
+    if report.target is None:
+        raise ValueError("--compile needs --target: the slice to compile for")
+    from tpu_executor.entrypoints.compile_job import compile_job
+
+    plan_options = {**options, **report.chosen.plan.options(), "cache_dir": None}
+    try:
+        compiled = compile_job(model_dir, report.target, plan_options)
+    except ValueError as err:
+        return {"fits": False, "error": str(err)}
+    fit = report.fit
+    peak = compiled.peak_graph
+    return {"fits": compiled.fits, "graphs": len(compiled.graphs),
+            "weight_bytes": [compiled.weight_bytes, fit.weight_bytes],
+            "graph_bytes_beside_weights_and_kv": [peak.peak - compiled.weight_bytes
+                                                  - compiled.num_blocks * compiled.block_bytes, fit.activation_bytes],
+            "kv_blocks": [compiled.num_blocks, fit.max_kv_blocks], "peak_graph": peak.name,
+            "compile_seconds": sum(g.compile_seconds for g in compiled.graphs)}
+
+
+def _print_compiled(compiled: Optional[Dict]) -> None:
+    if compiled is None:
+        return
+    if "error" in compiled:
+        print(f"compiled with libtpu: {compiled['error']}")
+        return
+    gib = 1 << 30
+    pairs = " ; ".join(f"{name.replace('_', ' ')} {ours / gib:.2f} vs {theirs / gib:.2f} GiB" for name, (ours, theirs)
+                       in compiled.items() if name in ("weight_bytes", "graph_bytes_beside_weights_and_kv"))
+    print(f"compiled with libtpu ({compiled['graphs']} graphs, {compiled['compile_seconds']:.0f} s), compiler vs "
+          f"roofline per chip: {pairs}; KV blocks that fit {compiled['kv_blocks'][0]} vs {compiled['kv_blocks'][1]} "
+          f"(largest graph: {compiled['peak_graph']}): {'fits' if compiled['fits'] else 'DOES NOT FIT'}")
 
 
 def _row(candidate, measured: Dict, seconds_per_graph: Optional[float]) -> List[str]:
@@ -171,7 +214,7 @@ def _print_measured(measured: Dict) -> None:
               f"roofline {1e3 * check.estimated_s:.1f} ms ({check.ratio:.1f}x)")
 
 
-def _write_outputs(args, config, report, rows: List[List[str]], measured: Dict) -> None:
+def _write_outputs(args, config, report, rows: List[List[str]], measured: Dict, compiled: Optional[Dict]) -> None:
     from tpu_executor.tuning.plot import draw
 
     if args.out:
@@ -188,7 +231,7 @@ def _write_outputs(args, config, report, rows: List[List[str]], measured: Dict) 
             csv.writer(handle).writerows([COLUMNS, *rows])
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump(_report_json(report, measured), handle, indent=2, default=str)
+            json.dump(dict(_report_json(report, measured), compiled=compiled), handle, indent=2, default=str)
     if args.plot:
         draw(report, seconds_per_graph(measured), args.plot)
         print(f"wrote {args.plot}")

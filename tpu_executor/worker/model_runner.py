@@ -330,6 +330,10 @@ class ModelRunner:
         """JAX path: trace every graph of the plan (or read its traced program back), handing
         each to a thread pool where XLA compiles several at once (or loads it from the cache)."""
         threads = self.config.compile.compile_threads or os.cpu_count() or 1
+        if self.jax_graphs.platform == "tpu":
+            # libtpu 0.0.21 crashes the process (SIGSEGV) now and then when two of its compiles
+            # run at once; one at a time it compiled every graph of every architecture.
+            threads = 1
         with self.jax_graphs.ahead_of_time(threads) as compiling:
             with tqdm(total=len(graphs), desc="tracing buckets", disable=not show_progress) as bar:
                 for graph in graphs:

@@ -1,0 +1,94 @@
+"""Executables compiled ahead of time are found and loaded by the engine that runs them: the
+compile-and-store code of ``tpu-executor compile``, run for this machine's CPU, writes a job
+that a fresh process loads with zero compilations and the same tokens; a job of another
+libtpu, chip, topology or plan is never loaded, and the line saying so names what differs.
+(Loading on a TPU is the same code with the TPU's client; only a TPU can run it.)"""
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.pallas_kernels.kernel_cases import in_fresh_process
+from tpu_executor.worker.jax_aot import AotJob, differences
+
+OPTIONS = dict(max_model_len=320, max_num_seqs=8, prefill_buckets=(32, 128, 320), decode_buckets=(2, 8),
+               decode_context_buckets=(128, 320), num_blocks=256)
+PARTS = {"model_config": "{}", "dtype": "'bfloat16'", "platform": "tpu", "device_kind": "TPU v6 lite", "devices": "8",
+         "libtpu": "0.0.21", "libtpu_init_args": ""}
+
+
+def test_a_job_is_found_only_by_exactly_its_parts(tmp_path, caplog):
+    job = AotJob.create(str(tmp_path), PARTS, num_blocks=100, max_model_len=4096, target="v6e-8")
+    job.write_manifest()
+    found = AotJob.find(str(tmp_path), dict(PARTS))
+    assert (found.num_blocks, found.max_model_len, found.target) == (100, 4096, "v6e-8")
+    with caplog.at_level(logging.WARNING):
+        assert AotJob.find(str(tmp_path), dict(PARTS, libtpu="0.0.24", device_kind="TPU v5 lite")) is None
+    line = caplog.records[-1].getMessage()
+    assert "libtpu differs (compiled: 0.0.21, here: 0.0.24)" in line and "device_kind differs" in line
+    assert "dtype" not in line
+
+
+def test_a_job_without_its_manifest_is_never_found(tmp_path):
+    AotJob.create(str(tmp_path), PARTS, num_blocks=100, max_model_len=4096, target="v6e-8")  # compile died
+    assert AotJob.find(str(tmp_path), dict(PARTS)) is None
+    assert differences({"a": "1"}, {"a": "1", "b": "2"}) == ["b differs (compiled: absent, here: 2)"]
+
+
+def compile_for_this_cpu(checkpoint: str, cache_dir: str):
+    """``compile_job`` with this process's CPU device in place of a slice's chips."""
+    from tpu_executor.core.tpu_slices import Target
+    from tpu_executor.entrypoints.compile_job import compile_job
+    from tpu_executor.worker.jax_target import keep_runtime_on_cpu
+
+    keep_runtime_on_cpu()
+    import jax
+
+    report = compile_job(checkpoint, Target.parse("v5e-1"), dict(OPTIONS, cache_dir=cache_dir), show_progress=False,
+                         devices=jax.devices("cpu"))
+    return report.fits, report.job_path, len(report.graphs), report.config.model.dtype
+
+
+LOAD = textwrap.dedent("""
+    import json, sys
+    from tpu_executor import LLM, SamplingParams
+    from tpu_executor.core.buckets import BucketPlan
+    options = json.loads(sys.argv[1])
+    llm = LLM(model=sys.argv[2], device="jax", show_progress=False, strict=True, **options)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10]}, {"prompt_token_ids": list(range(3, 90))}],
+                       SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    stats = llm.stats()
+    print(json.dumps({"compiled": stats.graphs_compiled_at_warmup, "after": stats.graphs_compiled_after_warmup,
+                      "planned": len(BucketPlan.from_config(llm.engine.config).graphs()),
+                      "tokens": [o.outputs[0].token_ids for o in out]}))
+""")
+
+
+def start_fresh(checkpoint: str, **options) -> dict:
+    import json
+
+    result = subprocess.run([sys.executable, "-c", LOAD, json.dumps(options), checkpoint], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return dict(json.loads(result.stdout.strip().splitlines()[-1]), log=result.stderr)
+
+
+@pytest.mark.slow  # a plan compiled, then three engines started in fresh processes
+def test_a_fresh_process_loads_the_compiled_job_and_compiles_nothing(checkpoints, tmp_path):
+    checkpoint, cache_dir = checkpoints["llama"], str(tmp_path / "aot")
+    fits, job_path, graphs, dtype = in_fresh_process(compile_for_this_cpu, checkpoint, cache_dir)
+    assert fits and dtype == "float32" and os.path.isfile(os.path.join(job_path, "manifest.json"))
+    assert len(os.listdir(os.path.join(job_path, "executables"))) == graphs
+
+    loaded = start_fresh(checkpoint, cache_dir=cache_dir, **OPTIONS)
+    assert (loaded["compiled"], loaded["after"]) == (0, 0), loaded["log"][-2000:]
+    uncached = start_fresh(checkpoint, cache_dir=None, **OPTIONS)
+    assert uncached["compiled"] == uncached["planned"] and loaded["tokens"] == uncached["tokens"]
+    assert all(len(set(t)) > 3 for t in loaded["tokens"])  # context-dependent, not one repeated token
+
+    other_plan = start_fresh(checkpoint, cache_dir=cache_dir, **dict(OPTIONS, decode_buckets=[4, 8]))
+    assert other_plan["compiled"] == other_plan["planned"]
+    assert "decode_buckets differs (compiled: (2, 8), here: (4, 8))" in other_plan["log"]
