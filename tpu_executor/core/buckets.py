@@ -346,6 +346,20 @@ class BucketPlan:
         return [*prefill, *decode, *sampler, *history, *prompt]
 
 
+def graph_label(graph: Graph) -> str:
+    """A graph of the plan as reports name it, e.g. ``decode rows=8 blocks=32``."""
+    if isinstance(graph, PrefillGraph):
+        return f"prefill tokens={graph.num_tokens} keys={graph.keys}"
+    if isinstance(graph, DecodeGraph):
+        return f"decode rows={graph.num_rows} blocks={graph.context_blocks}"
+    if isinstance(graph, PromptLogprobsGraph):
+        return f"prompt log-probs tokens={graph.num_tokens}"
+    if isinstance(graph, HistoryGraph):
+        return f"processing state tokens={graph.num_tokens}"
+    return (f"sampler rows={graph.num_rows} logprobs={graph.num_logprobs} greedy={graph.all_greedy} "
+            f"processing={graph.processing}")
+
+
 def prefill_token_buckets(config: "EngineConfig") -> Tuple[int, ...]:
     """The prefill token buckets: with chunked prefill cut at the token budget (a chunk never
     exceeds it); without, grown to hold one full-length prompt."""

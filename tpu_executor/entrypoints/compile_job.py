@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from tpu_executor.core.buckets import DecodeGraph, PrefillGraph
+from tpu_executor.core.buckets import DecodeGraph, PrefillGraph, graph_label
 from tpu_executor.core.config import EngineConfig, fit_max_model_len, resolve_dtype
 from tpu_executor.core.tpu_slices import GIB, Target
 
@@ -260,8 +260,6 @@ def _context_length(report: CompileReport) -> int:
 
 def in_plan_order(records, plan) -> list:
     """Compile records (in the order they finished) in the order of the plan's graphs."""
-    from tpu_executor.worker.model_runner import graph_label
-
     order = {graph_label(g): i for i, g in enumerate(plan.graphs())}
     return sorted(records, key=lambda r: order.get(r.label, len(order)))
 

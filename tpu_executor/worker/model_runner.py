@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from tpu_executor.models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from tpu_executor.core.buckets import (BucketPlan, DecodeCall, DecodeGraph, Graph, HistoryGraph, MixedCall,
-                                      PrefillCall, PrefillGraph, PromptLogprobsGraph, SamplerGraph)
+                                      PrefillCall, PrefillGraph, PromptLogprobsGraph, SamplerGraph, graph_label)
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.phase_timer import NullPhaseTimer
@@ -387,16 +387,3 @@ class ModelRunner:
         if self.jax_graphs is None or not self.jax_graphs.compiling_ahead:
             tensor.cpu()
 
-
-def graph_label(graph: Graph) -> str:
-    """A graph of the plan as reports name it, e.g. ``decode rows=8 blocks=32``."""
-    if isinstance(graph, PrefillGraph):
-        return f"prefill tokens={graph.num_tokens} keys={graph.keys}"
-    if isinstance(graph, DecodeGraph):
-        return f"decode rows={graph.num_rows} blocks={graph.context_blocks}"
-    if isinstance(graph, PromptLogprobsGraph):
-        return f"prompt log-probs tokens={graph.num_tokens}"
-    if isinstance(graph, HistoryGraph):
-        return f"processing state tokens={graph.num_tokens}"
-    return (f"sampler rows={graph.num_rows} logprobs={graph.num_logprobs} greedy={graph.all_greedy} "
-            f"processing={graph.processing}")
