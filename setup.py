@@ -56,7 +56,10 @@ setup(
         "matplotlib>=3.8",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40"],
+        # The tests compile for TPU slices with libtpu, the TPU's compiler (it runs without a
+        # TPU): the very version torch_xla[tpu]==2.9.0 pins, so one libtpu serves both paths.
+        "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40", "libtpu==0.0.21"],
+        # On a TPU VM, and to compile for one (`tpu-executor compile`): libtpu 0.0.21.
         "tpu": ["torch_xla[tpu]==2.9.0"],
     },
     entry_points={"console_scripts": ["tpu-executor = tpu_executor.cli:main"]},

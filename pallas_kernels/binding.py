@@ -157,7 +157,7 @@ def call_on_jax(jax_fn: Callable, split, *args, **kwargs):
     args = [a.to(torch.int32) if isinstance(a, torch.Tensor) and a.dtype == torch.int64 else a for a in args]
     fn = functools.partial(call_exported_kernel, jax_fn, tuple(sorted(kwargs.items())))
     if _mesh_size() > 1:
-        fn = split.wrap(fn, _mesh(), len(args), kwargs)
+        fn = split.wrap(fn, _mesh(), args, kwargs)
     return interop.call_jax(fn, *args)
 
 

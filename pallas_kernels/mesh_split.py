@@ -23,22 +23,26 @@ def _local(tensor: torch.Tensor, dim: int, chips: int) -> torch.Tensor:
 
 class OverHeads:
     """Attention: q ``[T, heads, d]`` first, then the K/V pages ``[kv_heads, ...]`` (the KV
-    cache is split over its heads), the metadata after them whole; the output split like q."""
+    cache is split over its heads, or replicated when it has one: every chip's query heads then
+    read that one), the metadata after them whole; the output split like q."""
 
     def problem(self, chips: int, args: Sequence, kwargs) -> Optional[str]:
-        if args[0].shape[1] % chips or args[1].shape[0] % chips:
-            return f"{args[0].shape[1]} heads / {args[1].shape[0]} KV heads do not split over {chips} chips"
+        heads, kv_heads = args[0].shape[1], args[1].shape[0]
+        if heads % chips or (kv_heads != 1 and kv_heads % chips):
+            return f"{heads} heads / {kv_heads} KV heads do not split over {chips} chips"
         return None
 
     def local_args(self, chips: int, args: Sequence, kwargs) -> list:
-        return [_local(args[0], 1, chips), _local(args[1], 0, chips), _local(args[2], 0, chips), *args[3:]]
+        pages = list(args[1:3]) if args[1].shape[0] == 1 else [_local(a, 0, chips) for a in args[1:3]]
+        return [_local(args[0], 1, chips), *pages, *args[3:]]
 
-    def wrap(self, fn: Callable, mesh, num_args: int, kwargs) -> Callable:
+    def wrap(self, fn: Callable, mesh, args: Sequence, kwargs) -> Callable:
         import jax
         from jax.sharding import PartitionSpec as P
 
         axis = mesh.axis_names[0]
-        specs = (P(None, axis), P(axis), P(axis)) + (P(),) * (num_args - 3)
+        pages = P() if args[1].shape[0] == 1 else P(axis)
+        specs = (P(None, axis), pages, pages) + (P(),) * (len(args) - 3)
         return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(None, axis), check_vma=False)
 
 
@@ -69,7 +73,7 @@ class OverExpertWeights:
         lhs = args[0] if lhs_dim is None else _local(args[0], lhs_dim, chips)
         return [lhs, _local(args[1], rhs_dim, chips), *args[2:]]
 
-    def wrap(self, fn: Callable, mesh, num_args: int, kwargs) -> Callable:
+    def wrap(self, fn: Callable, mesh, args: Sequence, kwargs) -> Callable:
         import jax
         from jax.sharding import PartitionSpec as P
 

@@ -14,9 +14,9 @@ from tpu_executor.cli import build_parser
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-SECTIONS = ("## Install", "## Run", "## Serve", "## Tune", "## Multi-host", "## Test", "## Architecture",
-            "## Benchmarks", "## Known limits")
-TOPICS = ("design", "serving", "tuning", "benchmarks", "testing", "kernels")
+SECTIONS = ("## Install", "## Run", "## Serve", "## Tune", "## Compile before you rent", "## Multi-host", "## Test",
+            "## Architecture", "## Benchmarks", "## Known limits")
+TOPICS = ("design", "serving", "tuning", "tpu", "benchmarks", "testing", "kernels")
 TEXT_SUFFIXES = {".py", ".md", ".c", ".ini", ".txt", ".cfg", ".toml", ".json", ".yaml", ".yml", ""}
 
 

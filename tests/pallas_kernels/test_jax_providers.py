@@ -80,29 +80,45 @@ def first_case(op: str, kv_heads: int):
                 if module.shape_problem(*c.args, **c.kwargs) is None and c.args[1].shape[0] == kv_heads)
 
 
-@pytest.mark.parametrize("op, kv_heads, on_two_chips", [
-    ("paged_attention", 2, True), ("paged_attention", 1, False),
-    ("prefill_attention", 2, True), ("prefill_attention", 1, False), ("gmm", None, False)])
-def test_jax_provider_on_a_mesh_needs_heads_that_divide(op, kv_heads, on_two_chips):
-    """Under SPMD an attention kernel runs per chip over its heads (both head counts must
-    divide over the chips); gmm has no such split: there the reference serves."""
+def accepted_on(provider, args, kwargs, chips: int) -> bool:
     import types
 
-    provider = jax_provider(op)
-    case = first_case(op, kv_heads) if kv_heads else next(
-        c for c in generated_cases(ops_module(op).SPEC, seed=7) if ops_module(op).shape_problem(*c.args) is None)
     env = torchax_env()
     with env:
-        args = [a.to("jax") if isinstance(a, torch.Tensor) else a for a in case.args]
-        for chips, accepted in ((1, True), (2, on_two_chips)):
-            with env.override_property(mesh=types.SimpleNamespace(size=chips)):
-                assert provider.supports_args(*args, **case.kwargs) is accepted
+        args = [a.to("jax") if isinstance(a, torch.Tensor) else a for a in args]
+        with env.override_property(mesh=types.SimpleNamespace(size=chips)):
+            return provider.supports_args(*args, **kwargs)
+
+
+@pytest.mark.parametrize("op", ["paged_attention", "prefill_attention"])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_attention_on_a_mesh_needs_heads_that_divide(op, kv_heads):
+    """Under SPMD an attention kernel runs per chip over its heads: the query heads must divide
+    over the chips, and the KV heads too unless there is one (replicated, read by every chip)."""
+    provider, case = jax_provider(op), first_case(op, kv_heads)
+    heads = case.args[0].shape[1]
+    assert accepted_on(provider, case.args, case.kwargs, 1)
+    assert accepted_on(provider, case.args, case.kwargs, 2) == (heads % 2 == 0 and (kv_heads == 1 or kv_heads % 2 == 0))
+    assert not accepted_on(provider, case.args, case.kwargs, 3)
+
+
+def test_gmm_on_a_mesh_needs_the_split_of_its_weights():
+    """gmm runs per chip only when the caller says how the expert weights are split and they
+    split evenly over the chips."""
+    provider = jax_provider("gmm")
+    lhs, sizes = torch.randn(64, 256), torch.tensor([30, 34], dtype=torch.int32)
+    gate_up, down = torch.randn(2, 256, 512), torch.randn(2, 256, 256)
+    assert accepted_on(provider, (lhs, gate_up, sizes), {}, 1)
+    assert not accepted_on(provider, (lhs, gate_up, sizes), {}, 2)  # no tp_split
+    assert accepted_on(provider, (lhs, gate_up, sizes), {"tp_split": "columns"}, 2)  # 256 features a chip
+    assert accepted_on(provider, (lhs, down, sizes), {"tp_split": "rows"}, 2)  # 128 input features a chip
+    assert not accepted_on(provider, (lhs, down, sizes), {"tp_split": "rows"}, 3)  # 256 features do not split
 
 
 def run_over_two_chips(op: str) -> int:
     """``mesh_split.HEADS`` (how the provider wraps its kernel on a mesh) around the op's
-    reference on two virtual CPU chips, each with its share of the heads, against the
-    reference on the whole arrays. (Pallas's TPU interpret mode cannot run across several
+    reference on two virtual CPU chips, each with its share of the heads (and of the KV heads,
+    or the one KV head whole), against the reference on the whole arrays. (Pallas's TPU interpret mode cannot run across several
     devices of one process, so the kernel itself is checked per chip by the cases above.)"""
     import functools
     import os
@@ -119,29 +135,30 @@ def run_over_two_chips(op: str) -> int:
 
     module, env = ops_module(op), torchax_env()
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
-    checked = 0
+    checked = {"split pages": 0, "one replicated KV head": 0}
     for case in generated_cases(module.SPEC, seed=7):
-        if case.args[1].shape[0] % 2:
+        kind = "one replicated KV head" if case.args[1].shape[0] == 1 else "split pages"
+        if HEADS.problem(2, case.args, case.kwargs) is not None or checked[kind] == 3:
             continue
 
         def reference(*arrays):
             with env:
                 return interop.jax_view(module.SPEC.reference(*interop.torch_view(arrays), **case.kwargs))
 
-        split = HEADS.wrap(functools.partial(reference), mesh, len(case.args), case.kwargs)
+        split = HEADS.wrap(functools.partial(reference), mesh, case.args, case.kwargs)
         with enable_x64():
             got = jax_to_torch(jax.jit(split)(*[torch_to_jax(a) for a in case.args]))
         module.SPEC.assert_close(got, case.run(module.SPEC.reference), case.label)
-        checked += 1
-        if checked == 3:
-            return checked
+        checked[kind] += 1
+        if min(checked.values()) == 3:
+            break
     return checked
 
 
 @pytest.mark.slow  # JAX over virtual devices, in a fresh interpreter
 @pytest.mark.parametrize("op", ["paged_attention", "prefill_attention"])
 def test_attention_split_over_the_heads_of_two_chips_matches_reference(op):
-    assert in_fresh_process(run_over_two_chips, op) == 3
+    assert in_fresh_process(run_over_two_chips, op) == {"split pages": 3, "one replicated KV head": 3}
 
 
 def test_eager_providers_decline_torchax_tensors():
@@ -170,3 +187,44 @@ def test_torchax_environment_serves_threads_that_did_not_build_it():
     thread.start()
     thread.join()
     assert seen == [False, None]
+
+
+def run_gmm_over_two_chips() -> int:
+    """``mesh_split.EXPERT_WEIGHTS`` around gmm's reference on two virtual CPU chips, in both
+    forms (weights split by output features; by input features, partial sums added), against
+    the reference on the whole arrays."""
+    import functools
+    import os
+
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+    from torchax import interop
+
+    from tpu_executor.kernels.binding import jax_to_torch, torch_to_jax
+    from tpu_executor.kernels.mesh_split import EXPERT_WEIGHTS
+
+    module, env = ops_module("gmm"), torchax_env()
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    checked = 0
+    for case in list(generated_cases(module.SPEC, seed=7))[:8]:
+        for split in ("columns", "rows"):
+            kwargs = dict(case.kwargs, tp_split=split)
+            if EXPERT_WEIGHTS.problem(2, case.args, kwargs) is not None:
+                continue
+
+            def reference(*arrays):
+                with env:
+                    return interop.jax_view(module.SPEC.reference(*interop.torch_view(arrays), **case.kwargs))
+
+            wrapped = EXPERT_WEIGHTS.wrap(functools.partial(reference), mesh, case.args, kwargs)
+            got = jax_to_torch(jax.jit(wrapped)(*[torch_to_jax(a) for a in case.args]))
+            module.SPEC.assert_close(got, case.run(module.SPEC.reference), f"{split}: {case.label}")
+            checked += 1
+    return checked
+
+
+@pytest.mark.slow  # JAX over virtual devices, in a fresh interpreter
+def test_gmm_split_over_the_experts_of_two_chips_matches_reference():
+    assert in_fresh_process(run_gmm_over_two_chips) == 16
