@@ -313,13 +313,17 @@ class ModelRunner:
         self.guard.end_warmup()
 
     def _report_kernels(self) -> None:
-        """On a TPU, each op and shape where a Pallas kernel refused a bucket is a warning (an
-        error with ``strict_kernels``): a silent fallback to the reference costs speed."""
+        """Log the provider each op got in the compiled graphs; on a TPU, each op and shape where
+        a Pallas kernel refused a bucket is a warning (an error with ``strict_kernels``): a
+        silent fallback to the reference costs speed."""
         from tpu_executor.worker.jax_programs import refusal_lines
 
+        choices = self.jax_graphs.kernel_choices()
+        chosen = sorted({(c.op, c.provider) for c in choices})
+        logger.info("kernel providers: %s", ", ".join(f"{op}={provider}" for op, provider in chosen))
         if self.jax_graphs.platform != "tpu":
             return
-        lines = refusal_lines(self.jax_graphs.kernel_choices())
+        lines = refusal_lines(choices)
         for line in lines if not self.runtime.abstract else ():  # a compile for a slice reports them itself
             logger.warning("Pallas kernel refused: %s", line)
         if lines and self.config.compile.strict_kernels:

@@ -213,3 +213,35 @@ def test_a_bucket_whose_kernel_does_not_lower_is_dropped_with_its_reason(monkeyp
     assert failing[0].num_tokens not in report.chosen.plan.prefill
     assert report.chosen.plan.prefill[-1] == 2048
     assert any(f"dropped: prefill_attention at {failing[0]}: MosaicError" in n for n in report.lowering_notes)
+
+
+def tune_and_compile(root: str, trace: str) -> str:
+    """``tune --target v5e-1 --compile`` on a config with TPU-sized heads: its printed lines."""
+    import contextlib
+    import io
+    import os
+
+    from tpu_executor.tools.random_checkpoint import write_config
+
+    checkpoint = write_config(os.path.join(root, "llama"), "llama")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        main(["tune", "--trace", trace, "--model", checkpoint, "--target", "v5e-1", "--compile", "--measure", "0",
+              "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+              "--max-graphs", "3", "--max-logprobs", "0", "--json", os.path.join(root, "r.json")])
+    return printed.getvalue()
+
+
+@pytest.mark.slow  # libtpu compiles the chosen plan
+def test_tune_compile_prints_the_compilers_figures_beside_the_roofline(tmp_path):
+    from tests.pallas_kernels.kernel_cases import in_fresh_process
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"prompt_len": 20 + 9 * i, "output_len": 4 + i % 5}) + "\n" for i in range(30)))
+    printed = in_fresh_process(tune_and_compile, str(tmp_path), str(trace))
+    line = next(line for line in printed.splitlines() if line.startswith("compiled with libtpu"))
+    assert "compiler vs roofline per chip: weight bytes" in line and "KV blocks that fit" in line and "fits" in line
+    compiled = json.loads((tmp_path / "r.json").read_text())["compiled"]
+    assert compiled["fits"] and compiled["kv_blocks"][0] > 1000 and compiled["graphs"] >= 4
+    ours, roofline = compiled["weight_bytes"]
+    assert abs(ours - roofline) / roofline < 0.05, compiled  # the same weights counted two ways

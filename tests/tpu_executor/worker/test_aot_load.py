@@ -76,7 +76,7 @@ def start_fresh(checkpoint: str, **options) -> dict:
     return dict(json.loads(result.stdout.strip().splitlines()[-1]), log=result.stderr)
 
 
-@pytest.mark.slow  # a plan compiled, then three engines started in fresh processes
+@pytest.mark.slow  # a plan compiled, then two engines started in fresh processes
 def test_a_fresh_process_loads_the_compiled_job_and_compiles_nothing(checkpoints, tmp_path):
     checkpoint, cache_dir = checkpoints["llama"], str(tmp_path / "aot")
     fits, job_path, graphs, dtype = in_fresh_process(compile_for_this_cpu, checkpoint, cache_dir)
@@ -85,10 +85,9 @@ def test_a_fresh_process_loads_the_compiled_job_and_compiles_nothing(checkpoints
 
     loaded = start_fresh(checkpoint, cache_dir=cache_dir, **OPTIONS)
     assert (loaded["compiled"], loaded["after"]) == (0, 0), loaded["log"][-2000:]
-    uncached = start_fresh(checkpoint, cache_dir=None, **OPTIONS)
-    assert uncached["compiled"] == uncached["planned"] and loaded["tokens"] == uncached["tokens"]
     assert all(len(set(t)) > 3 for t in loaded["tokens"])  # context-dependent, not one repeated token
 
+    # Another plan misses, says why, and compiles here: greedy tokens do not depend on the buckets.
     other_plan = start_fresh(checkpoint, cache_dir=cache_dir, **dict(OPTIONS, decode_buckets=[4, 8]))
-    assert other_plan["compiled"] == other_plan["planned"]
+    assert other_plan["compiled"] == other_plan["planned"] and other_plan["tokens"] == loaded["tokens"]
     assert "decode_buckets differs (compiled: (2, 8), here: (4, 8))" in other_plan["log"]
