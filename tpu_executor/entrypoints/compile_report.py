@@ -48,9 +48,9 @@ def print_report(report: CompileReport, wall_seconds: float) -> None:
           f"full-length sequences at once of max_num_seqs {config.scheduler.max_num_seqs} "
           f"({(report.num_blocks - 1) * config.cache.block_size} tokens of KV cache)")
     if report.job_path and report.fits:
-        print(f"executables: {report.job_path}; on the {target.name} host (libtpu {report.libtpu}): "
-              f"tpu-executor serve {config.model.model} --device jax --cache-dir {config.compile.cache_dir} "
-              "with the same engine options")
+        print(f"executables: {report.job_path}; on the {target.name} host (libtpu {report.libtpu}), with the "
+              f"engine options given here: tpu-executor serve CHECKPOINT --device jax --cache-dir "
+              f"{config.compile.cache_dir} --tensor-parallel-size {config.parallel.tensor_parallel_size}")
 
 
 def report_json(report: CompileReport) -> Dict:
