@@ -32,6 +32,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                       f"model's name: {', '.join(MODEL_SHAPES)}")
     parser.add_argument("--target", required=True, help="TPU slice: v4|v5e|v5p|v6e-N, e.g. v5e-1, v6e-8, v5e-16")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
+    parser.add_argument("--model-steps-only", action="store_true",
+                        help="compile the prefill and decode graphs alone: the fit, in less time (a large "
+                             "vocabulary's sampling graphs take minutes each); the TPU host compiles the rest")
     add_engine_arguments(parser, exclude=("device",), why=(
         "The engine the TPU host will start (it must be given the same options to find the executables). "
         "--tensor-parallel-size defaults to the slice's chips; --dtype auto is bfloat16 on a TPU; "
@@ -49,7 +52,8 @@ def run(args: argparse.Namespace) -> None:
     try:
         target = Target.parse(args.target)
         with model_directory(args.model) as checkpoint:
-            report = compile_job(checkpoint, target, engine_options_from_args(args))
+            report = compile_job(checkpoint, target, engine_options_from_args(args),
+                                 model_steps_only=args.model_steps_only)
     except ValueError as err:  # DoesNotFit, a refused graph, --strict-kernels, a bad option
         raise SystemExit(f"tpu-executor compile: {err}") from None
     print_report(report, time.perf_counter() - start)

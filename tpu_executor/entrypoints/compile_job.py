@@ -10,10 +10,10 @@ instead of profiling.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
-from tpu_executor.core.buckets import DecodeGraph, PrefillGraph, graph_label
+from tpu_executor.core.buckets import BucketPlan, DecodeGraph, PrefillGraph, graph_label
 from tpu_executor.core.config import EngineConfig, fit_max_model_len, resolve_dtype
 from tpu_executor.core.tpu_slices import GIB, Target
 
@@ -117,12 +117,13 @@ def engine_config(checkpoint: str, target: Target, options: Dict[str, Any], plat
 
 
 def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_progress: bool = True,
-                devices: Optional[List] = None) -> CompileReport:
+                devices: Optional[List] = None, model_steps_only: bool = False) -> CompileReport:
     """Compile the plan of ``options`` for ``target``; keep the executables in the config's
     cache directory when the job fits. Raises DoesNotFit before compiling anything when the
     weights alone (with one sequence's KV cache) exceed a chip's usable HBM. ``devices``: other
     devices to compile for than the slice's (this process's CPU devices prove the load path
-    here, with the slice's HBM figures)."""
+    here, with the slice's HBM figures). ``model_steps_only``: the prefill and decode graphs
+    alone (the fit's; the host compiles the rest)."""
     from tpu_executor.kernels.registry import REGISTRY
     from tpu_executor.worker.jax_aot import AotJob, job_parts
     from tpu_executor.worker.jax_graphs import GraphCompileError
@@ -142,8 +143,12 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
         job = AotJob.create(config.compile.cache_dir, parts, report.num_blocks, report.max_model_len, target.name)
         worker.keep_in(job)
         report.job_path = job.path
+    graphs = None
+    if model_steps_only:  # of the plan at the context length the cache holds
+        plan = BucketPlan.from_config(replace(config, max_model_len=report.max_model_len))
+        graphs = [g for g in plan.graphs() if isinstance(g, (PrefillGraph, DecodeGraph))]
     try:
-        records = worker.compile_plan(report.num_blocks, report.max_model_len, show_progress)
+        records = worker.compile_plan(report.num_blocks, report.max_model_len, show_progress, graphs=graphs)
     except GraphCompileError as err:
         if "RESOURCE_EXHAUSTED" in str(err):
             raise DoesNotFit(_out_of_memory(report, err)) from err
@@ -219,8 +224,6 @@ def _blocks_that_fit(report: CompileReport, config: EngineConfig, devices, show_
     with the cache by at least its own size (more where a graph copies it: the reference
     attention gathers it), so the line through the two gives the blocks each chip's usable HBM
     holds beside the larger graph."""
-    from tpu_executor.core.buckets import BucketPlan
-
     largest = _largest_graphs(BucketPlan.from_config(config).graphs())
     small, large = _min_blocks(config), 2 * _min_blocks(config) + 64
     peaks = [_probe_peaks(config, devices, blocks, largest, show_progress) for blocks in (small, large)]
