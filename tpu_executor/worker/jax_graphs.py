@@ -116,6 +116,7 @@ class JaxGraphs:
         self.label = ""  # the plan's graph being warmed up (names what compiles)
         self.records: List[CompileRecord] = []
         self.functions: List["JaxFunction"] = []
+        self.loaded = 0  # executables loaded from the ahead-of-time store
 
     @contextlib.contextmanager
     def ahead_of_time(self, threads: int):
@@ -211,6 +212,7 @@ class JaxFunction:
             return None
         self._onto_mesh(call)
         self.executables[call.signature] = (executable, program)
+        self.graphs.loaded += 1
         return self.executables[call.signature]
 
     def _compile_ahead(self, call: _Call):

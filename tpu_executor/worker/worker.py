@@ -342,6 +342,8 @@ class Worker:
     def stats(self) -> WorkerStats:
         guard = self.runner.guard
         hits, misses, seconds = guard.warmup_cache_figures
+        if self.runner.jax_graphs is not None:  # executables compiled ahead of time, loaded
+            hits += self.runner.jax_graphs.loaded
         return WorkerStats(guard.compiled_during_warmup, guard.compiled_after_warmup,
                            self.runner.padding, self.kv_cache_bytes, hits, misses, seconds)
 

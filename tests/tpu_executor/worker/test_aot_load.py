@@ -62,6 +62,7 @@ LOAD = textwrap.dedent("""
                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     stats = llm.stats()
     print(json.dumps({"compiled": stats.graphs_compiled_at_warmup, "after": stats.graphs_compiled_after_warmup,
+                      "loaded": stats.compile_cache_hits,
                       "planned": len(BucketPlan.from_config(llm.engine.config).graphs()),
                       "tokens": [o.outputs[0].token_ids for o in out]}))
 """)
@@ -84,7 +85,7 @@ def test_a_fresh_process_loads_the_compiled_job_and_compiles_nothing(checkpoints
     assert len(os.listdir(os.path.join(job_path, "executables"))) == graphs
 
     loaded = start_fresh(checkpoint, cache_dir=cache_dir, **OPTIONS)
-    assert (loaded["compiled"], loaded["after"]) == (0, 0), loaded["log"][-2000:]
+    assert (loaded["compiled"], loaded["after"], loaded["loaded"]) == (0, 0, graphs), loaded["log"][-2000:]
     assert all(len(set(t)) > 3 for t in loaded["tokens"])  # context-dependent, not one repeated token
 
     # Another plan misses, says why, and compiles here: greedy tokens do not depend on the buckets.
