@@ -115,11 +115,12 @@ def test_gmm_on_a_mesh_needs_the_split_of_its_weights():
     assert not accepted_on(provider, (lhs, down, sizes), {"tp_split": "rows"}, 3)  # 256 features do not split
 
 
-def run_over_two_chips(op: str) -> int:
+def run_over_two_chips(op: str) -> dict:
     """``mesh_split.HEADS`` (how the provider wraps its kernel on a mesh) around the op's
     reference on two virtual CPU chips, each with its share of the heads (and of the KV heads,
-    or the one KV head whole), against the reference on the whole arrays. (Pallas's TPU interpret mode cannot run across several
-    devices of one process, so the kernel itself is checked per chip by the cases above.)"""
+    or the one KV head whole), against the reference on the whole arrays. (Pallas's TPU
+    interpret mode cannot run across several devices of one process, so the kernel itself is
+    checked per chip by the cases above.)"""
     import functools
     import os
 
