@@ -152,8 +152,8 @@ def _print_compiled(compiled: Optional[Dict]) -> None:
         print(f"compiled with libtpu: {compiled['error']}")
         return
     gib = 1 << 30
-    pairs = " ; ".join(f"{name.replace('_', ' ')} {ours / gib:.2f} vs {theirs / gib:.2f} GiB" for name, (ours, theirs)
-                       in compiled.items() if name in ("weight_bytes", "graph_bytes_beside_weights_and_kv"))
+    pairs = " ; ".join(f"{name.replace('_', ' ')} {compiled[name][0] / gib:.2f} vs {compiled[name][1] / gib:.2f} GiB"
+                       for name in ("weight_bytes", "graph_bytes_beside_weights_and_kv"))
     print(f"compiled with libtpu ({compiled['graphs']} graphs, {compiled['compile_seconds']:.0f} s), compiler vs "
           f"roofline per chip: {pairs}; KV blocks that fit {compiled['kv_blocks'][0]} vs {compiled['kv_blocks'][1]} "
           f"(largest graph: {compiled['peak_graph']}): {'fits' if compiled['fits'] else 'DOES NOT FIT'}")

@@ -58,6 +58,20 @@ def compile_cache_key(parts: Tuple, checkpoint: str) -> str:
     return digest.hexdigest()[:20]
 
 
+def cpu_runtime_without_tpu() -> None:
+    """On a machine without TPU chips keep JAX's runtime on the CPU. With libtpu installed, JAX
+    would first try to start a TPU: it logs errors, falls back to the CPU, and keeps libtpu's
+    lockfile for the life of the process, so that no other process here could load libtpu (a
+    compile for a TPU slice among them). Does nothing once JAX has started its backends."""
+    import jax
+    from jax._src import xla_bridge
+
+    from tpu_executor.core.config import tpu_attached
+
+    if not tpu_attached() and not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+
+
 def libtpu_version() -> str:
     """The installed libtpu's version ("none" without it): an executable runs only under the
     libtpu that compiled it."""

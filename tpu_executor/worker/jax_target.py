@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from typing import List, Optional, Sequence
 
 import torch
@@ -30,8 +31,10 @@ def keep_runtime_on_cpu() -> None:
     """With libtpu installed JAX would try to start a TPU first; the compile-only devices do not
     need one. Takes effect before JAX starts its backends (later, the CPU is all there is)."""
     import jax
+    from jax._src import xla_bridge
 
-    jax.config.update("jax_platforms", "cpu")
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
 
 
 def target_devices(target: Target) -> List:
@@ -39,6 +42,10 @@ def target_devices(target: Target) -> List:
     from jax.experimental import topologies
 
     keep_runtime_on_cpu()
+    # Compiling uses no chip, so another process holding libtpu's lockfile (a torch_xla or JAX
+    # process on this machine: both load libtpu when it is installed) must not stop it. libtpu
+    # reads this when it loads, here.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         topology = topologies.get_topology_desc(
             platform="tpu", topology_name=target.topology_name, chip_config_name=target.chip_config_name,

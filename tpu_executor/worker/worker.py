@@ -84,9 +84,10 @@ class Worker:
         ``tensor_parallel_size`` devices (this process's, or in a Ray actor, those of every
         host's process together); JAX's persistent cache is used."""
         from tpu_executor.kernels import register_all
-        from tpu_executor.worker.jax_runtime import join_hosts
+        from tpu_executor.worker.jax_runtime import cpu_runtime_without_tpu, join_hosts
 
         chips = self.config.parallel.tensor_parallel_size
+        cpu_runtime_without_tpu()
         if self.config.uses_ray:
             join_hosts(self.placement, chips // self.placement.world_size, on_tpu=tpu_attached())
         self.jax = self._new_jax_runtime(chips)
