@@ -136,7 +136,7 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
     worker = _shapes_worker(config, devices)
     report = _empty_report(config, target, worker, libtpu_version())
     _refuse_early(report)
-    report.num_blocks = config.cache.num_blocks or _blocks_that_fit(report, config, devices, show_progress)
+    report.num_blocks = config.cache.num_blocks or _blocks_that_fit(report, worker, show_progress)
     report.max_model_len = _context_length(report)
     if config.compile.cache_dir is not None:
         parts = job_parts(config, worker.jax, REGISTRY.fingerprint(jax_path=True))
@@ -219,32 +219,33 @@ def _larger_slice(report: CompileReport, needed_per_chip: int) -> str:
     return ""
 
 
-def _blocks_that_fit(report: CompileReport, config: EngineConfig, devices, show_progress: bool) -> int:
+def _blocks_that_fit(report: CompileReport, worker, show_progress: bool) -> int:
     """Compile the largest prefill and decode graphs over two small caches: a graph's bytes grow
     with the cache by at least its own size (more where a graph copies it: the reference
     attention gathers it), so the line through the two gives the blocks each chip's usable HBM
     holds beside the larger graph."""
+    config = report.config
     largest = _largest_graphs(BucketPlan.from_config(config).graphs())
     small, large = _min_blocks(config), 2 * _min_blocks(config) + 64
-    peaks = [_probe_peaks(config, devices, blocks, largest, show_progress) for blocks in (small, large)]
-    fitting = None
-    for name in peaks[0]:
+    peaks = [_probe_peaks(worker, blocks, largest, show_progress) for blocks in (small, large)]
+
+    def blocks_beside(name: str) -> int:
         per_block = max(report.block_bytes, (peaks[1][name] - peaks[0][name]) / (large - small))
-        blocks = int((report.usable_bytes - peaks[0][name]) // per_block) + small
-        if fitting is None or blocks < fitting[0]:
-            fitting = (blocks, name, peaks[0][name] + (_min_blocks(config) - small) * per_block)
-    if fitting[0] < _min_blocks(config):
-        over = int(peaks[0][fitting[1]] - report.usable_bytes)
-        raise DoesNotFit(f"{report.target.name}: graph '{fitting[1]}' with the weights leaves no room for "
+        return int((report.usable_bytes - peaks[0][name]) // per_block) + small
+
+    name = min(peaks[0], key=blocks_beside)
+    if blocks_beside(name) < _min_blocks(config):
+        over = int(peaks[0][name] - report.usable_bytes)
+        raise DoesNotFit(f"{report.target.name}: graph '{name}' with the weights leaves no room for "
                          f"{_min_blocks(config)} KV blocks: {over / GIB:.2f} GiB ({over} bytes) over the "
                          f"{report.usable_bytes / GIB:.2f} GiB usable per chip. To fit: {remedies()}")
-    return fitting[0]
+    return blocks_beside(name)
 
 
-def _probe_peaks(config: EngineConfig, devices, blocks: int, graphs, show_progress: bool) -> Dict[str, int]:
-    """{graph: peak bytes per chip} of ``graphs`` compiled over a cache of ``blocks`` blocks."""
-    probe = _shapes_worker(config, devices)
-    records = probe.compile_plan(blocks, config.max_model_len, show_progress, graphs=graphs)
+def _probe_peaks(worker, blocks: int, graphs, show_progress: bool) -> Dict[str, int]:
+    """{graph: peak bytes per chip} of ``graphs`` compiled over a cache of ``blocks`` blocks (on
+    the job's worker before it keeps anything: these executables are not the job's)."""
+    records = worker.compile_plan(blocks, worker.config.max_model_len, show_progress, graphs=graphs)
     return {r.label: GraphFigures.of(r).peak for r in records}
 
 

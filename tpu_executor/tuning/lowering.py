@@ -41,9 +41,9 @@ def lower_graphs(graphs: Sequence[Graph], model: ModelShape, tp: int, block_size
     import jax.numpy as jnp
 
     from tpu_executor.kernels.tpu_layout import pin_mosaic_ir_version
-    from tpu_executor.worker.jax_runtime import cpu_runtime_without_tpu
+    from tpu_executor.worker.jax_runtime import cpu_runtime
 
-    cpu_runtime_without_tpu()  # lowering needs no TPU runtime; starting one would hold libtpu
+    cpu_runtime()  # lowering needs no TPU runtime; starting one would hold libtpu
     pin_mosaic_ir_version()
 
     dt = jnp.dtype(dtype)

@@ -116,12 +116,18 @@ class AotJob:
                            cache_dir, "; ".join(differences(nearest.parts, parts)))
         return None
 
-    def attach(self, runtime) -> None:
-        """Let ``runtime``'s compiled functions load this job's programs and executables."""
+    def attach(self, runtime, writes: bool = False) -> None:
+        """Let ``runtime``'s compiled functions load this job's programs and executables (or,
+        ``writes``: keep the ones they compile in it)."""
         from tpu_executor.worker.jax_programs import ExecutableStore, ProgramStore
 
         runtime.programs = ProgramStore(os.path.join(self.path, "programs"))
-        runtime.executables = ExecutableStore(os.path.join(self.path, "executables"))
+        runtime.executables = ExecutableStore(os.path.join(self.path, "executables"), writes=writes)
+
+
+def has_jobs(cache_dir: str) -> bool:
+    """Whether ``cache_dir`` holds any compiled job (a start looks for its own only then)."""
+    return os.path.isdir(os.path.join(cache_dir, AOT_FOLDER))
 
 
 def _job_folders(cache_dir: str) -> List[str]:

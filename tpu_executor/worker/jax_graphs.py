@@ -207,7 +207,7 @@ class JaxFunction:
             return None
         key = program_key(self.name, call.signature)
         program = self.graphs.store.load(key)
-        executable = self.graphs.executables.load(key) if program is not None else None
+        executable = store.load(key) if program is not None else None
         if executable is None:
             return None
         self._onto_mesh(call)

@@ -10,6 +10,7 @@ they divide evenly (else replicated), and XLA's partitioner inserts the collecti
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -58,17 +59,18 @@ def compile_cache_key(parts: Tuple, checkpoint: str) -> str:
     return digest.hexdigest()[:20]
 
 
-def cpu_runtime_without_tpu() -> None:
-    """On a machine without TPU chips keep JAX's runtime on the CPU. With libtpu installed, JAX
-    would first try to start a TPU: it logs errors, falls back to the CPU, and keeps libtpu's
-    lockfile for the life of the process, so that no other process here could load libtpu (a
-    compile for a TPU slice among them). Does nothing once JAX has started its backends."""
+def cpu_runtime(even_with_tpus: bool = False) -> None:
+    """Keep JAX's runtime on the CPU on a machine without TPU chips (``even_with_tpus``: on any;
+    compile-only devices need no TPU runtime). With libtpu installed, JAX would first try to
+    start a TPU: it logs errors, falls back to the CPU, and keeps libtpu's lockfile for the life
+    of the process, so that no other process here could load libtpu (a compile for a TPU slice
+    among them). Does nothing once JAX has started its backends."""
     import jax
     from jax._src import xla_bridge
 
     from tpu_executor.core.config import tpu_attached
 
-    if not tpu_attached() and not xla_bridge.backends_are_initialized():
+    if (even_with_tpus or not tpu_attached()) and not xla_bridge.backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")
 
 
@@ -108,6 +110,7 @@ def to_mesh(array, sharding):
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+@functools.lru_cache(maxsize=None)  # the package's files: read once a process
 def source_fingerprint() -> str:
     """Hash of every Python file of tpu_executor, its models and its kernels: the traced
     programs come from this code."""

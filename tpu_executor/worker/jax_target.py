@@ -21,27 +21,17 @@ from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.tpu_slices import Target
 from tpu_executor.worker.jax_aot import AotJob
-from tpu_executor.worker.jax_runtime import JaxRuntime
+from tpu_executor.worker.jax_runtime import JaxRuntime, cpu_runtime
 from tpu_executor.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
-
-
-def keep_runtime_on_cpu() -> None:
-    """With libtpu installed JAX would try to start a TPU first; the compile-only devices do not
-    need one. Takes effect before JAX starts its backends (later, the CPU is all there is)."""
-    import jax
-    from jax._src import xla_bridge
-
-    if not xla_bridge.backends_are_initialized():
-        jax.config.update("jax_platforms", "cpu")
 
 
 def target_devices(target: Target) -> List:
     """The compile-only devices of every chip of ``target`` (all its hosts', from this process)."""
     from jax.experimental import topologies
 
-    keep_runtime_on_cpu()
+    cpu_runtime(even_with_tpus=True)  # the compile-only devices need no TPU runtime
     # Compiling uses no chip, so another process holding libtpu's lockfile (a torch_xla or JAX
     # process on this machine: both load libtpu when it is installed) must not stop it. libtpu
     # reads this when it loads, here.
@@ -67,26 +57,22 @@ class TargetRuntime(JaxRuntime):
         return jax.ShapeDtypeStruct(tuple(array.shape), array.dtype, sharding=sharding)
 
     def place_tensor(self, tensor: torch.Tensor, sharding):
+        import jax
         from torchax.ops.mappings import t2j_dtype
 
-        return self.place(_Shape(tuple(tensor.shape), t2j_dtype(tensor.dtype)), sharding)
+        return self.place(jax.ShapeDtypeStruct(tuple(tensor.shape), t2j_dtype(tensor.dtype)), sharding)
 
     def zeros(self, shape, dtype: torch.dtype, split=None):
         """Zeros' shape and placement only (a slice's KV cache may be larger than this host)."""
+        import jax
         from torchax.ops.mappings import t2j_dtype
         from torchax.tensor import Tensor as JaxTensor
 
-        return JaxTensor(self.place(_Shape(tuple(shape), t2j_dtype(dtype)), self.sharding(shape, split)), self.env)
+        shaped = jax.ShapeDtypeStruct(tuple(shape), t2j_dtype(dtype))
+        return JaxTensor(self.place(shaped, self.sharding(shape, split)), self.env)
 
     def memory_figures(self):
         raise ValueError("compile-only devices have no memory figures: the compile sizes the KV cache")
-
-
-class _Shape:
-    """An array's shape and dtype, nothing else."""
-
-    def __init__(self, shape, dtype):
-        self.shape, self.dtype = shape, dtype
 
 
 class TargetWorker(Worker):
@@ -104,10 +90,7 @@ class TargetWorker(Worker):
 
     def keep_in(self, job: AotJob) -> None:
         """Write the programs traced and the executables compiled from here on into ``job``."""
-        from tpu_executor.worker.jax_programs import ExecutableStore, ProgramStore
-
-        self.jax.programs = ProgramStore(f"{job.path}/programs")
-        self.jax.executables = ExecutableStore(f"{job.path}/executables", writes=True)
+        job.attach(self.jax, writes=True)
         if self.runner is not None:  # a runner takes the stores it finds when it is made
             with self.device_context():
                 self.runner = self._new_runner()
@@ -148,5 +131,6 @@ class TargetWorker(Worker):
         blocks, serving ``max_model_len`` tokens; returns the compile records
         (``jax_graphs.CompileRecord``), model steps first."""
         self.init_cache(num_blocks, max_model_len)
+        done = len(self.runner.jax_graphs.records)  # a runner kept for another cache holds earlier ones
         self.warmup(show_progress, graphs)
-        return list(self.runner.jax_graphs.records)
+        return self.runner.jax_graphs.records[done:]

@@ -84,10 +84,10 @@ class Worker:
         ``tensor_parallel_size`` devices (this process's, or in a Ray actor, those of every
         host's process together); JAX's persistent cache is used."""
         from tpu_executor.kernels import register_all
-        from tpu_executor.worker.jax_runtime import cpu_runtime_without_tpu, join_hosts
+        from tpu_executor.worker.jax_runtime import cpu_runtime, join_hosts
 
         chips = self.config.parallel.tensor_parallel_size
-        cpu_runtime_without_tpu()
+        cpu_runtime()
         if self.config.uses_ray:
             join_hosts(self.placement, chips // self.placement.world_size, on_tpu=tpu_attached())
         self.jax = self._new_jax_runtime(chips)
@@ -105,9 +105,10 @@ class Worker:
     def _use_jax_caches(self, cache_dir: str, kernels_fingerprint: str) -> None:
         """Executables compiled ahead of time for this engine and these chips, when
         ``cache_dir`` holds them (``tpu-executor compile``); else JAX's persistent cache."""
-        from tpu_executor.worker.jax_aot import AotJob, job_parts
+        from tpu_executor.worker.jax_aot import AotJob, has_jobs, job_parts
 
-        self.aot_job = AotJob.find(cache_dir, job_parts(self.config, self.jax, kernels_fingerprint))
+        if has_jobs(cache_dir):
+            self.aot_job = AotJob.find(cache_dir, job_parts(self.config, self.jax, kernels_fingerprint))
         if self.aot_job is not None:
             self.aot_job.attach(self.jax)
             logger.info("executables compiled ahead of time: %s", self.aot_job.path)

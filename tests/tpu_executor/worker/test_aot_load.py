@@ -42,9 +42,9 @@ def compile_for_this_cpu(checkpoint: str, cache_dir: str):
     """``compile_job`` with this process's CPU device in place of a slice's chips."""
     from tpu_executor.core.tpu_slices import Target
     from tpu_executor.entrypoints.compile_job import compile_job
-    from tpu_executor.worker.jax_target import keep_runtime_on_cpu
+    from tpu_executor.worker.jax_runtime import cpu_runtime
 
-    keep_runtime_on_cpu()
+    cpu_runtime()
     import jax
 
     report = compile_job(checkpoint, Target.parse("v5e-1"), dict(OPTIONS, cache_dir=cache_dir), show_progress=False,
