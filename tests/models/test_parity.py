@@ -1,7 +1,7 @@
 """Greedy tokens identical to transformers (fp32) and logits within tolerance, for a tiny random
-checkpoint of every supported architecture (prompts of 16-256 tokens, longer than the sliding
-windows), on the XLA path, the JAX path and the native eager path (on the CPU, and on a CUDA GPU where torch
-sees one), with nothing compiled after warm-up."""
+checkpoint of every supported architecture on the native eager path (on the CPU, and on a CUDA
+GPU where torch sees one) and of two architectures each on the XLA and JAX paths (prompts of
+16-256 tokens, longer than the sliding windows), with nothing compiled after warm-up."""
 import pytest
 import torch
 
@@ -36,10 +36,17 @@ def assert_same_as_reference(outs, ref_tokens, ref_logprobs):
 NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA GPU")
 
 
-@pytest.mark.parametrize("device", [pytest.param("xla", marks=pytest.mark.slow),
-                                    pytest.param("jax", marks=pytest.mark.slow), "cpu",
-                                    pytest.param("cuda", marks=NO_GPU)])
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+# Every architecture runs on the native path (CPU, and a GPU where there is one). The compiled
+# paths share the model code and differ in their kernels, so each runs the two architectures
+# that reach the most kernel features: XLA Gemma-2 (sliding windows, soft-capping) and Mixtral
+# (experts), JAX Gemma-3 (one KV head, per-layer-type RoPE) and Qwen3-MoE (experts, q/k norms).
+COMPILED_PATHS = {"xla": ("gemma2", "mixtral"), "jax": ("gemma3", "qwen3_moe")}
+CASES = [(arch, device) for arch in ARCHITECTURES for device in ("cpu", "cuda")] + [
+    (arch, device) for device, archs in COMPILED_PATHS.items() for arch in archs]
+MARKS = {"cuda": NO_GPU, "xla": pytest.mark.slow, "jax": pytest.mark.slow}
+
+
+@pytest.mark.parametrize("arch,device", [pytest.param(*case, marks=MARKS.get(case[1], ())) for case in CASES])
 def test_greedy_matches_transformers(checkpoints, arch, device):
     path = checkpoints[arch]
     prompts = mixed_prompts(6, 16, 256, vocab=500)

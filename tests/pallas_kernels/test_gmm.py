@@ -5,13 +5,13 @@ import torch
 
 from tpu_executor.kernels import OpRegistry, Provider
 from tpu_executor.kernels.gmm import kernel, ops, reference
-from tests.pallas_kernels.kernel_cases import (NUM_CASES, check_kernel_against_reference,
+from tests.pallas_kernels.kernel_cases import (INTERPRETED_CASES, check_kernel_against_reference,
                                                check_kernels_agree, generated_cases, in_fresh_process,
                                                in_fresh_processes, total_counts, value_error_of)
 
 pytestmark = pytest.mark.slow  # TPU interpret mode
 
-CASES = generated_cases(ops.SPEC, seed=0)
+CASES = generated_cases(ops.SPEC, seed=0, count=INTERPRETED_CASES)
 
 
 def test_reference_is_a_matmul_per_group():
@@ -28,7 +28,7 @@ def check_generated_cases(indices):
 
 def test_kernel_matches_reference_on_generated_cases():
     seen = total_counts(in_fresh_processes(check_generated_cases, len(CASES)))
-    assert sum(seen.values()) == NUM_CASES and min(seen.values()) > 25, seen
+    assert sum(seen.values()) == INTERPRETED_CASES and min(seen.values()) >= 15, seen
     labels = " ".join(case.label for case in CASES)
     assert "T=True" in labels and "T=False" in labels and ", 0," in labels  # empty groups ran
 
@@ -41,7 +41,7 @@ def compare_with_megablox(indices):
 
 
 def test_kernel_agrees_with_jax_megablox():
-    assert sum(in_fresh_processes(compare_with_megablox, 40)) >= 10
+    assert sum(in_fresh_processes(compare_with_megablox, 20)) >= 10
 
 
 @pytest.mark.parametrize("shapes, dtype, message", [

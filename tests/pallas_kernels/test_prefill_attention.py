@@ -7,13 +7,13 @@ import pytest
 
 from tpu_executor.kernels.binding import on_xla_if_fits
 from tpu_executor.kernels.prefill_attention import kernel, ops
-from tests.pallas_kernels.kernel_cases import (NUM_CASES, case_kinds, check_kernel_against_reference,
+from tests.pallas_kernels.kernel_cases import (INTERPRETED_CASES, case_kinds, check_kernel_against_reference,
                                                generated_cases, in_fresh_process, in_fresh_processes,
                                                total_counts)
 
 pytestmark = pytest.mark.slow  # TPU interpret mode
 
-CASES = generated_cases(ops.SPEC, seed=2)
+CASES = generated_cases(ops.SPEC, seed=2, count=INTERPRETED_CASES)
 BLOCKS = ((None, None), (16, 128), (32, 128))  # default, and small blocks that skip a lot
 
 
@@ -23,10 +23,10 @@ def check_generated_cases(indices):
 
 
 def test_kernel_matches_reference_on_generated_cases():
-    assert sum(total_counts(in_fresh_processes(check_generated_cases, len(CASES))).values()) == NUM_CASES
+    assert sum(total_counts(in_fresh_processes(check_generated_cases, len(CASES))).values()) == INTERPRETED_CASES
     kinds = case_kinds(CASES)
     labels = " ".join(case.label for case in CASES)
-    assert len(CASES) == NUM_CASES and len(kinds) == 8
+    assert len(CASES) == INTERPRETED_CASES and len(kinds) == 8
     assert "cached=[16" in labels or "cached=[32" in labels  # prefix-cached context ran
 
 
