@@ -12,6 +12,14 @@ MAX_LOGIT_BIAS = 300
 MAX_LOGIT_ENTRIES = 1024  # logit_bias + allowed_token_ids + stop ids + one-token bad words
 MAX_BAD_WORDS = 16  # bad words of several tokens
 MAX_BAD_WORD_TOKENS = 8
+# Bounds on what enters the engine, so no request can overflow the device's rows or slow every
+# step: ids and top_k fit the rows' int32 slots (a top_k at or above the vocabulary keeps every
+# token, as vLLM), a temperature stays finite after the float32 division, stop strings are
+# matched against every new piece of text.
+MAX_INT32 = 2**31 - 1
+MAX_TEMPERATURE = 100.0
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024
 
 
 class RequestOutputKind(enum.Enum):
@@ -131,9 +139,10 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0,
-               f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        _check(isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= MAX_TEMPERATURE,
+               f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        _check(isinstance(self.top_k, int) and 0 <= self.top_k <= MAX_INT32,
+               f"top_k must be -1, 0 (disabled) or a positive integer up to {MAX_INT32}, got {self.top_k!r}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
@@ -141,9 +150,12 @@ class SamplingParams:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
-               f"stop must be non-empty strings, got {self.stop!r}")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+               f"stop must be non-empty strings, got {self.stop!r}"[:300])
+        _check(len(self.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+               f"stop holds {len(self.stop)} strings of up to {max(map(len, self.stop), default=0)} characters; "
+               f"at most {MAX_STOP_STRINGS} of at most {MAX_STOP_STRING_CHARS} characters are allowed")
+        _check(all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids),
+               f"stop_token_ids must be token ids (non-negative integers), got {self.stop_token_ids!r}"[:300])
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
                f"logprobs must be None or a non-negative integer, got {self.logprobs!r}")
         _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),

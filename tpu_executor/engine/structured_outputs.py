@@ -59,6 +59,13 @@ def _refuse_constant(name: str):
 
 def checked_schema(text: str) -> dict:
     """The JSON Schema in ``text``, or a ValueError saying why it is not one."""
+    try:
+        return _checked_schema(text)
+    except RecursionError:
+        raise ValueError("structured_outputs.json is nested too deeply to check") from None
+
+
+def _checked_schema(text: str) -> dict:
     import jsonschema
 
     try:
@@ -72,6 +79,7 @@ def checked_schema(text: str) -> dict:
     except jsonschema.SchemaError as err:
         where = "/".join(str(p) for p in err.absolute_path) or "the top level"
         raise ValueError(f"structured_outputs.json is not a valid JSON Schema at {where}: {err.message}") from None
+
     return schema
 
 

@@ -66,7 +66,8 @@ class RequestChecks:
                 raise ValueError(f"{name} {wanted} exceeds max_logprobs {self.config.compile.max_logprobs} "
                                  "of this engine")
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("stop_token_ids", params.stop_token_ids)):
             outside = [t for t in ids if vocab and t >= vocab]
             if outside:
                 raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab}): {outside[:8]}")

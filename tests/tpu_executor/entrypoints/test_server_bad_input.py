@@ -31,6 +31,14 @@ def escaped(body) -> bytes:
     return json.dumps(body).encode("ascii")
 
 
+def deep_schema(depth: int) -> dict:
+    """A JSON Schema of objects nested ``depth`` levels deep."""
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 # (name, path, body (dict: JSON; bytes: raw), extra headers, status, words the message holds, param)
 CASES = [
     ("malformed json", "/v1/completions", b'{"prompt": "a", ', {}, 400, "not valid JSON", None),
@@ -141,6 +149,26 @@ CASES = [
      "maximum context length is 320 tokens", "max_completion_tokens"),
     ("detokenize out of vocab", "/detokenize", {"tokens": [1, 99999]}, {}, 400, "vocabulary", "tokens"),
     ("tokenize with neither field", "/tokenize", {"model": "tiny"}, {}, 400, "exactly one", "prompt"),
+    # Bounds: each value a request could use to break the step of others is refused at the door.
+    ("temperature Infinity", "/v1/completions", b'{"model": "tiny", "prompt": "a", "temperature": Infinity}', {},
+     400, "holds Infinity", "temperature"),
+    ("temperature out of range", "/v1/completions", completions(temperature=1e39), {}, 400, "[0, 100]",
+     "temperature"),
+    ("NaN in an unknown field", "/v1/completions", b'{"model": "tiny", "prompt": "a", "x": [1, NaN]}', {}, 400,
+     "holds NaN", "x"),
+    ("top_k past int32", "/v1/completions", completions(top_k=10**20), {}, 400, "top_k", "top_k"),
+    ("stop id out of vocab", "/v1/completions", completions(stop_token_ids=[10**6], min_tokens=1), {}, 400,
+     "outside the vocabulary", "stop_token_ids"),
+    ("too many stop strings", "/v1/completions", completions(stop=[f"s{i}" for i in range(40)]), {}, 400,
+     "at most 32", "stop"),
+    ("tool schema nested 100 deep", "/v1/chat/completions",
+     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": deep_schema(100)}}]), {}, 400,
+     "nested deeper than 64", "tools"),
+    ("body nested past the parser", "/v1/completions", b'{"prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", {},
+     400, "not valid JSON", None),
+    ("too many tools", "/v1/chat/completions",
+     chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]), {}, 400,
+     "at most 128", "tools"),
     ("missing api key", "/v1/completions", GOOD, {"Authorization": ""}, 401, "API key", None),
     ("wrong api key", "/v1/completions", GOOD, {"Authorization": "Bearer nope"}, 401, "API key", None),
     ("key without Bearer", "/v1/models", None, {"Authorization": KEY}, 401, "API key", None),

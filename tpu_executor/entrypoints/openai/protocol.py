@@ -10,14 +10,21 @@ Fields we know but do not implement are refused with a 400 that names them
 """
 from __future__ import annotations
 
+import json
+import math
 import re
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 _INT64 = 2**63
+# Any value in a body, however deep (tool schemas, grammars, unknown fields): a JSON nesting
+# this deep or a non-finite number is refused before anything reads it.
+MAX_JSON_DEPTH = 64
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_MESSAGES = 2048
 
 
 class ApiError(Exception):
@@ -54,15 +61,42 @@ def field_named_by(message: str, default: str) -> str:
     return match.group(0) if match and match.group(0) in _FIELD_NAMES else default
 
 
+def check_json_values(body: Any) -> None:
+    """A 400 naming the top-level field that holds a value nested deeper than
+    ``MAX_JSON_DEPTH`` or a number JSON does not allow (Python's parser reads ``NaN`` and
+    ``Infinity``); walked without recursion, so no body can exhaust the stack."""
+    if not isinstance(body, dict):
+        return
+    stack = [(value, str(name), 1) for name, value in body.items()]
+    while stack:
+        value, field, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise bad_request(f"{field} is nested deeper than {MAX_JSON_DEPTH} levels", field)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise bad_request(f"{field} holds {json.dumps(value)}, which JSON does not allow", field)
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, field, depth + 1) for child in children)
+
+
+class _Body(BaseModel):
+    """A request body: every value in it checked by ``check_json_values`` first."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _finite_and_shallow(cls, data: Any) -> Any:
+        check_json_values(data)
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(_Body):
     """Fields completions and chat share."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: Optional[str] = None
     n: int = Field(1, ge=1)
@@ -289,6 +323,11 @@ class ChatCompletionRequest(_GenerationRequest):
         super().check_supported()
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
+        if len(self.messages) > MAX_MESSAGES:
+            raise bad_request(f"messages holds {len(self.messages)} messages; at most {MAX_MESSAGES} are allowed",
+                              "messages")
+        if self.tools is not None and len(self.tools) > MAX_TOOLS:
+            raise bad_request(f"tools holds {len(self.tools)} tools; at most {MAX_TOOLS} are allowed", "tools")
         if self.functions:
             raise bad_request("functions (the form OpenAI deprecated) is not supported; send tools", "functions")
         if self.top_logprobs and not self.logprobs:
@@ -301,7 +340,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     """``POST /tokenize``: a prompt, or chat messages rendered with the chat template."""
 
     model: Optional[str] = None
@@ -311,7 +350,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     """``POST /detokenize``."""
 
     model: Optional[str] = None
