@@ -32,8 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
-    args.run(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except ValueError as err:  # a bad option, checkpoint or file: its message says what to change
+        logging.getLogger(__name__).debug("the command failed", exc_info=True)
+        parser.exit(2, f"tpu-executor {args.command}: error: {err}\n")
 
 
 if __name__ == "__main__":

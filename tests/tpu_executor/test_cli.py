@@ -106,7 +106,8 @@ def test_generate_from_outside_the_repository(checkpoints, tmp_path):
 def test_a_bad_option_fails_with_what_to_change(checkpoints, tmp_path):
     result = subprocess.run(["tpu-executor", "generate", checkpoints["llama"], "--device", "cpu",
                              "--block-size", "12"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0 and "block_size must be one of 8, 16, 32, 64, 128" in result.stderr
+    assert result.returncode == 2 and "block_size must be one of 8, 16, 32, 64, 128" in result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.startswith("tpu-executor generate: error: ")
 
 
 NATIVE_WITHOUT_XLA = textwrap.dedent("""

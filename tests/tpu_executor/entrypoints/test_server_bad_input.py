@@ -172,6 +172,8 @@ CASES = [
     ("missing api key", "/v1/completions", GOOD, {"Authorization": ""}, 401, "API key", None),
     ("wrong api key", "/v1/completions", GOOD, {"Authorization": "Bearer nope"}, 401, "API key", None),
     ("key without Bearer", "/v1/models", None, {"Authorization": KEY}, 401, "API key", None),
+    ("tokenize without the key", "/tokenize", {"prompt": "a"}, {"Authorization": ""}, 401, "API key", None),
+    ("detokenize without the key", "/detokenize", {"tokens": [1]}, {"Authorization": ""}, 401, "API key", None),
     ("oversized body", "/v1/completions", completions(prompt="x" * 70_000), {}, 413, "exceeds", None),
     ("unknown route", "/v1/embeddings", GOOD, {}, 404, "Not Found", None),
     ("wrong method", "/v1/completions", None, {}, 405, "Method Not Allowed", None),
@@ -224,7 +226,8 @@ def test_unknown_fields_are_accepted(server):
     assert response.status_code == 200
 
 
-def test_health_needs_no_key_and_v1_rejects_without_one(server):
+def test_health_and_metrics_need_no_key_and_v1_rejects_without_one(server):
     assert httpx.get(server + "/health").status_code == 200
+    assert httpx.get(server + "/metrics").status_code == 200
     assert httpx.get(server + "/v1/models").status_code == 401
     assert json.loads(httpx.get(server + "/v1/models", headers=AUTH).text)["data"][0]["id"] == "tiny"

@@ -114,6 +114,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(ApiError(500, "internal server error", type="server_error"))
 
 
+# What a load balancer or a scraper reads without the key; every other route needs it.
+OPEN_PATHS = ("/health", "/metrics")
+
+
 def _install_auth(app: FastAPI, api_key: Optional[str]) -> None:
     if api_key is None:
         return
@@ -121,7 +125,7 @@ def _install_auth(app: FastAPI, api_key: Optional[str]) -> None:
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
-        if request.url.path.startswith("/v1"):
+        if request.url.path not in OPEN_PATHS:
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 return error_response(ApiError(401, "Incorrect or missing API key (send Authorization: Bearer "

@@ -19,7 +19,7 @@ class ServerConfig:
     """Where the server listens and what it lets one client ask for.
 
     Binds to loopback unless ``host`` says otherwise. ``api_key`` (when set) is required on
-    ``/v1/*`` as ``Authorization: Bearer KEY``. ``max_waiting_requests`` bounds the queue of
+    every route but ``/health`` and ``/metrics``, as ``Authorization: Bearer KEY``. ``max_waiting_requests`` bounds the queue of
     requests not yet running (beyond it: 503 at once). ``max_body_bytes``, ``max_n`` and
     ``max_prompts`` cap one request. ``allowed_origins`` turns CORS on for those origins.
     ``drain_timeout_s`` is how long SIGTERM lets in-flight requests run before aborting them.
