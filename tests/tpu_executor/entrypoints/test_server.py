@@ -202,10 +202,12 @@ def test_models_health_tokenize_detokenize(client, served):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
     assert httpx.get(url + "/health").status_code == 200
-    tokens = httpx.post(url + "/tokenize", json={"prompt": PROMPTS[0]}).json()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    tokens = httpx.post(url + "/tokenize", json={"prompt": PROMPTS[0]}, headers=auth).json()
     assert tokens["tokens"] == served[2]["greedy"][0].prompt_token_ids and tokens["max_model_len"] == 320
-    assert httpx.post(url + "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"].endswith(PROMPTS[0])
-    chat = httpx.post(url + "/tokenize", json={"messages": CHAT}).json()
+    detokenized = httpx.post(url + "/detokenize", json={"tokens": tokens["tokens"]}, headers=auth).json()
+    assert detokenized["prompt"].endswith(PROMPTS[0])
+    chat = httpx.post(url + "/tokenize", json={"messages": CHAT}, headers=auth).json()
     assert chat["tokens"] == served[2]["chat"][0].prompt_token_ids
 
 

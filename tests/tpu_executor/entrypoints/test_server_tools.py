@@ -113,6 +113,20 @@ def test_auto_reads_hermes_calls_out_of_the_output_whole_and_streamed(client):
     assert calls == {0: ["get_time", message.tool_calls[0].function.arguments]}
 
 
+TWO_CALLS = FORCED_CALL + r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}</tool_call>'
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_with_parallel_tool_calls_false_keeps_the_first_call(client, parallel):
+    forced = {"structured_outputs": {"regex": TWO_CALLS}}
+    whole = ask(client, tool_choice="auto", temperature=0, parallel_tool_calls=parallel, extra_body=forced,
+                max_tokens=400)
+    assert len(whole.choices[0].message.tool_calls) == (2 if parallel else 1)
+    _, calls, _ = streamed_calls(ask(client, stream=True, tool_choice="auto", temperature=0,
+                                     parallel_tool_calls=parallel, extra_body=forced, max_tokens=400))
+    assert len(calls) == (2 if parallel else 1)
+
+
 def test_auto_leaves_plain_text_as_content(client):
     whole = ask(client, temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
     assert whole.choices[0].message.tool_calls is None and whole.choices[0].finish_reason == "length"

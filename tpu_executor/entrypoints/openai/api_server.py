@@ -207,7 +207,8 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            tokens = render_chat(serving.tokenizer, body.messages, body.add_generation_prompt).token_ids
+            tokens = render_chat(serving.tokenizer, body.messages,
+                                 {"add_generation_prompt": body.add_generation_prompt}).token_ids
         else:
             tokens = token_ids(serving.tokenizer, body.prompt, "prompt", body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": list(tokens)}

@@ -15,19 +15,20 @@ from tpu_executor.entrypoints.openai.tool_parsers import ParsedCall
 from tpu_executor.entrypoints.openai.tools import ToolChoice, conversation_message, tool_call_json
 
 
-def render_chat(tokenizer, messages: List[ChatMessage], add_generation_prompt: bool,
-                tools: Optional[List[Dict[str, Any]]] = None) -> Prompt:
+def render_chat(tokenizer, messages: List[ChatMessage], template_options: Dict[str, Any],
+                tools: Optional[List[Dict[str, Any]]] = None, add_special_tokens: bool = False) -> Prompt:
     """The conversation (and the tools, when given) as the model's chat template writes it,
-    encoded. The template puts in the special tokens (BOS and the like), so encoding adds none."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
+    encoded; ``template_options`` go to the template (``add_generation_prompt`` and the like).
+    The template puts in the special tokens (BOS and the like), so by default encoding adds none."""
+    if not template_options.get("chat_template") and not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model's tokenizer has no chat template; use /v1/completions or send "
+                          "chat_template", "messages")
     conversation = [conversation_message(m, i) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, **template_options)
     except Exception as err:  # noqa: BLE001 - a template may reject a conversation (roles, order)
         raise bad_request(f"the chat template rejected these messages: {err}", "messages") from None
-    return Prompt(text, token_ids(tokenizer, text, "messages", add_special_tokens=False))
+    return Prompt(text, token_ids(tokenizer, text, "messages", add_special_tokens=add_special_tokens))
 
 
 def chat_logprobs(tokenizer, completion: CompletionOutput, top: int) -> Dict[str, List[Dict[str, Any]]]:
@@ -47,7 +48,9 @@ def chat_logprobs(tokenizer, completion: CompletionOutput, top: int) -> Dict[str
 async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionRequest, http: HttpRequest):
     serving.check_request(body, "chat/completions")
     tools = ToolChoice(body.tools, body.tool_choice, body.parallel_tool_calls, serving.config.tool_call_parser)
-    prompt = render_chat(serving.tokenizer, body.messages, body.add_generation_prompt, tools.tools)
+    prompt = render_chat(serving.tokenizer, body.messages, body.template_options(), tools.tools,
+                         add_special_tokens=bool(body.add_special_tokens))
+    prompt = body.truncated(prompt)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = serving.max_tokens_for(prompt, body.requested_max_tokens(), param)
     params, grammar_field = body.sampling_params(max_tokens, body.num_logprobs()), body.grammar_field()

@@ -50,7 +50,9 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, htt
     if len(raw_prompts) > serving.config.max_prompts:
         raise bad_request(f"prompt lists {len(raw_prompts)} prompts but this server allows at most "
                           f"{serving.config.max_prompts} per request", "prompt")
-    prompts = [serving.encode(p, "prompt") for p in raw_prompts]
+    add_special_tokens = body.add_special_tokens is not False  # completions add them unless told not to
+    prompts = [serving.encode(p, "prompt", add_special_tokens) for p in raw_prompts]
+    prompts = [body.truncated(p) for p in prompts]
     params = [body.sampling_params(serving.max_tokens_for(p, body.max_tokens), body.logprobs) for p in prompts]
     for prompt, p in zip(prompts, params):
         await serving.validate(prompt, p, "prompt", body.grammar_field())

@@ -10,6 +10,7 @@ Fields we know but do not implement are refused with a 400 that names them
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -127,11 +128,16 @@ class _GenerationRequest(_Body):
     guided_regex: Optional[str] = None
     guided_choice: Optional[List[str]] = None
     guided_grammar: Optional[str] = None
+    add_special_tokens: Optional[bool] = None  # None: the endpoint's default (vLLM's)
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=1)
 
     def check_supported(self) -> None:
         """Refuse what we know but do not implement (the 400 names the field)."""
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        for name, value in (self.model_extra or {}).items():
+            if name in NOT_IMPLEMENTED and value is not None and value not in NOT_IMPLEMENTED[name]:
+                raise bad_request(f"{name}={json.dumps(value)[:80]} is not supported by this server", name)
         for text in [self.stop] if isinstance(self.stop, str) else (self.stop or []):
             checked_text(text, "stop")
         self.grammar()
@@ -174,7 +180,15 @@ class _GenerationRequest(_Body):
             raise bad_request(str(err), self.grammar_field()) from None
 
     def unknown_fields(self) -> List[str]:
-        return sorted(self.model_extra or {})
+        return sorted(set(self.model_extra or {}) - set(NOT_IMPLEMENTED))
+
+    def truncated(self, prompt):
+        """``prompt`` (an encoded ``serving.Prompt``) cut to its last ``truncate_prompt_tokens``
+        tokens, as vLLM truncates; a cut prompt's text is its tokens' (what ``echo`` returns)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None or len(prompt.token_ids) <= keep:
+            return prompt
+        return dataclasses.replace(prompt, text=None, token_ids=prompt.token_ids[-keep:])
 
     def wanted_prompt_logprobs(self) -> Optional[int]:
         """Top alternatives per prompt token (vLLM's ``prompt_logprobs``), None for none."""
@@ -220,6 +234,16 @@ class _GenerationRequest(_Body):
         which, as there, takes effect together with ``include_usage``)."""
         return self.include_usage and self.stream_options.continuous_usage_stats
 
+
+# vLLM's request fields this server does not implement: a value other than these (or null) is a
+# 400 naming the field. (The accepted values are the defaults, which change nothing.)
+NOT_IMPLEMENTED: Dict[str, tuple] = {
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "priority": (0,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
+    "guided_decoding_backend": ("xgrammar", "auto"), "logits_processors": ((), []), "cache_salt": (),
+    "kv_transfer_params": (), "vllm_xargs": ({},), "mm_processor_kwargs": ({},), "structural_tag": (),
+    "guided_whitespace_pattern": (), "return_token_ids": (False,), "reasoning_effort": (),
+}
 
 _GRAMMAR_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -318,9 +342,19 @@ class ChatCompletionRequest(_GenerationRequest):
     parallel_tool_calls: bool = True
     functions: Optional[List[Dict[str, Any]]] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+    documents: Optional[List[Dict[str, Any]]] = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.echo:
+            raise bad_request("echo is not supported in chat by this server", "echo")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt to be false",
+                              "continue_final_message")
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
         if len(self.messages) > MAX_MESSAGES:
@@ -332,6 +366,16 @@ class ChatCompletionRequest(_GenerationRequest):
             raise bad_request("functions (the form OpenAI deprecated) is not supported; send tools", "functions")
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+
+    def template_options(self) -> Dict[str, Any]:
+        """What the chat template gets beside the messages and tools: ``chat_template_kwargs``
+        (say Qwen3's ``enable_thinking``), ``documents``, a per-request ``chat_template``."""
+        options = {name: value for name, value in (self.chat_template_kwargs or {}).items()
+                   if name not in _TEMPLATE_ARGUMENTS}
+        extra = {"documents": self.documents, "chat_template": self.chat_template}
+        options.update({name: value for name, value in extra.items() if value is not None})
+        return dict(options, add_generation_prompt=self.add_generation_prompt,
+                    continue_final_message=self.continue_final_message)
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -357,4 +401,9 @@ class DetokenizeRequest(_Body):
     tokens: List[int]
 
 
+# Arguments of apply_chat_template that chat_template_kwargs may not set (the request's own
+# fields set them).
+_TEMPLATE_ARGUMENTS = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                       "continue_final_message", "tokenize", "return_dict", "return_tensors", "padding",
+                       "truncation", "max_length", "tokenizer_kwargs"}
 _FIELD_NAMES = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)

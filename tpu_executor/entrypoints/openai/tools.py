@@ -97,7 +97,10 @@ class ToolChoice:
             values = tool_parsers.json_values(text)
             calls = [tool_parsers.call_of(o) for o in values[0]] if values and isinstance(values[0], list) else []
             return (None, calls) if calls and all(calls) else (text, [])
-        return tool_parsers.parse(text, self.format) if self.mode == "auto" else (text, [])
+        if self.mode != "auto":
+            return text, []
+        content, calls = tool_parsers.parse(text, self.format)
+        return content, calls if self.parallel else calls[:1]  # parallel_tool_calls=false: the first call
 
     def held_from(self, text: str) -> Optional[int]:
         """Where a stream must start holding ``text`` back (``tool_parsers.held_from``)."""
