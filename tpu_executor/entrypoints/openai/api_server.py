@@ -207,8 +207,9 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            tokens = render_chat(serving.tokenizer, body.messages,
-                                 {"add_generation_prompt": body.add_generation_prompt}).token_ids
+            options = {"add_generation_prompt": body.add_generation_prompt}
+            tokens = render_chat(serving.tokenizer, body.messages, options,
+                                 tool_call_format=serving.config.tool_call_parser).token_ids
         else:
             tokens = token_ids(serving.tokenizer, body.prompt, "prompt", body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": list(tokens)}

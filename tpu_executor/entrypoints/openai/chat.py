@@ -16,14 +16,16 @@ from tpu_executor.entrypoints.openai.tools import ToolChoice, conversation_messa
 
 
 def render_chat(tokenizer, messages: List[ChatMessage], template_options: Dict[str, Any],
-                tools: Optional[List[Dict[str, Any]]] = None, add_special_tokens: bool = False) -> Prompt:
+                tools: Optional[List[Dict[str, Any]]] = None, add_special_tokens: bool = False,
+                tool_call_format: str = "hermes") -> Prompt:
     """The conversation (and the tools, when given) as the model's chat template writes it,
-    encoded; ``template_options`` go to the template (``add_generation_prompt`` and the like).
-    The template puts in the special tokens (BOS and the like), so by default encoding adds none."""
+    encoded; ``template_options`` go to the template (``add_generation_prompt`` and the like),
+    call ids as ``tool_call_format``'s templates take them. The template puts in the special
+    tokens (BOS and the like), so by default encoding adds none."""
     if not template_options.get("chat_template") and not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions or send "
                           "chat_template", "messages")
-    conversation = [conversation_message(m, i) for i, m in enumerate(messages)]
+    conversation = [conversation_message(m, i, tool_call_format) for i, m in enumerate(messages)]
     try:
         text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, **template_options)
     except Exception as err:  # noqa: BLE001 - a template may reject a conversation (roles, order)
@@ -49,7 +51,7 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     serving.check_request(body, "chat/completions")
     tools = ToolChoice(body.tools, body.tool_choice, body.parallel_tool_calls, serving.config.tool_call_parser)
     prompt = render_chat(serving.tokenizer, body.messages, body.template_options(), tools.tools,
-                         add_special_tokens=bool(body.add_special_tokens))
+                         bool(body.add_special_tokens), tools.format)
     prompt = body.truncated(prompt)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = serving.max_tokens_for(prompt, body.requested_max_tokens(), param)
@@ -94,7 +96,7 @@ class _Response:
             content, calls = self.tools.parse(completion.text)
             message = {"role": "assistant", "content": content}
             if calls:
-                message["tool_calls"] = [tool_call_json(call) for call in calls]
+                message["tool_calls"] = [tool_call_json(call, self.tools.format) for call in calls]
             choices.append({"index": completion.index, "message": message, "logprobs": self._logprobs(completion),
                             "finish_reason": self._finish_reason(completion.finish_reason, calls),
                             "stop_reason": completion.stop_reason})
@@ -151,7 +153,8 @@ class StreamedChoice:
         if self.tools.mode == "named":
             call = {"index": 0, "function": {"arguments": new_text}}
             if not self.named_call_sent:  # the first delta names the call
-                call, self.named_call_sent = tool_call_json(ParsedCall(self.tools.named, new_text), 0), True
+                call = tool_call_json(ParsedCall(self.tools.named, new_text), self.tools.format, 0)
+                self.named_call_sent = True
             return {"tool_calls": [call]}, []
         if not finished:
             held = self.tools.held_from(self.text)
@@ -159,7 +162,7 @@ class StreamedChoice:
         content, calls = self.tools.parse(self.text)
         delta = self._content(len(content or "") if calls else len(self.text))
         if calls:
-            delta["tool_calls"] = [tool_call_json(call, index) for index, call in enumerate(calls)]
+            delta["tool_calls"] = [tool_call_json(call, self.tools.format, index) for index, call in enumerate(calls)]
         return delta, calls
 
     def _content(self, upto: int) -> Dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import List, NamedTuple, Optional, Tuple
 from tpu_executor.entrypoints.openai.config import TOOL_CALL_FORMATS as FORMATS  # noqa: F401 - the names
 
 # The format of each model family (``model_type`` in its config.json); others use hermes.
-FAMILY_FORMATS = {"llama": "llama3_json", "mistral": "mistral"}
+FAMILY_FORMATS = {"llama": "llama3_json", "mistral": "mistral", "mixtral": "mistral"}
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _DECODER = json.JSONDecoder()
 

@@ -10,6 +10,7 @@ both is compact (machines read it; blanks would only cost tokens).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -109,29 +110,46 @@ class ToolChoice:
         return tool_parsers.held_from(text, self.format) if self.mode == "auto" else None
 
 
-def tool_call_json(call: ParsedCall, index: Optional[int] = None) -> Dict[str, Any]:
+# Mistral's chat templates (Mistral, Mixtral, Nemo) refuse any call id but 9 letters or digits.
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def new_call_id(fmt: str) -> str:
+    """A fresh call id: 9 alphanumeric characters in the Mistral format, else OpenAI's form."""
+    return uuid.uuid4().hex[:9] if fmt == "mistral" else f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def template_call_id(call_id: Optional[str], fmt: str) -> Optional[str]:
+    """A call id as the template gets it: in the Mistral format one that breaks its rule is
+    mapped to 9 hex digits of its hash, the same for the call and the tool message answering it."""
+    if fmt != "mistral" or call_id is None or _MISTRAL_ID.fullmatch(call_id):
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+
+def tool_call_json(call: ParsedCall, fmt: str, index: Optional[int] = None) -> Dict[str, Any]:
     """One call in OpenAI's shape (with ``index`` in a streamed delta)."""
-    entry = {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-             "function": {"name": call.name, "arguments": call.arguments}}
+    entry = {"id": new_call_id(fmt), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
     return entry if index is None else {"index": index, **entry}
 
 
-def conversation_message(message, index: int) -> Dict[str, Any]:
+def conversation_message(message, index: int, fmt: str) -> Dict[str, Any]:
     """One chat message as a chat template reads it: a tool message keeps its call id, an
-    assistant's tool calls their arguments as objects (templates write them out as JSON)."""
+    assistant's tool calls their arguments as objects (templates write them out as JSON); call
+    ids as the format's templates take them."""
     entry: Dict[str, Any] = {"role": message.role, "content": message.text(index)}
     if message.role == "tool":
         if not message.tool_call_id:
             raise bad_request(f"messages[{index}] is a tool message without tool_call_id", f"messages[{index}]")
-        entry["tool_call_id"] = message.tool_call_id
+        entry["tool_call_id"] = template_call_id(message.tool_call_id, fmt)
     if message.name:
         entry["name"] = message.name
     if message.tool_calls:
-        entry["tool_calls"] = [_template_call(call, index) for call in message.tool_calls]
+        entry["tool_calls"] = [_template_call(call, index, fmt) for call in message.tool_calls]
     return entry
 
 
-def _template_call(call: Dict[str, Any], index: int) -> Dict[str, Any]:
+def _template_call(call: Dict[str, Any], index: int, fmt: str) -> Dict[str, Any]:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise bad_request(f"messages[{index}].tool_calls entries need function.name", f"messages[{index}]")
@@ -140,4 +158,5 @@ def _template_call(call: Dict[str, Any], index: int) -> Dict[str, Any]:
         arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
     except json.JSONDecodeError:
         raise bad_request(f"messages[{index}].tool_calls arguments are not JSON", f"messages[{index}]") from None
-    return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    return {"id": template_call_id(call.get("id"), fmt), "type": "function",
+            "function": {"name": function["name"], "arguments": arguments}}
