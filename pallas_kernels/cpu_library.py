@@ -1,10 +1,12 @@
 """Builds and loads the native path's C kernels (``*.c`` beside their ops, ``cpu_vectors.h``).
 
-A library is compiled on first use with the machine's C compiler (``cc`` or ``gcc``, OpenMP,
-``-march=native``) into ``~/.cache/tpu_executor/kernels``, keyed by its source, the shared
-header, the flags and this CPU's features, so a home directory shared by different CPUs never
-loads a foreign binary. Without a compiler (or where the build fails: logged) there is no
-library, and the ops' torch providers serve.
+A library is compiled on the native path's first call of its op (never on the XLA, JAX or
+CUDA paths, whose tensors it does not take) with the machine's C compiler (``cc`` or ``gcc``,
+OpenMP, ``-march=native``, at most ``BUILD_TIMEOUT_S``) into ``~/.cache/tpu_executor/kernels``,
+keyed by its source, the shared header, the flags, the compiler's version, the machine's
+architecture and this CPU's features, so a home directory shared by different CPUs or
+compilers never loads a foreign binary. Without a compiler, or where the build fails, there is
+no library (a WARNING says so) and the ops' torch providers serve.
 """
 from __future__ import annotations
 
@@ -13,13 +15,16 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
+
+from tpu_executor.kernels.registry import Provider
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +32,43 @@ HEADER = os.path.join(os.path.dirname(__file__), "cpu_vectors.h")
 # Beside the project's other caches (models, XLA's compile cache).
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tpu_executor", "kernels")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+BUILD_TIMEOUT_S = 300
 
 
 def _cpu_features() -> str:
-    """The CPU's feature flags (what ``-march=native`` compiles for; Linux only)."""
+    """The CPU's feature flags (what ``-march=native`` compiles for; x86's ``flags``, Arm's
+    ``Features``; Linux only)."""
     with open("/proc/cpuinfo") as info:
-        return next((line for line in info if line.startswith("flags")), "")
+        return next((line for line in info if line.startswith(("flags", "Features"))), "")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler() -> Optional[Tuple[str, str]]:
+    """(path, version line) of the C compiler, or None without one (or off Linux)."""
+    path = shutil.which("cc") or shutil.which("gcc")
+    if path is None or not os.path.exists("/proc/cpuinfo"):
+        return None
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path, version.splitlines()[0] if version else "unknown"
+
+
+def can_build() -> bool:
+    """A static check for the registry: a C compiler is here (building waits for a first call)."""
+    return _compiler() is not None
+
+
+def c_provider(native, function: Callable):
+    """The registry's provider of an op's C kernel (``native``: its ``cpu_native`` module, with
+    ``supports_args`` and ``supported``): statically usable where a compiler is; per call it
+    takes what ``supports_args`` takes (CPU tensors outside a trace), once the kernel is built,
+    so the first such call builds it."""
+    def supports_args(*args, **kwargs) -> bool:
+        return native.supports_args(*args, **kwargs) and native.supported()
+
+    return Provider("cpu_c", function, priority=6, supported=can_build, supports_args=supports_args)
 
 
 def _compile(compiler: str, source: str, target: str) -> None:
@@ -42,7 +78,7 @@ def _compile(compiler: str, source: str, target: str) -> None:
     os.close(handle)
     try:
         subprocess.run([compiler, *CFLAGS, "-I", os.path.dirname(HEADER), "-o", partial, source], check=True,
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
@@ -53,12 +89,14 @@ def _compile(compiler: str, source: str, target: str) -> None:
 def build(source: str) -> Optional[ctypes.CDLL]:
     """The library compiled from ``source`` (once per source, header, flags and CPU), or None
     where it cannot be built here."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
     name = os.path.splitext(os.path.basename(source))[0]
-    if compiler is None or not os.path.exists("/proc/cpuinfo"):
-        logger.info("no C compiler (or not Linux): %s's ops use torch ops", name)
+    if _compiler() is None:
+        logger.warning("no C compiler (cc or gcc; or not Linux): the native path's %s kernel is not built and "
+                       "torch ops serve its op, more slowly", name)
         return None
-    digest = hashlib.sha256(repr(CFLAGS).encode() + _cpu_features().encode())
+    compiler, version = _compiler()
+    identity = (repr(CFLAGS), version, platform.machine(), _cpu_features())
+    digest = hashlib.sha256("\n".join(identity).encode())
     for path in (source, HEADER):
         with open(path, "rb") as text:
             digest.update(text.read())
@@ -67,7 +105,7 @@ def build(source: str) -> Optional[ctypes.CDLL]:
         if not os.path.exists(target):
             _compile(compiler, source, target)
         return ctypes.CDLL(target)
-    except (OSError, subprocess.CalledProcessError) as err:
+    except (OSError, subprocess.SubprocessError) as err:
         logger.warning("building the CPU kernel %s failed (%s); using torch ops", name,
                        getattr(err, "stderr", "") or err)
         return None

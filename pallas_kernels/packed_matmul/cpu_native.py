@@ -12,6 +12,7 @@ Without AVX-512 the tiles do not fit the registers (5-7x slower than oneDNN ther
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import torch
@@ -26,6 +27,7 @@ KERNEL = cpu_library.CFunction(SOURCE, "packed_matmul_f32", _ARGTYPES)
 _FITS_REGISTERS = cpu_library.CFunction(SOURCE, "packed_matmul_f32_fits_registers", (), ctypes.c_int)
 
 
+@functools.lru_cache(maxsize=None)
 def supported() -> bool:
     """The kernel builds here, with AVX-512 (its tiles need 28 vector registers)."""
     return KERNEL.supported() and bool(_FITS_REGISTERS())

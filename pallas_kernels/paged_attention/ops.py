@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tpu_executor.kernels import cpu_library
 from tpu_executor.kernels.binding import eager_only, first_problem, jax_backed_op, jax_tpu_provider, tpu_provider
 from tpu_executor.kernels.paged_attention import cpu_native, eager, reference
 from tpu_executor.kernels.mesh_split import HEADS
@@ -135,8 +136,7 @@ def register(registry=REGISTRY) -> None:
     registry.register(OP_NAME, tpu_provider(
         "jax_paged_attention", 10, jax_shipped_op, shipped_kernel_problem,
         sources=(KERNEL_MODULE, "jax.experimental.pallas.ops.tpu.paged_attention.paged_attention_kernel")))
-    registry.register(OP_NAME, Provider("cpu_c", cpu_native.paged_attention, priority=6,
-                                        supported=cpu_native.supported, supports_args=cpu_native.supports_args))
+    registry.register(OP_NAME, cpu_library.c_provider(cpu_native, cpu_native.paged_attention))
     registry.register(OP_NAME, Provider("eager_sdpa", eager.paged_attention, priority=5, supports_args=eager_only))
     registry.register(OP_NAME, Provider("reference", reference.paged_attention, priority=0,
                                         is_reference=True))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tpu_executor.kernels import cpu_library
 from tpu_executor.kernels.binding import eager_only, first_problem, jax_backed_op, jax_tpu_provider, tpu_provider
 from tpu_executor.kernels.paged_attention.ops import random_block_tables
 from tpu_executor.kernels.prefill_attention import cpu_native, eager, reference
@@ -109,8 +110,7 @@ def register(registry=REGISTRY) -> None:
     registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem, sources=(KERNEL_MODULE,)))
     registry.register(OP_NAME, jax_tpu_provider("pallas_jax", 20, _pallas_prefill_attention, shape_problem,
                                                 sources=(KERNEL_MODULE,), split=HEADS))
-    registry.register(OP_NAME, Provider("cpu_c", cpu_native.prefill_attention, priority=6,
-                                        supported=cpu_native.supported, supports_args=cpu_native.supports_args))
+    registry.register(OP_NAME, cpu_library.c_provider(cpu_native, cpu_native.prefill_attention))
     registry.register(OP_NAME, Provider("eager_segments", eager.prefill_attention, priority=5,
                                         supports_args=eager_only))
     registry.register(OP_NAME, Provider("reference", reference.prefill_attention, priority=0,

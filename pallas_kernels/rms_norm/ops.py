@@ -5,6 +5,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tpu_executor.kernels import cpu_library
 from tpu_executor.kernels.binding import eager_only
 from tpu_executor.kernels.registry import REGISTRY, Provider
 from tpu_executor.kernels.rms_norm import cpu_native, reference
@@ -57,8 +58,7 @@ def register(registry=REGISTRY) -> None:
     """The C kernel for untraced fp32 CPU calls (the native path), torch's fused ``rms_norm``
     for other untraced fp32 calls (a GPU), the reference everywhere else (a traced graph fuses
     the steps itself)."""
-    registry.register(OP_NAME, Provider("cpu_c", cpu_native.rms_norm, priority=6, supported=cpu_native.supported,
-                                        supports_args=cpu_native.supports_args))
+    registry.register(OP_NAME, cpu_library.c_provider(cpu_native, cpu_native.rms_norm))
     registry.register(OP_NAME, Provider("eager_fused", fused_rms_norm, priority=5, supports_args=fp32_untraced))
     registry.register(OP_NAME, Provider("reference", reference.rms_norm, priority=0, is_reference=True))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tpu_executor.kernels import cpu_library
 from tpu_executor.kernels.registry import REGISTRY, Provider
 from tpu_executor.kernels.rotary_embedding import cpu_native, reference
 from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
@@ -42,8 +43,7 @@ SPEC = OpSpec(
 def register(registry=REGISTRY) -> None:
     """The C kernel for untraced fp32 CPU calls (the native path), the reference everywhere
     else (a traced graph fuses the steps itself)."""
-    registry.register(OP_NAME, Provider("cpu_c", cpu_native.rotary_embedding, priority=6,
-                                        supported=cpu_native.supported, supports_args=cpu_native.supports_args))
+    registry.register(OP_NAME, cpu_library.c_provider(cpu_native, cpu_native.rotary_embedding))
     registry.register(OP_NAME, Provider("reference", reference.rotary_embedding, priority=0, is_reference=True))
 
 

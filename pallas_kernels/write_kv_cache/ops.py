@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tpu_executor.kernels import cpu_library
 from tpu_executor.kernels.registry import REGISTRY, Provider
 from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
 from tpu_executor.kernels.write_kv_cache import cpu_native, reference
@@ -42,8 +43,7 @@ SPEC = OpSpec(
 def register(registry=REGISTRY) -> None:
     """The C kernel for untraced fp32 CPU calls (the native path), the reference everywhere
     else (a traced graph's scatter is one XLA op)."""
-    registry.register(OP_NAME, Provider("cpu_c", cpu_native.write_kv_cache, priority=6,
-                                        supported=cpu_native.supported, supports_args=cpu_native.supports_args))
+    registry.register(OP_NAME, cpu_library.c_provider(cpu_native, cpu_native.write_kv_cache))
     registry.register(OP_NAME, Provider("reference", reference.write_kv_cache, priority=0, is_reference=True))
 
 
