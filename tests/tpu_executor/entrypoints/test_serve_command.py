@@ -93,7 +93,8 @@ class Streamer(threading.Thread):
 
 def stops_accepting(url: str, timeout_s: float = 10) -> bool:
     """Whether new requests are turned away within ``timeout_s``: the single-engine server
-    closes its port; the replicated one's proxy answers 404 once the application is draining."""
+    closes its port; the replicated one's ingress answers 503 (and Serve's proxy 404 once the
+    application is deleted)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

@@ -133,6 +133,19 @@ def _install_auth(app: FastAPI, api_key: Optional[str]) -> None:
         return await call_next(request)
 
 
+def _install_drain(app: FastAPI) -> None:
+    """Once ``app.state.draining`` is set (the replicated server's SIGTERM), every new request
+    gets 503 at once, /health included, while the ones already in flight run on."""
+    app.state.draining = False
+
+    @app.middleware("http")
+    async def refuse_while_draining(request: Request, call_next):
+        if request.app.state.draining:
+            return error_response(ApiError(503, "the server is shutting down; send the request elsewhere",
+                                           type="server_error", code="shutting_down"))
+        return await call_next(request)
+
+
 def build_app(engine: AsyncLLMEngine, tokenizer, config: ServerConfig, collectors: Sequence[Any] = ()) -> FastAPI:
     """The FastAPI app; the engine thread starts with the app and the workers stop with it.
     ``engine`` is one async engine, or a ``ReplicaPool`` of several (same interface);
@@ -156,6 +169,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, config: ServerConfig, collector
     app.state.serving = serving
     _install_error_handlers(app)
     _install_auth(app, config.api_key)
+    _install_drain(app)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])

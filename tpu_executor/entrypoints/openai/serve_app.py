@@ -55,7 +55,13 @@ class OpenAIIngress:
     def __serve_build_asgi_app__(self):
         from tpu_executor.entrypoints.openai.api_server import build_app
 
-        return build_app(self.pool, self.tokenizer, self.server, collectors=[RoutingCollector()])
+        self.app = build_app(self.pool, self.tokenizer, self.server, collectors=[RoutingCollector()])
+        return self.app
+
+    def drain(self) -> None:
+        """Turn every new request away with 503 from now on (in-flight ones run on): the first
+        step of a shutdown, before Serve's own deletion starts draining the replicas."""
+        self.app.state.draining = True
 
 
 def replica_deployment_options(engine_options: Dict[str, Any], server: ServerConfig,
@@ -143,6 +149,7 @@ def run_replicated(args: argparse.Namespace) -> None:
         signal.signal(signum, lambda *_: stop.set())
     stop.wait()
     print("draining the replicas", flush=True)
+    serve.get_app_handle(replicas.app_name).drain.remote().result(timeout_s=30)
     shutdown(replicas.app_name)
 
 
