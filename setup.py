@@ -23,9 +23,11 @@ setup(
     package_dir={prefixed: folder for folder, prefixed in MAPPED_FOLDERS.items()},
     package_data={"tpu_executor.kernels": ["*.h"], **{f"tpu_executor.kernels.{op}": ["*.c"] for op in C_KERNEL_OPS}},
     install_requires=[
-        # torch_xla 2.9 is the last release; it needs exactly torch 2.9.0 and jax 0.7.1.
+        # torch_xla 2.9 is the last release; it needs exactly torch 2.9.0 and jax 0.7.1. Its
+        # wheels are x86-64 Linux only: elsewhere the package installs for the JAX and native
+        # paths, and device "xla" says what is missing.
         "torch==2.9.0",
-        "torch_xla==2.9.0",
+        "torch_xla==2.9.0; platform_machine == 'x86_64' and sys_platform == 'linux'",
         "jax==0.7.1",
         "jaxlib==0.7.1",
         # call_jax (JAX kernels inside torch_xla graphs) goes through torchax, which imports

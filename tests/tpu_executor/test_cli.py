@@ -120,11 +120,19 @@ NATIVE_WITHOUT_XLA = textwrap.dedent("""
     prompts = json.loads(sys.argv[2])
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    try:
+        LLM(sys.argv[1], device="xla")
+    except ValueError as err:
+        assert "device 'xla' needs torch_xla" in str(err), err
+    else:
+        raise AssertionError("device 'xla' started without torch_xla")
     print(json.dumps([o.outputs[0].token_ids for o in outs]))
 """)
 
 
 def test_native_path_needs_no_torch_xla_jax_or_ray(checkpoints, tmp_path):
+    """Where torch_xla cannot install (Arm, macOS) the native path runs, and device 'xla' says
+    what is missing."""
     prompts = [[5, 6, 7, 8], list(range(20, 60))]
     result = subprocess.run([sys.executable, "-c", NATIVE_WITHOUT_XLA, checkpoints["llama"], json.dumps(prompts)],
                             cwd=tmp_path, capture_output=True, text=True, timeout=600)

@@ -7,6 +7,7 @@ relations between them (e.g. buckets versus the model's context length).
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -219,6 +220,9 @@ class DeviceConfig:
     def __post_init__(self):
         _require(isinstance(self.device, str) and DEVICE_PATTERN.match(self.device) is not None,
                  f"device must be 'xla', 'jax', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        _require(self.device != "xla" or importlib.util.find_spec("torch_xla") is not None,
+                 "device 'xla' needs torch_xla, which installs on x86-64 Linux only (pip install "
+                 "torch_xla==2.9.0); elsewhere use device 'jax' or a torch device such as 'cpu'")
 
     @property
     def is_xla(self) -> bool:
