@@ -44,7 +44,7 @@ def compare_with_jax_shipped_kernel(indices):
 
 
 def test_kernel_agrees_with_jax_shipped_kernel():
-    assert sum(in_fresh_processes(compare_with_jax_shipped_kernel, 30)) >= 10
+    assert sum(in_fresh_processes(compare_with_jax_shipped_kernel, 16)) >= 5
 
 
 @pytest.mark.parametrize("q_shape, pages_shape, dtype, message", [

@@ -20,8 +20,10 @@ def two_hosts(tmp_path_factory):
 def test_tp4_over_two_hosts_places_ranks_per_host_and_matches_transformers(two_hosts, checkpoints):
     prompts = mixed_prompts(4, 5, 40, vocab=512, seed=3)
     expected, _ = hf_greedy(checkpoints["llama"], prompts, 16)
+    # Placement is the executor's, the same on every path: the native path runs it without
+    # compiling a graph on each of four ranks (XLA at tp = 4 is in test_tensor_parallel.py).
     llm = LLM(checkpoints["llama"], tensor_parallel_size=4, ray_address=two_hosts.address,
-              **tensor_parallel_options())
+              **tensor_parallel_options(device="cpu"))
     try:
         executor = llm.engine.core.executor
         nodes = executor.node_ids()
@@ -31,7 +33,6 @@ def test_tp4_over_two_hosts_places_ranks_per_host_and_matches_transformers(two_h
         assert [(p.rank, p.local_rank, p.node_index) for p in executor.placements] == \
             [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
         assert greedy_tokens(llm, prompts, 16) == expected
-        assert llm.engine.stats().graphs_compiled_after_warmup == 0
     finally:
         llm.shutdown()
 
