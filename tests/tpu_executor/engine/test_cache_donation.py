@@ -13,6 +13,7 @@ from tpu_executor import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow  # XLA compilation, a 1 GiB cache
 
+ONE_BUCKET_EACH = dict(prefill_buckets=(128,), decode_buckets=(8,), decode_context_buckets=(320,))
 BLOCK_BYTES = 8 * 1024  # tiny Llama: 2 layers x (K, V) x 2 kv heads x 16 slots x 16 dims x fp32
 
 
@@ -24,9 +25,9 @@ def _timed_generate(llm, prompts, params):
 
 @pytest.mark.parametrize("device", ["xla", "jax"])
 def test_step_time_does_not_grow_with_cache_size(checkpoints, device):
-    small = LLM(model=checkpoints["llama"], device=device, **tiny_engine_options(num_blocks=128))
+    small = LLM(model=checkpoints["llama"], device=device, **tiny_engine_options(num_blocks=128, **ONE_BUCKET_EACH))
     large = LLM(model=checkpoints["llama"], device=device,
-                **tiny_engine_options(num_blocks=(1 << 30) // BLOCK_BYTES))
+                **tiny_engine_options(num_blocks=(1 << 30) // BLOCK_BYTES, **ONE_BUCKET_EACH))
     assert large.stats().kv_cache_bytes >= 1 << 30
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (20, 40, 60, 80)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

@@ -18,12 +18,15 @@ from tpu_executor.engine.stats import startup_report
 pytestmark = pytest.mark.slow  # XLA compilation
 
 PROMPTS = mixed_prompts(4, 16, 200, vocab=500)
+# One bucket of each kind: these tests are about caching and splitting graphs, not the plan.
+ONE_BUCKET_EACH = dict(prefill_buckets=(320,), decode_buckets=(8,), decode_context_buckets=(320,))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def start(path, cache_dir, **overrides):
     """An engine on the JAX path with its compile cache under ``cache_dir``, and its tokens."""
-    llm = LLM(model=path, device="jax", **tiny_engine_options(strict=True, cache_dir=str(cache_dir), **overrides))
+    options = tiny_engine_options(strict=True, cache_dir=str(cache_dir), **{**ONE_BUCKET_EACH, **overrides})
+    llm = LLM(model=path, device="jax", **options)
     return llm, greedy_tokens(llm, PROMPTS, 24)
 
 
@@ -90,7 +93,8 @@ SPMD_RUN = textwrap.dedent("""
     from tpu_executor import LLM
     path, result = sys.argv[1], {}
     for tp in (1, 2, 4):
-        llm = LLM(model=path, device="jax", tensor_parallel_size=tp, **tiny_engine_options(strict=True))
+        llm = LLM(model=path, device="jax", tensor_parallel_size=tp, **tiny_engine_options(
+            strict=True, prefill_buckets=(320,), decode_buckets=(8,), decode_context_buckets=(320,)))
         tokens = greedy_tokens(llm, mixed_prompts(4, 16, 200, vocab=500), 24)
         model = llm.engine.core.executor.workers[0].model
         layer = model.model.layers[0]
