@@ -55,13 +55,14 @@ class OpenAIIngress:
     def __serve_build_asgi_app__(self):
         from tpu_executor.entrypoints.openai.api_server import build_app
 
-        self.app = build_app(self.pool, self.tokenizer, self.server, collectors=[RoutingCollector()])
-        return self.app
+        # Not ``self.app``: Serve's ingress wrapper has a read-only property of that name.
+        self.http_app = build_app(self.pool, self.tokenizer, self.server, collectors=[RoutingCollector()])
+        return self.http_app
 
     def drain(self) -> None:
         """Turn every new request away with 503 from now on (in-flight ones run on): the first
         step of a shutdown, before Serve's own deletion starts draining the replicas."""
-        self.app.state.draining = True
+        self.http_app.state.draining = True
 
 
 def replica_deployment_options(engine_options: Dict[str, Any], server: ServerConfig,
