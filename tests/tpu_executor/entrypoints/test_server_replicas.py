@@ -156,3 +156,24 @@ def test_a_dead_replica_fails_its_own_streams_and_is_replaced(served):
     assert wait_for_health(served, "degraded")["replicas_serving"] == 1
     assert wait_for_health(served, "ok", timeout_s=180)["replicas_serving"] == 2
     assert complete(served, [1, 2, 3], max_tokens=4)["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_draining_ingress_answers_503_and_lets_its_streams_finish(served):
+    """What SIGTERM asks of the ingress first (the last test here: the ingress stays draining)."""
+    from ray import serve
+
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 200, "ignore_eos": True}
+
+    async def drain_during_a_stream():
+        async with httpx.AsyncClient(base_url=served, timeout=120) as client:
+            stream = asyncio.ensure_future(stream_completion(client, body))
+            await asyncio.sleep(1.0)
+            await serve.get_app_handle("tpu_executor").drain.remote()
+            refused = await client.post("/v1/completions", json=dict(body, max_tokens=2))
+            health = await client.get("/health")
+            return await stream, refused, health
+
+    (_, finish, error), refused, health = asyncio.run(drain_during_a_stream())
+    assert error is None and finish == "length"
+    assert refused.status_code == health.status_code == 503
+    assert refused.json()["error"]["code"] == "shutting_down"
