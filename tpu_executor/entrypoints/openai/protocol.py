@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from tpu_executor.entrypoints.openai.request_limits import (MAX_MESSAGES, MAX_TOOLS, NOT_IMPLEMENTED,
+                                                            json_value_problem)
 
 _INT64 = 2**63
-# Any value in a body, however deep (tool schemas, grammars, unknown fields): a JSON nesting
-# this deep or a non-finite number is refused before anything reads it.
-MAX_JSON_DEPTH = 64
-MAX_TOOLS = 128  # OpenAI's limit
-MAX_MESSAGES = 2048
 
 
 class ApiError(Exception):
@@ -62,23 +58,6 @@ def field_named_by(message: str, default: str) -> str:
     return match.group(0) if match and match.group(0) in _FIELD_NAMES else default
 
 
-def check_json_values(body: Any) -> None:
-    """A 400 naming the top-level field that holds a value nested deeper than
-    ``MAX_JSON_DEPTH`` or a number JSON does not allow (Python's parser reads ``NaN`` and
-    ``Infinity``); walked without recursion, so no body can exhaust the stack."""
-    if not isinstance(body, dict):
-        return
-    stack = [(value, str(name), 1) for name, value in body.items()]
-    while stack:
-        value, field, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise bad_request(f"{field} is nested deeper than {MAX_JSON_DEPTH} levels", field)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise bad_request(f"{field} holds {json.dumps(value)}, which JSON does not allow", field)
-        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-        stack.extend((child, field, depth + 1) for child in children)
-
-
 class _Body(BaseModel):
     """A request body: every value in it checked by ``check_json_values`` first."""
 
@@ -87,7 +66,9 @@ class _Body(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _finite_and_shallow(cls, data: Any) -> Any:
-        check_json_values(data)
+        problem = json_value_problem(data)
+        if problem is not None:
+            raise bad_request(*problem)
         return data
 
 
@@ -234,16 +215,6 @@ class _GenerationRequest(_Body):
         which, as there, takes effect together with ``include_usage``)."""
         return self.include_usage and self.stream_options.continuous_usage_stats
 
-
-# vLLM's request fields this server does not implement: a value other than these (or null) is a
-# 400 naming the field. (The accepted values are the defaults, which change nothing.)
-NOT_IMPLEMENTED: Dict[str, tuple] = {
-    "use_beam_search": (False,), "length_penalty": (1, 1.0), "priority": (0,), "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
-    "guided_decoding_backend": ("xgrammar", "auto"), "logits_processors": ((), []), "cache_salt": (),
-    "kv_transfer_params": (), "vllm_xargs": ({},), "mm_processor_kwargs": ({},), "structural_tag": (),
-    "guided_whitespace_pattern": (), "return_token_ids": (False,), "reasoning_effort": (),
-}
 
 _GRAMMAR_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
