@@ -90,11 +90,12 @@ def build(source: str) -> Optional[ctypes.CDLL]:
     """The library compiled from ``source`` (once per source, header, flags and CPU), or None
     where it cannot be built here."""
     name = os.path.splitext(os.path.basename(source))[0]
-    if _compiler() is None:
+    found = _compiler()
+    if found is None:
         logger.warning("no C compiler (cc or gcc; or not Linux): the native path's %s kernel is not built and "
                        "torch ops serve its op, more slowly", name)
         return None
-    compiler, version = _compiler()
+    compiler, version = found
     identity = (repr(CFLAGS), version, platform.machine(), _cpu_features())
     digest = hashlib.sha256("\n".join(identity).encode())
     for path in (source, HEADER):

@@ -15,8 +15,9 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import time
-from typing import Optional
+from typing import Dict, Optional
 
 from tpu_executor.engine.options import HelpFormatter, add_engine_arguments, engine_options_from_args
 from tpu_executor.entrypoints.openai.config import ROUTINGS, TOOL_CALL_FORMATS
@@ -97,11 +98,36 @@ def model_family(model_path: str) -> Optional[str]:
         return None
 
 
+def app_builder(args: Dict[str, str]):
+    """``serve run tpu_executor.entrypoints.serve:app_builder model=/ckpt data-parallel-size=4
+    ...`` (and a RayService's ``args``): the replicated application, the serve command's flags as
+    keys."""
+    parser = argparse.ArgumentParser(prog="tpu-executor")
+    add_parser(parser.add_subparsers())
+    argv = ["serve"] + ([args["model"]] if "model" in args else [])
+    for key, value in args.items():
+        if key != "model":
+            argv += [f"--{key}"] + shlex.split(str(value))
+    return application_from_args(parser.parse_args(argv))[0]
+
+
+def application_from_args(args: argparse.Namespace):
+    """(Serve application, server config, replica config) of parsed ``serve`` arguments."""
+    from tpu_executor.entrypoints.openai.serve_app import build_application
+    from tpu_executor.tools.default_model import prepare
+
+    model_path = args.model or prepare()
+    server, replicas = server_config(args, model_path), replica_config(args)
+    return build_application(model_path, engine_options_from_args(args), server, replicas), server, replicas
+
+
 def run(args: argparse.Namespace) -> None:
     if replica_config(args).replicated:
         from tpu_executor.entrypoints.openai.serve_app import run_replicated
 
-        return run_replicated(args)
+        app, server, replicas = application_from_args(args)
+        chips = getattr(args, "tensor_parallel_size", None) or 1
+        return run_replicated(app, server, replicas, args.ray_address, chips)
     import uvicorn
     from transformers import AutoTokenizer
 

@@ -59,7 +59,7 @@ def field_named_by(message: str, default: str) -> str:
 
 
 class _Body(BaseModel):
-    """A request body: every value in it checked by ``check_json_values`` first."""
+    """A request body: every value in it checked by ``request_limits.json_value_problem`` first."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -1,11 +1,10 @@
 """The Ray Serve application of ``tpu-executor serve --data-parallel-size N``: the engine
-replicas' deployment, the OpenAI ingress in front of them, and the ways to run it (the serve
-command, or ``app_builder`` for ``serve run`` / a KubeRay ``RayService``).
+replicas' deployment, the OpenAI ingress in front of them, and running it until SIGTERM (the
+serve command builds it from its flags, ``serve.app_builder`` for ``serve run`` / a KubeRay
+``RayService``).
 """
 from __future__ import annotations
 
-import argparse
-import shlex
 import signal
 import threading
 import time
@@ -109,37 +108,12 @@ def build_application(model_path: str, engine_options: Dict[str, Any], server: S
     return ingress_class.bind(replica_app, model_path, server, replicas.data_parallel_size, replicas.app_name)
 
 
-def app_builder(args: Dict[str, str]):
-    """``serve run tpu_executor.entrypoints.openai.serve_app:app_builder model=/ckpt
-    data-parallel-size=4 ...`` (and a RayService's ``args``): the serve command's flags as keys."""
-    from tpu_executor.entrypoints.serve import add_parser
-
-    parser = argparse.ArgumentParser(prog="tpu-executor")
-    add_parser(parser.add_subparsers())
-    argv = ["serve"] + ([args["model"]] if "model" in args else [])
-    for key, value in args.items():
-        if key != "model":
-            argv += [f"--{key}"] + shlex.split(str(value))
-    return application_from_args(parser.parse_args(argv))[0]
-
-
-def application_from_args(args: argparse.Namespace):
-    """(application, server config, replica config) of parsed ``serve`` arguments."""
-    from tpu_executor.engine.options import engine_options_from_args
-    from tpu_executor.entrypoints.serve import replica_config, server_config
-    from tpu_executor.tools.default_model import prepare
-
-    model_path = args.model or prepare()
-    server, replicas = server_config(args, model_path), replica_config(args)
-    return build_application(model_path, engine_options_from_args(args), server, replicas), server, replicas
-
-
-def run_replicated(args: argparse.Namespace) -> None:
+def run_replicated(app, server: ServerConfig, replicas: ReplicaConfig, ray_address: Optional[str],
+                   chips_per_replica: int) -> None:
     """``tpu-executor serve --data-parallel-size N``: start the application on the Ray cluster,
     serve until SIGTERM or Ctrl-C, then drain every replica and give the chips back."""
-    app, server, replicas = application_from_args(args)
-    ray.init(address=args.ray_address, log_to_driver=False)
-    check_chips(replicas.data_parallel_size, getattr(args, "tensor_parallel_size", None) or 1)
+    ray.init(address=ray_address, log_to_driver=False)
+    check_chips(replicas.data_parallel_size, chips_per_replica)
     serve.start(http_options={"host": server.host, "port": server.port})
     start = time.perf_counter()
     serve.run(app, name=replicas.app_name, route_prefix="/", blocking=False)
