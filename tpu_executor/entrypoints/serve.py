@@ -20,7 +20,7 @@ import time
 from typing import Dict, Optional
 
 from tpu_executor.engine.options import HelpFormatter, add_engine_arguments, engine_options_from_args
-from tpu_executor.entrypoints.openai.config import ROUTINGS, TOOL_CALL_FORMATS
+from tpu_executor.entrypoints.openai.config import REASONING_PARSERS, ROUTINGS, TOOL_CALL_FORMATS
 from tpu_executor.entrypoints.openai.tool_parsers import format_for_family
 
 API_KEY_ENV = "TPU_EXECUTOR_API_KEY"
@@ -51,6 +51,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", choices=TOOL_CALL_FORMATS, default=None,
                         help="the format chat tool calls are read in (default: the model family's: llama3_json "
                              "for Llama, mistral for Mistral, hermes for the others)")
+    server.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="split a chat output's <think> block into reasoning_content (default: no split)")
     replicas = parser.add_argument_group("replicas (Ray Serve; with --data-parallel-size above 1)")
     replicas.add_argument("--data-parallel-size", type=int, default=1,
                           help="engine replicas behind the one endpoint, each on --tensor-parallel-size chips")
@@ -78,7 +80,8 @@ def server_config(args: argparse.Namespace, model_path: str):
         max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
         max_prompts=args.max_prompts, allowed_origins=tuple(args.allowed_origins),
         drain_timeout_s=args.drain_timeout,
-        tool_call_parser=args.tool_call_parser or format_for_family(model_family(model_path)))
+        tool_call_parser=args.tool_call_parser or format_for_family(model_family(model_path)),
+        reasoning_parser=args.reasoning_parser)
 
 
 def replica_config(args: argparse.Namespace):

@@ -9,6 +9,7 @@ from starlette.requests import Request as HttpRequest
 
 from tpu_executor.core.request import CompletionOutput, RequestOutput
 from tpu_executor.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, bad_request
+from tpu_executor.entrypoints.openai.reasoning import StreamedReasoning, split_reasoning, starts_in_reasoning
 from tpu_executor.entrypoints.openai.serving import (OpenAIServing, Prompt, session_of, token_ids, token_text, usage,
                                                     vllm_prompt_logprobs)
 from tpu_executor.entrypoints.openai.tool_parsers import ParsedCall
@@ -52,6 +53,8 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     tools = ToolChoice(body.tools, body.tool_choice, body.parallel_tool_calls, serving.config.tool_call_parser)
     prompt = render_chat(serving.tokenizer, body.messages, body.template_options(), tools.tools,
                          bool(body.add_special_tokens), tools.format)
+    parser = serving.config.reasoning_parser
+    in_reasoning = None if parser is None else starts_in_reasoning(parser, prompt.text)
     prompt = body.truncated(prompt)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = serving.max_tokens_for(prompt, body.requested_max_tokens(), param)
@@ -64,17 +67,20 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     await serving.validate(prompt, params, "messages", grammar_field)
     started = serving.start("chatcmpl", [prompt], [params], ("tools",) if tools.calls_tools else (),
                             session_of(body, http))
-    builder = _Response(serving, body, prompt, started.request_ids[0], tools)
+    builder = _Response(serving, body, prompt, started.request_ids[0], tools, in_reasoning)
     return await serving.respond(started, builder, body.stream, http)
 
 
 class _Response:
     """Builds the JSON of one chat call: whole, or chunk by chunk (the first chunk of every
-    choice carries the role)."""
+    choice carries the role). ``in_reasoning``: whether an output starts inside its reasoning
+    (None: the server splits out no reasoning)."""
 
     def __init__(self, serving: OpenAIServing, body: ChatCompletionRequest, prompt: Prompt, request_id: str,
-                 tools: ToolChoice):
+                 tools: ToolChoice, in_reasoning: Optional[bool] = None):
         self.serving, self.body, self.prompt, self.tools = serving, body, prompt, tools
+        self.in_reasoning = in_reasoning
+        self.reasoning_streams: Dict[int, StreamedReasoning] = {}  # by choice index
         self.id, self.created = request_id, int(time.time())
         self.completion_tokens = 0
         self.started_choices: set = set()
@@ -93,8 +99,10 @@ class _Response:
         choices = []
         for completion in outputs[0].outputs:
             self.completion_tokens += len(completion.token_ids)
-            content, calls = self.tools.parse(completion.text)
-            message = {"role": "assistant", "content": content}
+            reasoning, answer = (None, completion.text) if self.in_reasoning is None else \
+                split_reasoning(completion.text, self.in_reasoning)
+            content, calls = self.tools.parse(answer or "") if answer or reasoning is None else (None, [])
+            message = {"role": "assistant", "content": content, **self._reasoning_fields(reasoning)}
             if calls:
                 message["tool_calls"] = [tool_call_json(call, self.tools.format) for call in calls]
             choices.append({"index": completion.index, "message": message, "logprobs": self._logprobs(completion),
@@ -115,14 +123,36 @@ class _Response:
                     "index": completion.index, "delta": {"role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None}], self._usage_so_far())
             if completion.text or completion.finish_reason is not None or completion.token_ids:
-                delta, calls = {"content": completion.text}, []
-                if self.tools.calls_tools:
-                    streamed = self.streamed.setdefault(completion.index, StreamedChoice(self.tools))
-                    delta, calls = streamed.add(completion.text, completion.finish_reason is not None)
+                delta, calls = self._delta(completion)
                 yield self._envelope("chat.completion.chunk", [{
                     "index": completion.index, "delta": delta, "logprobs": self._logprobs(completion),
                     "finish_reason": self._finish_reason(completion.finish_reason, calls),
                     "stop_reason": completion.stop_reason}], self._usage_so_far())
+
+    def _delta(self, completion: CompletionOutput) -> Tuple[Dict[str, Any], list]:
+        """A streamed choice's delta for its new text, and the calls it carries."""
+        finished, reasoning, text = completion.finish_reason is not None, "", completion.text
+        if self.in_reasoning is not None:
+            stream = self.reasoning_streams.setdefault(completion.index, StreamedReasoning(self.in_reasoning))
+            reasoning, text = stream.add(text)
+            if finished:
+                held_reasoning, held_text = stream.finish()
+                reasoning, text = reasoning + held_reasoning, text + held_text
+        delta, calls = {"content": text}, []
+        if self.tools.calls_tools:
+            streamed = self.streamed.setdefault(completion.index, StreamedChoice(self.tools))
+            delta, calls = streamed.add(text, finished)
+        return {**delta, **self._reasoning_fields(reasoning or None, streamed=True)}, calls
+
+    def _reasoning_fields(self, reasoning: Optional[str], streamed: bool = False) -> Dict[str, Any]:
+        """``reasoning_content`` (and vLLM's newer name for it, ``reasoning``) when the server
+        splits out reasoning; a stream's delta carries them only when it has some."""
+        if self.in_reasoning is None or (streamed and not reasoning):
+            return {}
+        reasoning = reasoning if self.body.include_reasoning else None
+        if streamed and reasoning is None:
+            return {}
+        return {"reasoning_content": reasoning, "reasoning": reasoning}
 
     def _finish_reason(self, reason: Optional[str], calls: list) -> Optional[str]:
         """``tool_calls`` when a finished output called tools of the model's own choosing

@@ -7,6 +7,8 @@ from typing import Optional, Tuple
 # The formats of tool_parsers.py (named here: the config imports nothing of the server).
 TOOL_CALL_FORMATS = ("hermes", "llama3_json", "mistral")
 ROUTINGS = ("prefix", "least_loaded")
+# The parsers of reasoning.py: where a chat output's reasoning starts.
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -24,7 +26,8 @@ class ServerConfig:
     once). ``max_body_bytes``, ``max_n`` and ``max_prompts`` cap one request. ``allowed_origins`` turns CORS on for those origins.
     ``drain_timeout_s`` is how long SIGTERM lets in-flight requests run before aborting them.
     ``tool_call_parser`` reads tool calls out of a chat output (``tool_parsers.FORMATS``; the
-    serve command picks the model family's).
+    serve command picks the model family's). ``reasoning_parser`` (``REASONING_PARSERS``) splits a
+    chat output into ``reasoning_content`` and ``content``; None leaves it all content.
     """
 
     model_name: str
@@ -38,6 +41,7 @@ class ServerConfig:
     allowed_origins: Tuple[str, ...] = ()
     drain_timeout_s: float = 30.0
     tool_call_parser: str = "hermes"
+    reasoning_parser: Optional[str] = None
 
     def __post_init__(self):
         _require(bool(self.model_name), "served model name must not be empty")
@@ -49,6 +53,8 @@ class ServerConfig:
         _require(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         _require(self.tool_call_parser in TOOL_CALL_FORMATS,
                  f"tool_call_parser must be one of {', '.join(TOOL_CALL_FORMATS)}, got {self.tool_call_parser!r}")
+        _require(self.reasoning_parser in (None,) + REASONING_PARSERS,
+                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
 
 

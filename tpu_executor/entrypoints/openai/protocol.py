@@ -318,6 +318,7 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
     documents: Optional[List[Dict[str, Any]]] = None
+    include_reasoning: bool = True  # with --reasoning-parser: false drops reasoning_content
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -109,7 +109,7 @@ def held_from(text: str, fmt: str) -> Optional[int]:
     if start >= 0:
         return start
     opened = _opening(text, ("[",)) if fmt == "mistral" else None
-    return opened if opened is not None else _partial_marker(text, marker)
+    return opened if opened is not None else partial_marker_start(text, marker)
 
 
 def _opening(text: str, openings: Tuple[str, ...]) -> Optional[int]:
@@ -121,7 +121,7 @@ def _opening(text: str, openings: Tuple[str, ...]) -> Optional[int]:
     return None
 
 
-def _partial_marker(text: str, marker: str) -> Optional[int]:
+def partial_marker_start(text: str, marker: str) -> Optional[int]:
     """Where a tail of ``text`` that begins ``marker`` starts (None: no such tail)."""
     for size in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-size:]):

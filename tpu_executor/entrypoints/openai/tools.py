@@ -146,6 +146,9 @@ def conversation_message(message, index: int, fmt: str) -> Dict[str, Any]:
         entry["name"] = message.name
     if message.tool_calls:
         entry["tool_calls"] = [_template_call(call, index, fmt) for call in message.tool_calls]
+    reasoning = (message.model_extra or {}).get("reasoning_content") or (message.model_extra or {}).get("reasoning")
+    if message.role == "assistant" and isinstance(reasoning, str):  # an earlier turn's, for templates that keep it
+        entry["reasoning_content"] = reasoning
     return entry
 
 
