@@ -30,6 +30,7 @@ from tpu_executor.engine.options import build_engine_config
 from tpu_executor.engine.stats import EngineStats
 from tpu_executor.engine.validation import RequestChecks
 from tpu_executor.executor import Executor
+from tpu_executor.worker.inputs import check_sampling_row
 
 __all__ = ["EngineDeadError", "LLMEngine", "PromptType"]
 
@@ -196,6 +197,7 @@ class LLMEngine:
         sample_id = request_id if params.n == 1 else f"{request_id}#{index}"
         request = Request(sample_id, list(token_ids), params, seed, eos_token_id=self.tokenizer.eos_token_id,
                           bad_words_token_ids=self.checks.bad_words_token_ids(params))
+        check_sampling_row(request.sampling)
         stream = SampleStream(sample_id, self.detokenizer.new_state(token_ids, params), request_id, index,
                               params.output_kind is RequestOutputKind.FINAL_ONLY, params.min_tokens,
                               logprobs=None if params.logprobs is None else [])

@@ -13,13 +13,15 @@ sequences is milliseconds of host time per step.
 """
 from __future__ import annotations
 
-from typing import Dict, Sequence
+import math
+from typing import Dict, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from tpu_executor.core.buckets import context_keys
 from tpu_executor.core.step import PrefillWork, SamplingMeta
+from tpu_executor.worker.logits_processing import row_arrays
 
 
 def _slots(block_ids: Sequence[int], positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -89,6 +91,34 @@ def sampling_tensors(work: Sequence, rows: int) -> Dict[str, torch.Tensor]:
         sampled_positions = np.array([item.sampled_position for item in work], dtype=np.int64)
         arrays["steps"][:num] = sampled_positions - np.array(columns["prompt_len"], dtype=np.int64)
     return _as_tensors(arrays)
+
+
+class _Row(NamedTuple):
+    sampling: SamplingMeta
+    sampled_position: int
+
+
+def check_sampling_row(sampling: SamplingMeta) -> None:
+    """Lay one request's sampler row out as a step would (its sampling columns and its
+    logits-processing row): a value the fixed-width arrays cannot hold is a ValueError naming
+    the field when the request is added, so it fails alone and never the step it would share.
+    (``SamplingParams``' bounds keep such values out; this is the second line of defence.)"""
+    for _, field, dtype in SAMPLING_COLUMNS:
+        value = getattr(sampling, field)
+        try:
+            with np.errstate(over="ignore"):
+                held = np.array([value], dtype=dtype)[0].item()
+        except (OverflowError, TypeError, ValueError):
+            held = None
+        fits = held == value if np.issubdtype(dtype, np.integer) else held is not None and math.isfinite(held)
+        if not fits:
+            raise ValueError(f"{field} {value!r} does not fit the sampler's {np.dtype(dtype).name} inputs")
+    sampling_tensors([_Row(sampling, sampling.prompt_len)], 1)
+    if sampling.processing is not None:
+        try:
+            row_arrays(sampling.processing)
+        except (OverflowError, TypeError, ValueError, IndexError) as err:
+            raise ValueError(f"logits processing of this request does not fit the device's rows: {err}") from None
 
 
 def to_device(tensors: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:

@@ -34,6 +34,34 @@ def test_bad_request_is_rejected_and_others_still_run(llm, prompt, params, messa
     assert llm.generate(good, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
 
 
+def past_the_bounds(**fields) -> SamplingParams:
+    """Greedy parameters with ``fields`` set past SamplingParams' own checks (as a bug in them
+    would let through): what the admission-time row check must still stop."""
+    params = SamplingParams(temperature=0.5, max_tokens=8, ignore_eos=True, presence_penalty=0.5)
+    for name, value in fields.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"top_k": 2**70}, "top_k"),
+    ({"temperature": 1e39}, "temperature"),
+    ({"seed": 2**63 - 1, "n": 2}, "seed"),  # the second sample's seed is one past int64
+    ({"min_tokens": 2**70}, "logits processing"),
+])
+def test_a_row_the_sampler_cannot_hold_fails_its_request_alone_at_admission(llm, fields, message):
+    good = {"prompt_token_ids": [5, 6, 7, 8]}
+    engine = llm.engine
+    running = engine.add_request(good, GREEDY)
+    outputs = engine.step()  # the good request is running when the bad one arrives
+    with pytest.raises(ValueError, match=message):
+        engine.add_request({"prompt_token_ids": [9, 10]}, past_the_bounds(**fields))
+    finals = [o for o in outputs + run_to_end(engine) if o.request_id == running]
+    assert finals[-1].finished and finals[-1].error is None
+    assert sum(len(o.outputs[0].token_ids) for o in finals) == 8
+    assert not engine.has_unfinished_requests() and engine.stats().kv_blocks_used == 0
+
+
 def test_failing_step_fails_only_its_requests(checkpoints):
     """An exception inside the worker's step fails that step's requests; the engine serves on."""
     engine = engine_with_worker(checkpoints["llama"], faulty_worker_class(), device="cpu", **tiny_engine_options())
