@@ -124,6 +124,17 @@ def logprob_values(outputs):
     return torch.tensor(sampled + prompt)
 
 
+def assert_nothing_compiled_after_warmup(llm) -> None:
+    """On a compiled path (XLA, JAX): no graph compiled after warm-up. The native path
+    (``cpu``, ``cuda``) runs eager torch and compiles nothing at all, so its after-warm-up count
+    is zero by construction; there the check is that nothing was compiled at warm-up either."""
+    engine = getattr(llm, "engine", llm)
+    stats = engine.stats()
+    assert stats.graphs_compiled_after_warmup == 0
+    if engine.config.device.device not in ("xla", "jax"):
+        assert stats.graphs_compiled_at_warmup == 0
+
+
 def tiny_engine_options(**overrides):
     """Small buckets so tiny-model engines compile in seconds, and a KV cache of 256 MiB
     (32k blocks of a tiny model) instead of the 2 GiB default: the suite keeps several alive."""

@@ -5,7 +5,7 @@ GPU where torch sees one) and of two architectures each on the XLA and JAX paths
 import pytest
 import torch
 
-from tests.common import hf_greedy, mixed_prompts, tiny_engine_options
+from tests.common import assert_nothing_compiled_after_warmup, hf_greedy, mixed_prompts, tiny_engine_options
 from tpu_executor import LLM, SamplingParams
 from tpu_executor.tools.random_checkpoint import ARCHITECTURES
 
@@ -60,7 +60,7 @@ def test_greedy_matches_transformers(checkpoints, arch, device):
                         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5),
                         use_tqdm=False)
     assert_same_as_reference(outs, ref_tokens, ref_logprobs)
-    assert llm.stats().graphs_compiled_after_warmup == 0
+    assert_nothing_compiled_after_warmup(llm)
     llm.shutdown()
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.common import hf_greedy, mixed_prompts, tiny_engine_options
+from tests.common import assert_nothing_compiled_after_warmup, hf_greedy, mixed_prompts, tiny_engine_options
 from tpu_executor import LLM, SamplingParams
 from tpu_executor.core.request import logits_processing
 from tpu_executor.worker.logits_processing import process_logits_reference
@@ -93,4 +93,4 @@ def test_processed_greedy_tokens_and_logprobs_equal_the_reference(llm, hf_model,
     assert [o.outputs[0].token_ids for o in plain] != [o.outputs[0].token_ids for o in outs]  # it did something
     if case.startswith("min_tokens"):
         assert all(len(o.outputs[0].token_ids) == 7 and o.outputs[0].finish_reason == "stop" for o in outs)
-    assert llm.stats().graphs_compiled_after_warmup == 0
+    assert_nothing_compiled_after_warmup(llm)

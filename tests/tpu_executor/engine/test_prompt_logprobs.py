@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.common import mixed_prompts, tiny_engine_options
+from tests.common import assert_nothing_compiled_after_warmup, mixed_prompts, tiny_engine_options
 from tpu_executor import LLM, SamplingParams
 
 DEVICES = [pytest.param("xla", marks=pytest.mark.slow), "cpu"]
@@ -43,7 +43,7 @@ def test_prompt_logprobs_equal_transformers(llm, checkpoints):
             assert set(entries) == {prompt[position], *top}
             torch.testing.assert_close(torch.tensor(list(entries.values())), row[list(entries)], atol=1e-4, rtol=0)
             assert out.prompt_logprob_ranks[position] == int((row > row[prompt[position]]).sum()) + 1
-    assert llm.stats().graphs_compiled_after_warmup == 0
+    assert_nothing_compiled_after_warmup(llm)
 
 
 def test_a_prompt_owed_logprobs_is_computed_whole(llm):

@@ -201,3 +201,19 @@ def test_constrained_rows_batched_with_others_give_what_they_give_alone(llm):
     batched = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in batched] == alone
     assert llm.stats().kv_blocks_used == 0
+
+
+def test_the_patch_of_xgrammars_string_characters_still_finds_its_text():
+    """``json_grammar`` swaps the character class xgrammar writes for a length-limited string
+    (raw control characters allowed) for JSON's; if an xgrammar release writes it otherwise the
+    swap would silently do nothing, so the text it looks for must be in xgrammar's grammar."""
+    import xgrammar
+
+    from tpu_executor.engine import structured_outputs as so
+
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+                         "required": ["name"]})
+    assert so._LENIENT_STRING_CHARACTER in str(xgrammar.Grammar.from_json_schema(schema))
+    patched = so.json_grammar(schema, any_whitespace=False)
+    assert so._LENIENT_STRING_CHARACTER not in patched and so._JSON_STRING_CHARACTER in patched
+    xgrammar.Grammar.from_ebnf(patched)  # still a grammar xgrammar reads
