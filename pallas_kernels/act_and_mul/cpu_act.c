@@ -18,7 +18,7 @@ static inline v16 absolute(v16 x) { return (v16)((lanes16)x & 0x7fffffff); }
 
 /* Lanes of `when_negative` where x < 0, of `otherwise` elsewhere. */
 static inline v16 pick_negative(v16 x, v16 when_negative, v16 otherwise) {
-    lanes16 negative = x < 0.f;
+    lanes16 negative = less16(x, (v16){0});
     return (v16)(((lanes16)when_negative & negative) | ((lanes16)otherwise & ~negative));
 }
 

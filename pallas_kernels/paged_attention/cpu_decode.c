@@ -20,6 +20,18 @@
 static const lanes16 LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* Whether this build has AVX-512's 32 vector registers. With AVX2's sixteen a chunk's sixteen
+ * partial sums spill: decode still beats eager SDPA there, but prefill (many queries over the
+ * same keys, where SDPA's matmuls share the work) ran at a fifth of its speed, so
+ * prefill_attention/cpu_native.py takes the kernel only with them. */
+int paged_attention_f32_wide_vectors(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 static inline float dot(const float *restrict a, const float *restrict b, int64_t dim) {
     float sum = 0.f;
     #pragma omp simd reduction(+:sum)
@@ -146,7 +158,7 @@ static void page_probs(float *restrict scores, int64_t first, int64_t end, int64
         v16 totals = {0};
         for (; t < end && t + KEYS <= page_size; t += KEYS) { /* whole chunks; lanes past `end` zeroed */
             v16 probs = exp16_nonpositive(LOAD(s + t) - top);
-            probs = (v16)((lanes16)probs & (LANE < (lanes16){0} + (int32_t)(end - t)));
+            probs = (v16)((lanes16)probs & less16i(LANE, (lanes16){0} + (int32_t)(end - t)));
             STORE(s + t, probs);
             totals += probs;
         }

@@ -15,6 +15,7 @@ reports itself unsupported and ``eager_sdpa`` serves the op.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import torch
@@ -27,6 +28,13 @@ _ARGTYPES = (ctypes.c_void_p, ctypes.c_int64) + (ctypes.c_void_p,) * 6 + (ctypes
 
 KERNEL = cpu_library.CFunction(SOURCE, "paged_attention_f32", _ARGTYPES, ctypes.c_int64)
 supported = KERNEL.supported
+_WIDE_VECTORS = cpu_library.CFunction(SOURCE, "paged_attention_f32_wide_vectors", (), ctypes.c_int)
+
+
+@functools.lru_cache(maxsize=None)
+def wide_vectors() -> bool:
+    """The kernel builds here with AVX-512's registers (what its prefill use needs to pay)."""
+    return KERNEL.supported() and bool(_WIDE_VECTORS())
 
 
 def fp32_cpu_operands(q, k_pages, v_pages) -> bool:

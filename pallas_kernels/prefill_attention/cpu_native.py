@@ -11,7 +11,10 @@ each K/V row among a GQA group's heads. Measured on a 2-core AVX-512 EPYC, gemma
 
 A layout this rebuild does not recognise (keys out of position order, a query past its
 prompt's keys, a prompt in several runs) goes to ``eager.prefill_attention``, as do padding
-queries (segment < 0), which see the padding keys.
+queries (segment < 0), which see the padding keys. Without AVX-512 the C kernel's chunks of
+sixteen keys spill AVX2's registers and this form ran at a fifth of ``eager_segments``' speed
+(SmolLM2's heads, 2 x 256 tokens, on a 2-core AVX2 EPYC: ``tpu-executor bench cpu-kernels``),
+so there it reports itself unsupported and ``eager_segments`` serves the op.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 from tpu_executor.kernels.paged_attention import cpu_native
 from tpu_executor.kernels.prefill_attention import eager
 
-supported = cpu_native.supported
+supported = cpu_native.wide_vectors
 
 
 def supports_args(q=None, k_pages=None, v_pages=None, context_slots=None, key_positions=None, key_segments=None,

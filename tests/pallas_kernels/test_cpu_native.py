@@ -102,7 +102,9 @@ def test_prefill_of_the_model_runners_packing_matches_the_reference(window):
     PREFILL_SPEC.assert_close(prefill_native.prefill_attention(*args, **kwargs), PREFILL_SPEC.reference(*args, **kwargs),
                               "runner pack")
     registry = register_all(OpRegistry())
-    assert registry.select("prefill_attention", *args, **kwargs).name == "cpu_c"
+    # Without AVX-512 the C form loses to torch's matmuls at prefill and stands aside.
+    expected = "cpu_c" if cpu_native.wide_vectors() else "eager_segments"
+    assert registry.select("prefill_attention", *args, **kwargs).name == expected
 
 
 def test_prefill_layouts_it_cannot_rebuild_fall_back_and_still_match():

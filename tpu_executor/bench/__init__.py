@@ -6,16 +6,17 @@
 ``host`` (the host's work per engine step), ``chunked-prefill`` (latency while a long prompt
 arrives), ``sampler`` (the sampler, plain and with logits processing), ``structured``
 (JSON-schema outputs against unconstrained ones), ``kernels`` (the Pallas kernels against their
-references), ``cpu-matmul`` (the native CPU path's matmul forms side by side).
+references), ``cpu-matmul`` (the native CPU path's matmul forms side by side), ``cpu-kernels``
+(its other C kernels against the forms that serve their ops without them).
 """
 from __future__ import annotations
 
 import argparse
 
-from tpu_executor.bench import (chunked, cpu_matmul, host, kernels, replicas, sampler, serve, startup, structured,
-                                throughput)
+from tpu_executor.bench import (chunked, cpu_kernels, cpu_matmul, host, kernels, replicas, sampler, serve, startup,
+                                structured, throughput)
 
-COMMANDS = (throughput, startup, serve, replicas, host, chunked, sampler, structured, kernels, cpu_matmul)
+COMMANDS = (throughput, startup, serve, replicas, host, chunked, sampler, structured, kernels, cpu_matmul, cpu_kernels)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
