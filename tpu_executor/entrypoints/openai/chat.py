@@ -66,7 +66,7 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
         params, grammar_field = dataclasses.replace(params, structured_outputs=tools.grammar()), "tools"
     await serving.validate(prompt, params, "messages", grammar_field)
     started = serving.start("chatcmpl", [prompt], [params], ("tools",) if tools.calls_tools else (),
-                            session_of(body, http))
+                            session_of(body, http), body.request_id)
     builder = _Response(serving, body, prompt, started.request_ids[0], tools, in_reasoning)
     return await serving.respond(started, builder, body.stream, http)
 

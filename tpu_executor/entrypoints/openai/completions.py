@@ -56,7 +56,7 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, htt
     params = [body.sampling_params(serving.max_tokens_for(p, body.max_tokens), body.logprobs) for p in prompts]
     for prompt, p in zip(prompts, params):
         await serving.validate(prompt, p, "prompt", body.grammar_field())
-    started = serving.start("cmpl", prompts, params, session=session_of(body, http))
+    started = serving.start("cmpl", prompts, params, session=session_of(body, http), client_id=body.request_id)
     builder = _Response(serving, body, prompts, started.request_ids[0])
     return await serving.respond(started, builder, body.stream, http)
 

@@ -111,6 +111,9 @@ class _GenerationRequest(_Body):
     guided_grammar: Optional[str] = None
     add_special_tokens: Optional[bool] = None  # None: the endpoint's default (vLLM's)
     truncate_prompt_tokens: Optional[int] = Field(None, ge=1)
+    truncation_side: Optional[Literal["left", "right"]] = None  # None: left, vLLM's default
+    request_id: Optional[str] = Field(None, min_length=1, max_length=256)  # the response's id
+    session_id: Optional[str] = None  # the client's session (replicated servers keep it on one replica)
 
     def check_supported(self) -> None:
         """Refuse what we know but do not implement (the 400 names the field)."""
@@ -164,12 +167,14 @@ class _GenerationRequest(_Body):
         return sorted(set(self.model_extra or {}) - set(NOT_IMPLEMENTED))
 
     def truncated(self, prompt):
-        """``prompt`` (an encoded ``serving.Prompt``) cut to its last ``truncate_prompt_tokens``
-        tokens, as vLLM truncates; a cut prompt's text is its tokens' (what ``echo`` returns)."""
+        """``prompt`` (an encoded ``serving.Prompt``) cut to ``truncate_prompt_tokens`` tokens,
+        as vLLM truncates: its last ones, its first with ``truncation_side: right``; a cut
+        prompt's text is its tokens' (what ``echo`` returns)."""
         keep = self.truncate_prompt_tokens
         if keep is None or len(prompt.token_ids) <= keep:
             return prompt
-        return dataclasses.replace(prompt, text=None, token_ids=prompt.token_ids[-keep:])
+        kept = prompt.token_ids[:keep] if self.truncation_side == "right" else prompt.token_ids[-keep:]
+        return dataclasses.replace(prompt, text=None, token_ids=kept)
 
     def wanted_prompt_logprobs(self) -> Optional[int]:
         """Top alternatives per prompt token (vLLM's ``prompt_logprobs``), None for none."""

@@ -130,11 +130,13 @@ class OpenAIServing:
 
     # ---- running ------------------------------------------------------------------------
     def start(self, kind: str, prompts: Sequence[Prompt], params: Sequence[SamplingParams],
-              features: Sequence[str] = (), session: Optional[str] = None) -> Started:
+              features: Sequence[str] = (), session: Optional[str] = None,
+              client_id: Optional[str] = None) -> Started:
         """Queue one engine request per prompt on one stream; all or none are queued.
         ``features``: what the request uses beyond its sampling parameters (metrics);
-        ``session``: the client's session, which a replicated server keeps on one replica."""
-        base = f"{kind}-{uuid.uuid4().hex}"
+        ``session``: the client's session, which a replicated server keeps on one replica;
+        ``client_id``: the request's own ``request_id`` (vLLM's field), else a random one."""
+        base = f"{kind}-{client_id or uuid.uuid4().hex}"
         ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
         arrival, stream = time.monotonic(), RequestStream()
         trackers = {}
@@ -148,6 +150,9 @@ class OpenAIServing:
         except EngineDeadError as err:
             self.engine.abort_stream(stream)
             raise engine_unavailable(str(err)) from None
+        except ValueError as err:  # a request_id of a request still running
+            self.engine.abort_stream(stream)
+            raise bad_request(str(err), "request_id") from None
         return Started(ids, stream, trackers)
 
     async def respond(self, started: Started, builder, stream: bool, http: HttpRequest):
@@ -220,8 +225,9 @@ class OpenAIServing:
 
 
 def session_of(body, http: HttpRequest) -> Optional[str]:
-    """The client's session: the ``X-Session-Id`` header, else the body's ``user``."""
-    return http.headers.get("x-session-id") or getattr(body, "user", None)
+    """The client's session: the ``X-Session-Id`` header, else the body's ``session_id`` (vLLM's
+    field), else its ``user``."""
+    return http.headers.get("x-session-id") or getattr(body, "session_id", None) or getattr(body, "user", None)
 
 
 async def wait_for_disconnect(http: HttpRequest) -> None:
