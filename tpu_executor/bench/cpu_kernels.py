@@ -111,7 +111,8 @@ def op_rows(op: str, repeats: int) -> List[str]:
             rows.append(f"| {op} | {kind} | not built (no compiler) | {other.name} | - | - | - |")
             continue
         mine, theirs = (microseconds(p.fn, args, kwargs, repeats) for p in (c_kernel, other))
-        used = "yes" if c_kernel.supported() else "no: stands aside on this CPU"
+        used = "yes" if c_kernel.supported() and c_kernel.supports_args(*args, **kwargs) else \
+            "no: stands aside on this CPU"
         rows.append(f"| {op} | {kind} | {mine:,.1f} | {other.name} | {theirs:,.1f} | {theirs / mine:.2f}x | {used} |")
     return rows
 
