@@ -65,6 +65,13 @@ class NullModelRunner(ModelRunner):
                      context_lens, kv_caches):
         return self._next_token_logits(fed_input_ids(input_ids, feed_slots, feed_tokens))
 
+    def _mixed_step(self, input_ids, positions, slot_mapping, context_slots, key_positions, key_segments,
+                    query_segments, logits_indices, feed_slots, block_tables, context_lens, feed_tokens, kv_caches):
+        """The native path's prefill pack and decode rows in one call, empty too."""
+        num_prefill = query_segments.shape[0]
+        decode_ids = fed_input_ids(input_ids[num_prefill:], feed_slots, feed_tokens)
+        return self._next_token_logits(input_ids[logits_indices]), self._next_token_logits(decode_ids), None
+
     def _next_token_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """What the empty step hands the sampler for the last tokens ``input_ids``."""
         return next_token_logits(input_ids, self.model.config.vocab_size)

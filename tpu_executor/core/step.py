@@ -214,7 +214,7 @@ class PaddingStats:
 class WorkerStats:
     """One worker's figures: graphs compiled at warm-up and after it, padding, cache size, and
     at warm-up the persistent compile cache's hits and misses and the seconds spent compiling
-    or loading (the JAX path; 0 elsewhere)."""
+    or loading (the JAX path; 0 elsewhere); the provider each kernel op got at warm-up."""
 
     graphs_compiled_at_warmup: int = 0
     graphs_compiled_after_warmup: int = 0
@@ -223,6 +223,7 @@ class WorkerStats:
     compile_cache_hits: int = 0
     compile_cache_misses: int = 0
     compile_seconds: float = 0.0
+    kernel_providers: Tuple[Tuple[str, str], ...] = ()  # (op, provider) the model's calls took at warm-up
 
     @staticmethod
     def combine(ranks: Sequence["WorkerStats"]) -> "WorkerStats":

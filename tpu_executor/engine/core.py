@@ -320,7 +320,8 @@ class EngineCore:
             num_running=self.scheduler.num_running, num_waiting=self.num_waiting,
             kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_usable_blocks,
             kv_cache_bytes=worker.kv_cache_bytes, compile_cache_hits=worker.compile_cache_hits,
-            compile_cache_misses=worker.compile_cache_misses, compile_seconds=worker.compile_seconds)
+            compile_cache_misses=worker.compile_cache_misses, compile_seconds=worker.compile_seconds,
+            kernel_providers=worker.kernel_providers)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -6,7 +6,7 @@ one object; nothing reaches into workers or runners for figures.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, Tuple
 
 from tpu_executor.core.buckets import BucketPlan
 from tpu_executor.core.config import EngineConfig
@@ -23,7 +23,9 @@ class EngineStats:
     prefix-cache queries and hits (tokens, counted at admission), sequences running and
     waiting. KV cache: blocks in use and in all, and the bytes of one worker's cache. The
     persistent compile cache at warm-up (JAX path): graphs loaded from it, graphs it lacked,
-    and the seconds XLA spent compiling or loading (summed over the compile threads).
+    and the seconds XLA spent compiling or loading (summed over the compile threads). Kernels:
+    the provider each op's calls took at warm-up, as (op, provider) pairs (the compiled paths;
+    the native path compiles nothing at warm-up and chooses per call).
     """
 
     startup_seconds: Dict[str, float] = field(default_factory=dict)
@@ -41,6 +43,7 @@ class EngineStats:
     compile_cache_hits: int = 0
     compile_cache_misses: int = 0
     compile_seconds: float = 0.0
+    kernel_providers: Tuple[Tuple[str, str], ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -62,4 +65,11 @@ def startup_report(config: EngineConfig, stats: EngineStats, seconds: float) -> 
         compiled = f"native {config.device.device} path, nothing compiled"
     return (f"engine ready in {seconds:.1f} s: context {config.max_model_len} tokens, {stats.kv_blocks_total} KV "
             f"blocks of {config.cache.block_size} tokens, up to {config.scheduler.max_num_seqs} sequences, "
-            f"{compiled}\nbucket plan: {plan.describe()}")
+            f"{compiled}\nbucket plan: {plan.describe()}{kernel_line(stats)}")
+
+
+def kernel_line(stats: EngineStats) -> str:
+    """The start-up report's line naming each op's provider (empty when none was recorded)."""
+    if not stats.kernel_providers:
+        return ""
+    return "\nkernels: " + ", ".join(f"{op}={provider}" for op, provider in stats.kernel_providers)

@@ -31,6 +31,7 @@ from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.step import DecodeWork, PaddingStats, PrefillWork, SamplingMeta, SchedulerOutput
+from tpu_executor.kernels import REGISTRY
 from tpu_executor.worker.compile_guard import CompileGuard, jax_compile_events, raise_dynamo_limits
 from tpu_executor.worker.decode_batch import PersistentDecodeBatch
 from tpu_executor.worker.inputs import mixed_inputs, prefill_inputs, sampling_tensors, to_device
@@ -60,6 +61,7 @@ class ModelRunner:
         self.kv_caches: KVCaches = []
         compiled = device.type in ("xla", "jax")
         events = jax_compile_events() if runtime is not None else None
+        self.kernel_providers: Tuple[Tuple[str, str], ...] = ()  # (op, provider) at warm-up
         self.guard = CompileGuard(config.compile.strict, enabled=compiled,
                                   **({} if events is None else dict(counts=events.counts,
                                                                     cache_figures=events.cache_figures)))
@@ -301,16 +303,21 @@ class ModelRunner:
 
     @torch.no_grad()
     def warmup(self, show_progress: bool = True, graphs: Optional[Sequence[Graph]] = None) -> None:
-        """Compile every graph of the bucket plan (or ``graphs`` of it), with a progress bar."""
+        """Compile every graph of the bucket plan (or ``graphs`` of it), with a progress bar,
+        noting the provider each kernel op got (``kernel_providers``)."""
         self.guard.begin_warmup()
         graphs = self.plan.graphs() if graphs is None else graphs
-        if self.jax_graphs is not None:
-            self._compile_ahead(graphs, show_progress)  # compiled, not run: nothing is left to do at a first call
-            self._report_kernels()
-        else:
-            for graph in tqdm(graphs, desc="compiling buckets", disable=not show_progress):
-                self._run_dummy(graph)
+        with REGISTRY.recording() as selections:
+            if self.jax_graphs is not None:
+                self._compile_ahead(graphs, show_progress)  # compiled, not run: nothing is left to do at a first call
+                self._report_kernels()
+            else:
+                for graph in tqdm(graphs, desc="compiling buckets", disable=not show_progress):
+                    self._run_dummy(graph)
         self.guard.end_warmup()
+        chosen = ({(c.op, c.provider) for c in self.jax_graphs.kernel_choices()} if self.jax_graphs is not None
+                  else {(s.op, s.provider.name) for s in selections})
+        self.kernel_providers = tuple(sorted(chosen))
 
     def _report_kernels(self) -> None:
         """Log the provider each op got in the compiled graphs; on a TPU, each op and shape where

@@ -347,7 +347,8 @@ class Worker:
         if self.runner.jax_graphs is not None:  # executables compiled ahead of time, loaded
             hits += self.runner.jax_graphs.loaded
         return WorkerStats(guard.compiled_during_warmup, guard.compiled_after_warmup,
-                           self.runner.padding, self.kv_cache_bytes, hits, misses, seconds)
+                           self.runner.padding, self.kv_cache_bytes, hits, misses, seconds,
+                           self.runner.kernel_providers)
 
     def close(self) -> None:
         """Leave the tensor-parallel group."""

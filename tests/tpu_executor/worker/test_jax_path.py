@@ -40,7 +40,10 @@ def test_second_start_compiles_nothing_and_changes_miss(checkpoints, tmp_path, m
     stats = cold.stats()
     assert stats.graphs_compiled_at_warmup == planned(cold) and stats.compile_cache_hits == 0
     assert stats.compile_cache_misses >= planned(cold) and stats.compile_seconds > 0
-    assert "(cold start)" in startup_report(cold.engine.config, stats, 1.0)
+    report = startup_report(cold.engine.config, stats, 1.0)
+    assert "(cold start)" in report
+    kernels = dict(stats.kernel_providers)  # the report's last line names each op's provider
+    assert "paged_attention" in kernels and f"paged_attention={kernels['paged_attention']}" in report.splitlines()[-1]
     cold.shutdown()
 
     from tpu_executor.worker.jax_graphs import JaxFunction
