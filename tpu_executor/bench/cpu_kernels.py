@@ -14,7 +14,6 @@ on an AVX2 machine this is the AVX2 build. Microseconds per call and the C kerne
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Callable, Dict, List, Tuple
 
 import torch
@@ -80,11 +79,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def microseconds(fn: Callable, args, kwargs, repeats: int) -> float:
-    fn(*args, **kwargs)  # builds the C library on its first call
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn(*args, **kwargs)
-    return (time.perf_counter() - start) / repeats * 1e6
+    """Mean microseconds per call after a first one (which builds a C library)."""
+    from tpu_executor.bench.kernels import seconds_per_call
+
+    return seconds_per_call(lambda: fn(*args, **kwargs), repeats) * 1e6
 
 
 def contenders(op: str, args, kwargs) -> List:

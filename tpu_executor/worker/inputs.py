@@ -14,7 +14,7 @@ sequences is milliseconds of host time per step.
 from __future__ import annotations
 
 import math
-from typing import Dict, NamedTuple, Sequence
+from typing import Dict, Sequence
 
 import numpy as np
 import torch
@@ -93,11 +93,6 @@ def sampling_tensors(work: Sequence, rows: int) -> Dict[str, torch.Tensor]:
     return _as_tensors(arrays)
 
 
-class _Row(NamedTuple):
-    sampling: SamplingMeta
-    sampled_position: int
-
-
 def check_sampling_row(sampling: SamplingMeta) -> None:
     """Lay one request's sampler row out as a step would (its sampling columns and its
     logits-processing row): a value the fixed-width arrays cannot hold is a ValueError naming
@@ -113,7 +108,6 @@ def check_sampling_row(sampling: SamplingMeta) -> None:
         fits = held == value if np.issubdtype(dtype, np.integer) else held is not None and math.isfinite(held)
         if not fits:
             raise ValueError(f"{field} {value!r} does not fit the sampler's {np.dtype(dtype).name} inputs")
-    sampling_tensors([_Row(sampling, sampling.prompt_len)], 1)
     if sampling.processing is not None:
         try:
             row_arrays(sampling.processing)
