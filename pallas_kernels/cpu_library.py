@@ -71,6 +71,14 @@ def c_provider(native, function: Callable):
     return Provider("cpu_c", function, priority=6, supported=can_build, supports_args=supports_args)
 
 
+@functools.lru_cache(maxsize=None)
+def stands_aside(kernel_name: str, serving: str) -> None:
+    """Warn, once per process, that a built kernel stands aside on this CPU for lack of
+    AVX-512 (its tiles would spill AVX2's registers and run slower than ``serving``)."""
+    logger.warning("this CPU has no AVX-512: the native path's %s C kernel stands aside and %s serves, "
+                   "more slowly than on an AVX-512 CPU", kernel_name, serving)
+
+
 def _compile(compiler: str, source: str, target: str) -> None:
     """Compile into a temporary file, then move it into place (ranks may build at once)."""
     os.makedirs(os.path.dirname(target), exist_ok=True)

@@ -18,6 +18,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
+import torch
+
 
 def _always() -> bool:
     return True
@@ -82,7 +84,6 @@ class OpRegistry:
         self._providers: Dict[str, List[Provider]] = {}
         self._enabled: Dict[str, bool] = {}
         self._usable_cache: Dict[str, List[Provider]] = {}
-        self._selections: Optional[List[Selection]] = None
 
     def register(self, op: str, provider: Provider) -> None:
         providers = self._providers.setdefault(op, [])
@@ -133,24 +134,36 @@ class OpRegistry:
     def select(self, op: str, *args, **kwargs) -> Provider:
         """The provider that runs this call (noted, with the providers that refused it, while
         ``recording``)."""
-        refused = []
-        for provider in self._usable(op):
+        usable = self._usable(op)
+        for index, provider in enumerate(usable):
             if provider.is_reference or provider.supports_args(*args, **kwargs):
-                if self._selections is not None:
-                    self._selections.append(Selection(op, _shapes(args), provider, tuple(refused)))
+                if self._is_recording():
+                    refused = tuple((i, usable[i].refusal(*args, **kwargs)) for i in range(index))
+                    _note_selection(id(self), op, _shapes(args), index, refused)
                 return provider
-            if self._selections is not None:
-                refused.append((provider, provider.refusal(*args, **kwargs)))
         raise RuntimeError(f"op {op!r} has no reference provider")
+
+    def _is_recording(self) -> bool:
+        # Under torch.compile the answer is read once per trace and never guarded: a guard on
+        # it would recompile every graph traced while recording once recording stops.
+        if torch.compiler.is_compiling():
+            return _recording_while_tracing(id(self))
+        return id(self) in _RECORDINGS
 
     @contextlib.contextmanager
     def recording(self):
-        """Within this block every dispatch is noted in the yielded list (``Selection``)."""
-        outer, self._selections = self._selections, []
+        """Within this block every dispatch is noted in the yielded list (``Selection``);
+        under torch.compile, every dispatch traced in it."""
+        outer = _RECORDINGS.get(id(self))
+        selections: List[Selection] = []
+        _RECORDINGS[id(self)] = (self, selections)
         try:
-            yield self._selections
+            yield selections
         finally:
-            self._selections = outer
+            if outer is None:
+                del _RECORDINGS[id(self)]
+            else:
+                _RECORDINGS[id(self)] = outer
 
     def dispatch(self, op: str, *args, **kwargs):
         return self.select(op, *args, **kwargs).fn(*args, **kwargs)
@@ -168,6 +181,25 @@ class OpRegistry:
         if jax_path:
             parts.append(repr(sorted(op for op, enabled in self._enabled.items() if not enabled)))
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+# Registries recording now, by id: (registry, the selections noted so far).
+_RECORDINGS: Dict[int, Tuple["OpRegistry", List[Selection]]] = {}
+
+
+@torch.compiler.assume_constant_result
+def _recording_while_tracing(registry_id: int) -> bool:
+    return registry_id in _RECORDINGS
+
+
+@torch.compiler.assume_constant_result
+def _note_selection(registry_id: int, op: str, shapes: str, index: int,
+                    refused: Tuple[Tuple[int, str], ...]) -> bool:
+    """Note one dispatch; called as a constant under torch.compile, so it runs once per trace."""
+    registry, selections = _RECORDINGS[registry_id]
+    usable = registry._usable(op)
+    selections.append(Selection(op, shapes, usable[index], tuple((usable[i], why) for i, why in refused)))
+    return True
 
 
 def _shapes(args) -> str:

@@ -30,7 +30,12 @@ _FITS_REGISTERS = cpu_library.CFunction(SOURCE, "packed_matmul_f32_fits_register
 @functools.lru_cache(maxsize=None)
 def supported() -> bool:
     """The kernel builds here, with AVX-512 (its tiles need 28 vector registers)."""
-    return KERNEL.supported() and bool(_FITS_REGISTERS())
+    if not KERNEL.supported():
+        return False
+    if not _FITS_REGISTERS():
+        cpu_library.stands_aside("packed_matmul", "oneDNN's packed matmul")
+        return False
+    return True
 
 
 def supports_args(x=None, panels=None, *args, out_features=None, **kwargs) -> bool:

@@ -34,7 +34,12 @@ _WIDE_VECTORS = cpu_library.CFunction(SOURCE, "paged_attention_f32_wide_vectors"
 @functools.lru_cache(maxsize=None)
 def wide_vectors() -> bool:
     """The kernel builds here with AVX-512's registers (what its prefill use needs to pay)."""
-    return KERNEL.supported() and bool(_WIDE_VECTORS())
+    if not KERNEL.supported():
+        return False
+    if not _WIDE_VECTORS():
+        cpu_library.stands_aside("prefill_attention", "eager_segments")
+        return False
+    return True
 
 
 def fp32_cpu_operands(q, k_pages, v_pages) -> bool:

@@ -35,6 +35,37 @@ def test_bad_selection_is_rejected(selection):
         make_registry().configure(selection)
 
 
+def test_recording_notes_each_call_and_the_providers_that_refused_it():
+    registry = make_registry()
+    registry.register("op", Provider("picky", lambda x: "picky", priority=15, supports_args=lambda x: x < 0,
+                                     explain=lambda x: f"{x} is not negative"))
+    with registry.recording() as selections:
+        registry.dispatch("op", 5)
+    assert [(s.provider.name, [(p.name, why) for p, why in s.refused]) for s in selections] == \
+        [("fast", [("picky", "5 is not negative")])]
+    registry.dispatch("op", 6)
+    assert len(selections) == 1
+
+
+def test_recording_while_tracing_notes_once_and_leaves_no_guard():
+    """A graph traced while recording is noted at its trace, and is not traced again once
+    recording stops (a guard on the recording state would recompile every warm-up graph)."""
+    registry = OpRegistry()
+    registry.register("op", Provider("reference", lambda x: x + 1, priority=0, is_reference=True))
+    traces = []
+
+    def backend(graph, example_inputs):
+        traces.append(graph)
+        return graph
+
+    compiled = torch.compile(lambda x: registry.dispatch("op", x) * 2, backend=backend, fullgraph=True)
+    with registry.recording() as selections:
+        compiled(torch.ones(3))
+    for _ in range(3):
+        torch.testing.assert_close(compiled(torch.ones(3)), torch.full((3,), 4.0))
+    assert len(traces) == 1 and [(s.op, s.shapes, s.provider.name) for s in selections] == [("op", "[3] f32", "reference")]
+
+
 def test_fingerprint_changes_with_selection():
     registry = make_registry()
     before = registry.fingerprint()

@@ -17,16 +17,22 @@ from tests.common import hf_greedy
 from tpu_executor.cli import build_parser
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.engine.options import build_engine_config, engine_options_from_args, option_fields
+from tpu_executor.kernels import cpu_library
+from tpu_executor.kernels.paged_attention import cpu_native as paged_native
 from tpu_executor.worker.model_loader import checkpoint_limit, load_hf_config
 
 TINY_ENGINE_FLAGS = ["--max-model-len", "96", "--prefill-buckets", "96", "--decode-buckets", "4",
                      "--decode-context-buckets", "96", "--num-blocks", "64"]
 
 
-def tpu_executor(args, cwd, timeout=600) -> str:
+def run_tpu_executor(args, cwd, timeout=600) -> subprocess.CompletedProcess:
     result = subprocess.run(["tpu-executor", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    return result
+
+
+def tpu_executor(args, cwd, timeout=600) -> str:
+    return run_tpu_executor(args, cwd, timeout).stdout
 
 
 def test_every_subcommand_takes_the_same_engine_options(tmp_path):
@@ -98,9 +104,18 @@ def test_scheduling_is_asynchronous_by_default_where_the_device_runs_apart_from_
 
 
 def test_generate_from_outside_the_repository(checkpoints, tmp_path):
-    out = tpu_executor(["generate", checkpoints["llama"], "--device", "cpu", "--prompt", "ka lo mi",
-                        "--no-chat-template", "--max-tokens", "8", *TINY_ENGINE_FLAGS], cwd=tmp_path)
+    result = run_tpu_executor(["generate", checkpoints["llama"], "--device", "cpu", "--prompt", "ka lo mi",
+                               "--no-chat-template", "--max-tokens", "8", *TINY_ENGINE_FLAGS], cwd=tmp_path)
+    out = result.stdout
     assert ">>> ka lo mi" in out and "8 tokens in" in out and "recompilations after warm-up: 0" in out
+    # The native path's start-up report names each op's provider, and says when a C kernel
+    # stands aside on a CPU without AVX-512.
+    kernels = dict(item.split("=") for item in out.split("\nkernels: ")[1].splitlines()[0].split(", "))
+    built = cpu_library.can_build()
+    assert kernels["paged_attention"] == ("cpu_c" if built else "eager_sdpa") and "rms_norm" in kernels
+    wide = built and paged_native.wide_vectors()
+    assert kernels["prefill_attention"] == ("cpu_c" if wide else "eager_segments")
+    assert ("prefill_attention C kernel stands aside" in result.stderr) == (built and not wide), result.stderr[-2000:]
 
 
 def test_a_bad_option_fails_with_what_to_change(checkpoints, tmp_path):

@@ -319,6 +319,17 @@ class ModelRunner:
                   else {(s.op, s.provider.name) for s in selections})
         self.kernel_providers = tuple(sorted(chosen))
 
+    @torch.no_grad()
+    def note_kernels(self) -> None:
+        """Eager devices, where nothing compiles: run one padding prefill and one decode row,
+        noting the provider each kernel op got (``kernel_providers``; the first call of a C
+        kernel builds it, so serving's first step does not)."""
+        prompt = [PrefillWork("warmup", (0,), 0, (NULL_BLOCK,), SamplingMeta.greedy())]
+        with REGISTRY.recording() as selections:
+            self._run_dummy(self.plan.pack_graph(prompt))
+            self._run_dummy(self.plan.decode_graph(1, 1))
+        self.kernel_providers = tuple(sorted({(s.op, s.provider.name) for s in selections}))
+
     def _report_kernels(self) -> None:
         """Log the provider each op got in the compiled graphs; on a TPU, each op and shape where
         a Pallas kernel refused a bucket is a warning (an error with ``strict_kernels``): a

@@ -291,11 +291,13 @@ class Worker:
         self.kv_cache_bytes = num_blocks * self.cache_block_bytes()
 
     def warmup(self, show_progress: bool = True, graphs: Optional[List[Graph]] = None) -> None:
-        """Compile every graph of the bucket plan, or ``graphs`` of it (nothing to compile on
-        the native path)."""
-        if self.config.device.compiles:
-            with self.device_context():
+        """Compile every graph of the bucket plan, or ``graphs`` of it; on the native path,
+        where nothing compiles, run one padding step to note the kernels' providers."""
+        with self.device_context():
+            if self.config.device.compiles:
                 self.runner.warmup(show_progress and self.rank == 0, graphs)
+            else:
+                self.runner.note_kernels()
 
     def time_graphs(self, graphs: List[Graph], repeats: int) -> List[float]:
         """Median seconds of each graph on padding-only inputs (the cost model's check)."""
