@@ -281,13 +281,23 @@ def _timed_steps(engine, timer: PhaseTimer, steps: int, before_step=None) -> Dic
 
 
 def _fill(engine, num_seqs: int, rng: random.Random, output_kind: str = "delta") -> List[str]:
-    """Queue ``num_seqs`` endless requests and step until all decode; their ids."""
+    """Queue ``num_seqs`` endless requests and step until all decode; their ids. A request
+    that ends before then (an error, or a stop) would leave the batch short forever: it is
+    an error naming why."""
     running = _add_requests(engine, num_seqs, rng, 10 ** 6, output_kind)
     while (stats := engine.stats()).num_waiting or stats.num_running < num_seqs:
-        engine.step()
+        _check_none_finished(engine.step())
     for _ in range(3):
-        engine.step()
+        _check_none_finished(engine.step())
     return running
+
+
+def _check_none_finished(outputs) -> None:
+    for output in outputs:
+        if output.finished:
+            reason = output.error or ", ".join(str(c.finish_reason) for c in output.outputs)
+            raise RuntimeError(f"request {output.request_id} ended while the benchmark's batch was filling "
+                               f"({reason}); its requests are meant to run until aborted")
 
 
 def measure(path: str, num_seqs: int, steps: int, device: str, output_kind: str = "delta") -> Dict[str, Dict[str, float]]:

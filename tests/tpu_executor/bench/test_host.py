@@ -29,6 +29,18 @@ def test_null_model_engine_generates_the_expected_chain_of_tokens():
         engine.shutdown()
 
 
+def test_filling_the_batch_fails_naming_a_request_that_ended(monkeypatch):
+    """A request of the endless batch that ends early would leave it short forever."""
+    engine = bench_host.engine_for(bench_host.tiny_checkpoint(), num_seqs=4, steps=4, device="cpu")
+    add = bench_host._add_requests
+    monkeypatch.setattr(bench_host, "_add_requests", lambda e, n, rng, max_tokens, kind: add(e, n, rng, 2, kind))
+    try:
+        with pytest.raises(RuntimeError, match=r"request \S+ ended while the benchmark's batch was filling \(length"):
+            bench_host._fill(engine, 4, random.Random(0))
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("output_kind", ["delta", "final_only"])
 def test_measure_reports_every_phase_for_decode_and_mixed_steps(output_kind):
     results = bench_host.measure(bench_host.tiny_checkpoint(), num_seqs=16, steps=3, device="cpu",
