@@ -60,7 +60,8 @@ setup(
     extras_require={
         # The tests compile for TPU slices with libtpu, the TPU's compiler (it runs without a
         # TPU): the very version torch_xla[tpu]==2.9.0 pins, so one libtpu serves both paths.
-        "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40", "libtpu==0.0.21"],
+        # ruff is pinned: CI runs `ruff check` before the tests, and its rules move between versions.
+        "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40", "libtpu==0.0.21", "ruff==0.17.6"],
         # On a TPU VM, and to compile for one (`tpu-executor compile`): libtpu 0.0.21.
         "tpu": ["torch_xla[tpu]==2.9.0"],
     },

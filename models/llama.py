@@ -17,12 +17,16 @@ from torch import nn
 from tpu_executor.kernels.act_and_mul.ops import act_and_mul
 from tpu_executor.kernels.act_and_mul.reference import ACTIVATIONS
 from tpu_executor.models.layers.attention import AttentionMetadata, paged_attention_forward
-from tpu_executor.models.layers.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
-                                  RowParallelLinear, VocabParallelEmbedding)
+from tpu_executor.models.layers.linear import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from tpu_executor.models.layers.norm import RMSNorm
 from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup
 from tpu_executor.models.layers.rotary import rope_from_config
-
 
 KVCache = Tuple[torch.Tensor, torch.Tensor]
 

@@ -276,7 +276,6 @@ def replicated_server(tmp_dir: str, checkpoint: str, engine_options, cluster_nod
     """The replicated OpenAI server (Ray Serve) over a simulated cluster of ``cluster_nodes``:
     ``data_parallel_size`` engine replicas of ``checkpoint``. Yields its base URL; leaving
     deletes the application, stops Serve and the cluster."""
-    import ray
     from ray import serve
 
     from tpu_executor.entrypoints.openai.config import ReplicaConfig, ServerConfig

@@ -15,7 +15,8 @@ command and nothing imports it but ``scripts/``. Inside the package nothing impo
 package root's lazy names (``from tpu_executor import LLM`` hides an upward import). Only the
 executor package's factory imports the Ray executor, lazily; ray itself is imported at a
 module's top only there and in the replicated server's Ray Serve modules, which the serve
-command imports lazily.
+command imports lazily. No two modules import each other, directly or round a longer circle,
+lazily or not, inside a unit as across units.
 """
 import ast
 import pathlib
@@ -60,6 +61,53 @@ def unit_of(module: str) -> str:
         return ""
     assert parts[1] in UNITS, f"{module} is in no unit: add it to UNITS"
     return parts[1]
+
+
+def import_graph():
+    """Project module -> the project modules it imports (anywhere in it); ``from a import b``
+    points at ``a.b`` where that is a module."""
+    modules = {module: path for path, module in project_files()}
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                            for a in node.names}
+        graph[module] = {t for t in targets if t in modules and t != module}
+    return graph
+
+
+def circles(graph):
+    """The modules of each import circle (strongly connected groups of two or more)."""
+    reach = {}
+
+    def reachable(start):
+        if start not in reach:
+            seen, todo = set(), [start]
+            while todo:
+                for nxt in graph[todo.pop()] - seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+            reach[start] = seen
+        return reach[start]
+
+    groups = {frozenset({m} | {o for o in reachable(m) if m in reachable(o)}) for m in graph if m in reachable(m)}
+    return sorted(sorted(group) for group in groups)
+
+
+def test_no_module_circles():
+    assert circles(import_graph()) == []
+
+
+def test_a_planted_circle_inside_one_unit_is_found():
+    graph = import_graph()
+    serve, serve_app = "tpu_executor.entrypoints.serve", "tpu_executor.entrypoints.openai.serve_app"
+    assert serve_app in graph[serve]  # the serve command starts the replicated server (lazily)
+    graph[serve_app] = graph[serve_app] | {serve}
+    assert circles(graph) == [sorted([serve, serve_app])]
 
 
 def test_every_module_belongs_to_a_unit():

@@ -21,12 +21,15 @@ _EXPORTS: Dict[str, str] = {
 
 __all__ = sorted(_EXPORTS)
 
-if TYPE_CHECKING:
-    from tpu_executor.core.request import CompletionOutput, RequestOutput
-    from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-    from tpu_executor.engine.core import EngineDeadError
-    from tpu_executor.engine.stats import EngineStats
-    from tpu_executor.entrypoints.llm import LLM
+if TYPE_CHECKING:  # for type checkers and IDEs (``X as X``: a re-export)
+    from tpu_executor.core.request import CompletionOutput as CompletionOutput
+    from tpu_executor.core.request import RequestOutput as RequestOutput
+    from tpu_executor.core.sampling_params import RequestOutputKind as RequestOutputKind
+    from tpu_executor.core.sampling_params import SamplingParams as SamplingParams
+    from tpu_executor.core.sampling_params import StructuredOutputsParams as StructuredOutputsParams
+    from tpu_executor.engine.core import EngineDeadError as EngineDeadError
+    from tpu_executor.engine.stats import EngineStats as EngineStats
+    from tpu_executor.entrypoints.llm import LLM as LLM
 
 
 def __getattr__(name: str) -> Any:

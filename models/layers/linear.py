@@ -19,11 +19,16 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from tpu_executor.models.layers.cpu_matmul import (XLA_CPU_OUT_IN_BELOW, cpu_packed, cpu_packed_matmul, packable_for_cpu,
-                                                   xla_cpu_small_matmul)
-from tpu_executor.models.layers.parallel import TensorParallelGroup, divide, kv_heads_of_rank
 from tpu_executor.kernels.w8a16_matmul.ops import w8a16_matmul
 from tpu_executor.kernels.w8a16_matmul.reference import quantize_per_channel
+from tpu_executor.models.layers.cpu_matmul import (
+    XLA_CPU_OUT_IN_BELOW,
+    cpu_packed,
+    cpu_packed_matmul,
+    packable_for_cpu,
+    xla_cpu_small_matmul,
+)
+from tpu_executor.models.layers.parallel import TensorParallelGroup, divide, kv_heads_of_rank
 
 
 def copy_weight(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:

@@ -18,10 +18,10 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import nn
 
-from tpu_executor.models.layers.linear import ColumnParallelLinear, copy_from_hf, narrow_checked, quantize_parameter
-from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup, divide
 from tpu_executor.kernels.gmm.ops import gmm, padded_rows
 from tpu_executor.kernels.w8a16_matmul.reference import dequantize
+from tpu_executor.models.layers.linear import ColumnParallelLinear, copy_from_hf, narrow_checked, quantize_parameter
+from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup, divide
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -33,8 +33,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpu_executor.kernels.tpu_layout import (LANES, check_dtype, check_vmem, gmm_row_tile, itemsize,
-                                             pin_mosaic_ir_version, sublanes)
+from tpu_executor.kernels.tpu_layout import (
+    LANES,
+    check_dtype,
+    check_vmem,
+    gmm_row_tile,
+    itemsize,
+    pin_mosaic_ir_version,
+    sublanes,
+)
 
 
 def _largest_tile(dim: int, preferred: Tuple[int, ...] = (512, 256, 128)) -> int:

@@ -118,8 +118,9 @@ def megablox_op():
 
 
 def register(registry=REGISTRY) -> None:
-    """Our Pallas kernel first (through torch_xla, or inline on the JAX path), then megablox (TPU), the eager slicing path for untraced
-    non-XLA calls, then the reference (which accepts everything)."""
+    """Our Pallas kernel first (through torch_xla, or inline on the JAX path), then megablox
+    (TPU), the eager slicing path for untraced non-XLA calls, then the reference (which accepts
+    everything)."""
     registry.register(OP_NAME, tpu_provider("pallas", 20, pallas_op, shape_problem,
                                             sources=(KERNEL_MODULE,)))
     registry.register(OP_NAME, jax_tpu_provider("pallas_jax", 20, _pallas_gmm, shape_problem, sources=(KERNEL_MODULE,),

@@ -29,8 +29,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpu_executor.kernels.tpu_layout import (LANES, check_attention_operands, check_attention_shapes,
-                                             check_vmem, itemsize, pin_mosaic_ir_version, sublanes)
+from tpu_executor.kernels.tpu_layout import (
+    LANES,
+    check_attention_operands,
+    check_attention_shapes,
+    check_vmem,
+    itemsize,
+    pin_mosaic_ir_version,
+    sublanes,
+)
 
 SMEM_TABLE_BUDGET_BYTES = 512 * 1024
 CHUNK_TOKENS = 512  # tokens per grid step: amortises the ~0.35 us per-step overhead

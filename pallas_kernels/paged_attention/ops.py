@@ -6,8 +6,8 @@ import torch
 
 from tpu_executor.kernels import cpu_library
 from tpu_executor.kernels.binding import eager_only, first_problem, jax_backed_op, jax_tpu_provider, tpu_provider
-from tpu_executor.kernels.paged_attention import cpu_native, eager, reference
 from tpu_executor.kernels.mesh_split import HEADS
+from tpu_executor.kernels.paged_attention import cpu_native, eager, reference
 from tpu_executor.kernels.registry import REGISTRY, Provider
 from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
 from tpu_executor.kernels.tpu_layout import check_attention_operands, torch_dtype_name

@@ -37,9 +37,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpu_executor.kernels.tpu_layout import (LANES, SUBLANES, check_attention_operands,
-                                             check_attention_shapes, check_vmem, itemsize,
-                                             pin_mosaic_ir_version, sublanes)
+from tpu_executor.kernels.tpu_layout import (
+    LANES,
+    SUBLANES,
+    check_attention_operands,
+    check_attention_shapes,
+    check_vmem,
+    itemsize,
+    pin_mosaic_ir_version,
+    sublanes,
+)
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked block adds nothing
 

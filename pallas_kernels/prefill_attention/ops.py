@@ -6,9 +6,9 @@ import torch
 
 from tpu_executor.kernels import cpu_library
 from tpu_executor.kernels.binding import eager_only, first_problem, jax_backed_op, jax_tpu_provider, tpu_provider
+from tpu_executor.kernels.mesh_split import HEADS
 from tpu_executor.kernels.paged_attention.ops import random_block_tables
 from tpu_executor.kernels.prefill_attention import cpu_native, eager, reference
-from tpu_executor.kernels.mesh_split import HEADS
 from tpu_executor.kernels.registry import REGISTRY, Provider
 from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
 from tpu_executor.kernels.tpu_layout import check_attention_operands, torch_dtype_name
@@ -40,14 +40,18 @@ def packed_layout(rng: np.random.Generator, block_size: int, long_context: bool 
     q_pos, q_seg, k_pos, k_seg, slots = [], [], [], [], []
     for s, (c, n) in enumerate(zip(cached, new)):
         positions = np.arange(-(-(c + n) // block_size) * block_size)  # to the end of the last page
-        q_pos += list(positions[c:c + n]); q_seg += [s] * n
+        q_pos += list(positions[c:c + n])
+        q_seg += [s] * n
         k_pos += list(np.where(positions < c + n, positions, 0))
         k_seg += [s if p < c + n else -1 for p in positions]
         slots += list(tables[s, positions // block_size].numpy() * block_size + positions % block_size)
     pad = int(rng.integers(0, 24))  # bucket padding: queries and one key in segment -1
-    q_pos += [0] * pad; q_seg += [-1] * pad
+    q_pos += [0] * pad
+    q_seg += [-1] * pad
     if pad:
-        k_pos.append(0); k_seg.append(-1); slots.append(0)
+        k_pos.append(0)
+        k_seg.append(-1)
+        slots.append(0)
     as_long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
     layout = tuple(as_long(x) for x in (slots, k_pos, k_seg, q_pos, q_seg))
     return layout, num_blocks, f"cached={cached} new={new} pad={pad}"

@@ -8,8 +8,12 @@ import torch
 
 from tpu_executor.kernels import register_all
 from tpu_executor.kernels.packed_matmul import cpu_native as packed_matmul_cpu
-from tpu_executor.models.layers.cpu_matmul import (XLA_CPU_OUT_IN_BELOW, XLA_CPU_OUT_IN_MIN_ROWS, onednn_matmul,
-                                                   onednn_packed)
+from tpu_executor.models.layers.cpu_matmul import (
+    XLA_CPU_OUT_IN_BELOW,
+    XLA_CPU_OUT_IN_MIN_ROWS,
+    onednn_matmul,
+    onednn_packed,
+)
 from tpu_executor.worker.model_loader import load_model, pack_for_cpu, quantize_int8, use_xla_cpu_forms
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # fp32, another summation order

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpu_executor.models.layers.moe import moe_reference, route, sparse_moe
 from tests.common import tiny_engine_options
 from tpu_executor import LLM, SamplingParams
+from tpu_executor.models.layers.moe import moe_reference, route, sparse_moe
 from tpu_executor.worker.model_loader import load_model
 
 

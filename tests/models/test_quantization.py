@@ -7,10 +7,10 @@ from typing import List
 import pytest
 import torch
 
-from tpu_executor.kernels.w8a16_matmul import ops as w8a16_ops
-from tpu_executor.kernels.w8a16_matmul.reference import dequantize, quantize_per_channel
 from tests.common import greedy_tokens, mixed_prompts, tiny_engine_options
 from tpu_executor import LLM
+from tpu_executor.kernels.w8a16_matmul import ops as w8a16_ops
+from tpu_executor.kernels.w8a16_matmul.reference import dequantize, quantize_per_channel
 from tpu_executor.tools.random_checkpoint import ARCHITECTURES
 from tpu_executor.worker.model_loader import load_model, quantizable_bytes
 

@@ -4,14 +4,15 @@ add, RoPE, the KV-cache write) against THE references, and where each serves."""
 import pytest
 import torch
 
+from tests.pallas_kernels.kernel_cases import generated_cases
 from tpu_executor.kernels import OpRegistry, register_all
 from tpu_executor.kernels.rms_norm import cpu_native as norm_native
-from tpu_executor.kernels.rms_norm.ops import SPEC as NORM_SPEC, fused_rms_norm
+from tpu_executor.kernels.rms_norm.ops import SPEC as NORM_SPEC
+from tpu_executor.kernels.rms_norm.ops import fused_rms_norm
 from tpu_executor.kernels.rotary_embedding import cpu_native as rotary_native
 from tpu_executor.kernels.rotary_embedding.ops import SPEC as ROTARY_SPEC
 from tpu_executor.kernels.write_kv_cache import cpu_native as write_native
 from tpu_executor.kernels.write_kv_cache.ops import SPEC as WRITE_SPEC
-from tests.pallas_kernels.kernel_cases import generated_cases
 
 pytestmark = pytest.mark.skipif(not (norm_native.supported() and rotary_native.supported()
                                      and write_native.supported()), reason="no C compiler to build the kernels")

@@ -1,15 +1,14 @@
 """``packed_matmul``'s C kernel (``cpu_c``: the native path's linear layers) against THE
 reference, at the edges of its tiles, panel groups and row blocks, and where it serves."""
 
-import numpy as np
 import pytest
 import torch
 
+from tests.pallas_kernels.kernel_cases import generated_cases
 from tpu_executor.kernels import OpRegistry, register_all
 from tpu_executor.kernels.packed_matmul import cpu_native
 from tpu_executor.kernels.packed_matmul.ops import SPEC
 from tpu_executor.kernels.packed_matmul.reference import pack, packed_matmul, unpack
-from tests.pallas_kernels.kernel_cases import generated_cases
 
 pytestmark = pytest.mark.skipif(not cpu_native.supported(), reason="no C compiler to build the kernel")
 

@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.pallas_kernels.kernel_cases import case_kinds, engine_like_decode_batch, generated_cases
+from tpu_executor.core.step import PrefillWork, SamplingMeta
 from tpu_executor.kernels import OpRegistry, register_all
 from tpu_executor.kernels.act_and_mul import cpu_native as act_native
 from tpu_executor.kernels.act_and_mul.ops import SPEC as ACT_SPEC
@@ -12,9 +14,7 @@ from tpu_executor.kernels.paged_attention import cpu_native
 from tpu_executor.kernels.paged_attention.ops import SPEC
 from tpu_executor.kernels.prefill_attention import cpu_native as prefill_native
 from tpu_executor.kernels.prefill_attention.ops import SPEC as PREFILL_SPEC
-from tpu_executor.core.step import PrefillWork, SamplingMeta
 from tpu_executor.worker.inputs import prefill_inputs
-from tests.pallas_kernels.kernel_cases import case_kinds, engine_like_decode_batch, generated_cases
 
 pytestmark = pytest.mark.skipif(not cpu_native.supported(), reason="no C compiler to build the kernel")
 
@@ -99,8 +99,8 @@ def test_prefill_of_the_model_runners_packing_matches_the_reference(window):
     args = (q, k_pages, v_pages, slots, key_positions, key_segments, positions, query_segments)
     kwargs = dict(scale=0.125, sliding_window=window)
     assert prefill_native.prompt_tables(slots, key_positions, key_segments, 16) is not None
-    PREFILL_SPEC.assert_close(prefill_native.prefill_attention(*args, **kwargs), PREFILL_SPEC.reference(*args, **kwargs),
-                              "runner pack")
+    PREFILL_SPEC.assert_close(prefill_native.prefill_attention(*args, **kwargs),
+                              PREFILL_SPEC.reference(*args, **kwargs), "runner pack")
     registry = register_all(OpRegistry())
     # Without AVX-512 the C form loses to torch's matmuls at prefill and stands aside.
     expected = "cpu_c" if cpu_native.wide_vectors() else "eager_segments"

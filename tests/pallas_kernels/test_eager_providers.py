@@ -6,9 +6,9 @@ import importlib
 import pytest
 import torch
 
+from tests.pallas_kernels.kernel_cases import NUM_CASES, case_kinds, engine_like_decode_batch, generated_cases
 from tpu_executor.kernels.paged_attention import eager as paged_eager
 from tpu_executor.kernels.prefill_attention import eager as prefill_eager
-from tests.pallas_kernels.kernel_cases import NUM_CASES, case_kinds, engine_like_decode_batch, generated_cases
 
 
 @pytest.mark.parametrize("op", ["paged_attention", "prefill_attention"])

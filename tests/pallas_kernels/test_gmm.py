@@ -3,11 +3,18 @@ call_jax binding inside a torch_xla graph."""
 import pytest
 import torch
 
+from tests.pallas_kernels.kernel_cases import (
+    INTERPRETED_CASES,
+    check_kernel_against_reference,
+    check_kernels_agree,
+    generated_cases,
+    in_fresh_process,
+    in_fresh_processes,
+    total_counts,
+    value_error_of,
+)
 from tpu_executor.kernels import OpRegistry, Provider
 from tpu_executor.kernels.gmm import kernel, ops, reference
-from tests.pallas_kernels.kernel_cases import (INTERPRETED_CASES, check_kernel_against_reference,
-                                               check_kernels_agree, generated_cases, in_fresh_process,
-                                               in_fresh_processes, total_counts, value_error_of)
 
 pytestmark = pytest.mark.slow  # TPU interpret mode
 

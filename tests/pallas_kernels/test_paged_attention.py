@@ -6,11 +6,19 @@ import functools
 import pytest
 import torch
 
+from tests.pallas_kernels.kernel_cases import (
+    INTERPRETED_CASES,
+    case_kinds,
+    check_kernel_against_reference,
+    check_kernels_agree,
+    generated_cases,
+    in_fresh_process,
+    in_fresh_processes,
+    run_jax,
+    total_counts,
+    value_error_of,
+)
 from tpu_executor.kernels.paged_attention import kernel, ops
-from tests.pallas_kernels.kernel_cases import (INTERPRETED_CASES, case_kinds, check_kernel_against_reference,
-                                               check_kernels_agree, generated_cases, in_fresh_process,
-                                               in_fresh_processes, total_counts,
-                                               run_jax, value_error_of)
 
 pytestmark = pytest.mark.slow  # TPU interpret mode
 

@@ -5,11 +5,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.pallas_kernels.kernel_cases import (
+    INTERPRETED_CASES,
+    case_kinds,
+    check_kernel_against_reference,
+    generated_cases,
+    in_fresh_process,
+    in_fresh_processes,
+    total_counts,
+)
 from tpu_executor.kernels.binding import on_xla_if_fits
 from tpu_executor.kernels.prefill_attention import kernel, ops
-from tests.pallas_kernels.kernel_cases import (INTERPRETED_CASES, case_kinds, check_kernel_against_reference,
-                                               generated_cases, in_fresh_process, in_fresh_processes,
-                                               total_counts)
 
 pytestmark = pytest.mark.slow  # TPU interpret mode
 

@@ -63,7 +63,8 @@ def test_recording_while_tracing_notes_once_and_leaves_no_guard():
         compiled(torch.ones(3))
     for _ in range(3):
         torch.testing.assert_close(compiled(torch.ones(3)), torch.full((3,), 4.0))
-    assert len(traces) == 1 and [(s.op, s.shapes, s.provider.name) for s in selections] == [("op", "[3] f32", "reference")]
+    assert len(traces) == 1
+    assert [(s.op, s.shapes, s.provider.name) for s in selections] == [("op", "[3] f32", "reference")]
 
 
 def test_fingerprint_changes_with_selection():

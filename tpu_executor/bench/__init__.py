@@ -1,7 +1,8 @@
 """``tpu-executor bench``: the benchmark commands, one module each, and their helpers
 (``hardware.py``: the CPU line every report names; ``profile.py``: where a step's time goes).
 
-``throughput`` (offline, against transformers), ``startup`` (cold and warm compile cache), ``serve`` (an OpenAI server under load),
+``throughput`` (offline, against transformers), ``startup`` (cold and warm compile cache),
+``serve`` (an OpenAI server under load),
 ``replicas`` (the replicated server: scaling over replicas, routing overhead, prefix routing),
 ``host`` (the host's work per engine step), ``chunked-prefill`` (latency while a long prompt
 arrives), ``sampler`` (the sampler, plain and with logits processing), ``structured``
@@ -13,17 +14,28 @@ from __future__ import annotations
 
 import argparse
 
-from tpu_executor.bench import (chunked, cpu_kernels, cpu_matmul, host, kernels, replicas, sampler, serve, startup,
-                                structured, throughput)
+from tpu_executor.bench import (
+    chunked,
+    cpu_kernels,
+    cpu_matmul,
+    host,
+    kernels,
+    replicas,
+    sampler,
+    serve,
+    startup,
+    structured,
+    throughput,
+)
 
 COMMANDS = (throughput, startup, serve, replicas, host, chunked, sampler, structured, kernels, cpu_matmul, cpu_kernels)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """``bench`` and its subcommands."""
-    parser = subparsers.add_parser("bench", help="benchmarks: offline throughput, start-up, a server under load, replicas, "
-                                                 "host work, chunked prefill, the sampler, structured outputs, kernels, "
-                                                 "CPU matmul forms")
+    parser = subparsers.add_parser(
+        "bench", help="benchmarks: offline throughput, start-up, a server under load, replicas, host work, "
+                      "chunked prefill, the sampler, structured outputs, kernels, CPU matmul forms")
     benchmarks = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for module in COMMANDS:
         module.add_parser(benchmarks)

@@ -25,10 +25,10 @@ import statistics
 import time
 from typing import Dict, List
 
-from tpu_executor.engine.options import HelpFormatter
-from tpu_executor.core.buckets import BucketPlan
-from tpu_executor.bench.throughput import MODELS, model_path
 from tpu_executor.bench.hardware import cpu_description
+from tpu_executor.bench.throughput import MODELS, model_path
+from tpu_executor.core.buckets import BucketPlan
+from tpu_executor.engine.options import HelpFormatter
 
 SHORT_PROMPT_TOKENS = 32
 CONFIGS = ("chunked", "whole prompts")
@@ -125,7 +125,8 @@ def run(args: argparse.Namespace) -> List:
         result = measure(path, args, chunked, vocab_size)
         print(f"{name}: ITL p50 {result['p50'] * 1e3:.1f} ms, p99 {result['p99'] * 1e3:.1f} ms, max "
               f"{result['max'] * 1e3:.1f} ms over {result['samples']} gaps; long prompt TTFT {result['ttft']:.2f} s; "
-              f"warm-up {result['warmup_s']:.1f} s, {result['graphs']} graphs in the plan, {result['graphs_after']} compiled after warm-up")
+              f"warm-up {result['warmup_s']:.1f} s, {result['graphs']} graphs in the plan, "
+              f"{result['graphs_after']} compiled after warm-up")
         rows.append((name, result))
     print_table(args, rows)
     return rows

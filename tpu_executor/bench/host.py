@@ -30,8 +30,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from tpu_executor.engine.options import HelpFormatter
 from tpu_executor.core.phase_timer import DEVICE_PHASES, HOST_PHASES, PHASES, PhaseTimer
+from tpu_executor.engine.options import HelpFormatter
 from tpu_executor.worker.launched_step import LaunchedStep
 from tpu_executor.worker.model_runner import ModelRunner
 from tpu_executor.worker.sampler import SamplerOutput
@@ -200,8 +200,10 @@ def _add_requests(engine, count: int, rng: random.Random, max_tokens: int, outpu
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                             output_kind=RequestOutputKind[output_kind.upper()])
-    return [engine.add_request({"prompt_token_ids": [rng.randrange(3, engine.vocab_size) for _ in range(PROMPT_TOKENS)]},
-                               params) for _ in range(count)]
+    def prompt():
+        return {"prompt_token_ids": [rng.randrange(3, engine.vocab_size) for _ in range(PROMPT_TOKENS)]}
+
+    return [engine.add_request(prompt(), params) for _ in range(count)]
 
 
 class GcClock:
@@ -300,7 +302,8 @@ def _check_none_finished(outputs) -> None:
                                f"({reason}); its requests are meant to run until aborted")
 
 
-def measure(path: str, num_seqs: int, steps: int, device: str, output_kind: str = "delta") -> Dict[str, Dict[str, float]]:
+def measure(path: str, num_seqs: int, steps: int, device: str,
+            output_kind: str = "delta") -> Dict[str, Dict[str, float]]:
     """Per-phase milliseconds of a decode step and of a mixed step at ``num_seqs`` sequences
     whose requests ask for ``output_kind`` outputs (``delta``: streamed every step;
     ``final_only``: one output at the end, as ``LLM.generate`` asks)."""

@@ -75,9 +75,12 @@ def jax_timer(kernel: Callable, case: OpCase, on_tpu: bool) -> Callable:
 
 def providers() -> Dict[str, tuple]:
     """op -> (spec, case builder, {provider name: JAX function})."""
-    from tpu_executor.kernels.gmm import kernel as gmm_kernel, ops as gmm_ops
-    from tpu_executor.kernels.paged_attention import kernel as paged_kernel, ops as paged_ops
-    from tpu_executor.kernels.prefill_attention import kernel as prefill_kernel, ops as prefill_ops
+    from tpu_executor.kernels.gmm import kernel as gmm_kernel
+    from tpu_executor.kernels.gmm import ops as gmm_ops
+    from tpu_executor.kernels.paged_attention import kernel as paged_kernel
+    from tpu_executor.kernels.paged_attention import ops as paged_ops
+    from tpu_executor.kernels.prefill_attention import kernel as prefill_kernel
+    from tpu_executor.kernels.prefill_attention import ops as prefill_ops
 
     return {
         "paged_attention": (paged_ops.SPEC, paged_case, {

@@ -29,8 +29,8 @@ ENGINE_PHASES = ("schedule", "output", "detokenize")
 
 def _part_classes() -> Dict[str, Tuple[type, ...]]:
     from tpu_executor.models.layers.linear import QuantizableMatmul
-    from tpu_executor.models.llama import LlamaAttention
     from tpu_executor.models.layers.moe import SparseMoeBlock
+    from tpu_executor.models.llama import LlamaAttention
 
     return {"linears": (QuantizableMatmul,), "attention": (LlamaAttention,), "moe": (SparseMoeBlock,)}
 

@@ -7,8 +7,9 @@ throughput, latency percentiles and goodput.
 
 Requests come from random lengths (``--input-len``/``--output-len`` +- ``--range-ratio``,
 seeded; prompts are random token ids) or a trace file (``--trace``: any format
-``tpu-executor tune`` reads, e.g. JSONL ``prompt_len``/``output_len``, Mooncake, Azure CSV). Arrivals are a Poisson process at
-``--request-rate`` (a gamma process with ``--burstiness`` != 1), or all at once (``inf``).
+``tpu-executor tune`` reads, e.g. JSONL ``prompt_len``/``output_len``, Mooncake, Azure CSV).
+Arrivals are a Poisson process at ``--request-rate`` (a gamma process with ``--burstiness``
+!= 1), or all at once (``inf``).
 The client speaks only HTTP, so it measures any OpenAI-compatible server. ``--launch`` starts
 our server in this process and first runs the same workload through the offline engine, so
 the HTTP/offline ratio is measured side by side.
@@ -46,7 +47,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     load.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*(1 +- ratio)")
     load.add_argument("--vocab-size", type=int, default=None, help="prompt ids below this (default: the "
                                                                    "launched model's vocabulary, else 1000)")
-    load.add_argument("--trace", default=None, help="trace file of prompt/output lengths (formats as tune) instead of random ones")
+    load.add_argument("--trace", default=None,
+                      help="trace file of prompt/output lengths (formats as tune) instead of random ones")
     load.add_argument("--request-rate", nargs="+", default=["inf"], help="requests/s, one run each (inf: all at once)")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)")
     load.add_argument("--max-concurrency", type=int, default=None)

@@ -44,9 +44,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, List
 
-from tpu_executor.engine.options import HelpFormatter, add_engine_arguments, engine_options_from_args
 from tpu_executor.bench.hardware import CALIBRATION_SIZE, cpu_description, matmul_gflops
 from tpu_executor.bench.peers import preloaded_here
+from tpu_executor.engine.options import HelpFormatter, add_engine_arguments, engine_options_from_args
 
 NUM_PROMPTS, MIN_LEN, MAX_LEN, NEW_TOKENS = 32, 16, 256, 64
 MODELS = ("gemma-100m", "smollm2", "mixtral-small")
@@ -233,7 +233,8 @@ def print_run(name: str, device: str, ours: Dict, vllm) -> None:
     waste = {k: f"{v:.0%}" for k, v in stats.padding.waste().items()}
     agreement = f", greedy tokens equal to vLLM's at {same_tokens(ours['tokens'], vllm['tokens']):.1%} of positions" \
         if vllm else ""
-    print(f"{name} [{device}, tp={ours['tp']}, {ours['quantization']}, {ours['scheduling']}]: {ours['tokens_per_s']:.1f} tok/s "
+    print(f"{name} [{device}, tp={ours['tp']}, {ours['quantization']}, {ours['scheduling']}]: "
+          f"{ours['tokens_per_s']:.1f} tok/s "
           f"({ours['seconds']:.1f} s), warm-up {ours['warmup_s']:.1f} s, {stats.graphs_compiled_at_warmup} XLA "
           f"compilations, {stats.graphs_compiled_after_warmup} after warm-up, padding waste {waste}{agreement}")
 

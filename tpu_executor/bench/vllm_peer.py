@@ -30,7 +30,6 @@ import os
 import sys
 import time
 
-
 TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
                   "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
 NO_PRELOAD = "--no-preload"

@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from tpu_executor.core.sampling_params import SamplingParams
-from tpu_executor.core.step import (ENTRY_ALLOWED, ENTRY_BANNED, ENTRY_BIAS, ENTRY_STOP, LogitsProcessing,
-                                     SamplingMeta)
+from tpu_executor.core.step import ENTRY_ALLOWED, ENTRY_BANNED, ENTRY_BIAS, ENTRY_STOP, LogitsProcessing, SamplingMeta
 
 
 class RequestStatus(enum.Enum):

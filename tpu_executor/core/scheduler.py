@@ -116,7 +116,8 @@ class Scheduler:
                     continue  # it was preempted itself
                 table = block_table(request_id)
             token_id = PENDING_TOKEN if in_flight else (outputs[-1] if outputs else request.prompt_token_ids[-1])
-            decodes.append(_new_decode_work(DecodeWork, (request_id, token_id, num_tokens - 1, table, request.sampling)))
+            work = (request_id, token_id, num_tokens - 1, table, request.sampling)
+            decodes.append(_new_decode_work(DecodeWork, work))
             request.num_in_flight = in_flight + 1
         return decodes, prefilling
 

@@ -10,7 +10,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-
 # Kinds of a logits entry (``LogitsProcessing.entry_kinds``).
 ENTRY_BIAS = 0  # add the value to the token's logit
 ENTRY_ALLOWED = 1  # a row with any of these samples only among them

@@ -17,13 +17,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.detokenizer import Detokenizer, DetokenizerState, take_text_delta, truncate_at_stop
 from tpu_executor.core.heap import freeze_startup_heap, unfreeze_heap
 from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
 from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams
 from tpu_executor.core.step import PromptLogprobs, SampledTokens
-from tpu_executor.core.config import EngineConfig
 from tpu_executor.engine.core import CoreOutput, EngineCore, EngineDeadError, Finished
 from tpu_executor.engine.core_process import CoreProcess, start_core
 from tpu_executor.engine.options import build_engine_config

@@ -12,11 +12,20 @@ import logging
 import typing
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from tpu_executor.core.buckets import BUCKET_FIELDS, LIMIT_FIELDS, read_bucket_file
+from tpu_executor.core.config import (
+    OPTION_SECTIONS,
+    CacheConfig,
+    CompileConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    resolve_max_model_len,
+)
 from tpu_executor.models.layers.parallel import check_tensor_parallel
 from tpu_executor.models.layers.rotary import check_rope
-from tpu_executor.core.buckets import BUCKET_FIELDS, LIMIT_FIELDS, read_bucket_file
-from tpu_executor.core.config import (OPTION_SECTIONS, CacheConfig, CompileConfig, DeviceConfig, EngineConfig,
-                                      ModelConfig, ParallelConfig, SchedulerConfig, resolve_max_model_len)
 from tpu_executor.worker.model_loader import checkpoint_limit, load_hf_config
 
 logger = logging.getLogger(__name__)

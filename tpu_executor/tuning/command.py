@@ -23,8 +23,12 @@ from dataclasses import asdict
 from typing import Dict, List, Optional
 
 from tpu_executor.core.buckets import write_bucket_file
-from tpu_executor.engine.options import (HelpFormatter, add_engine_arguments, build_engine_config,
-                                         engine_options_from_args)
+from tpu_executor.engine.options import (
+    HelpFormatter,
+    add_engine_arguments,
+    build_engine_config,
+    engine_options_from_args,
+)
 from tpu_executor.tools.published_models import MODEL_SHAPES
 
 COLUMNS = ("scheme", "model graphs", "all graphs", "prefill waste", "rows waste", "context waste",
@@ -67,9 +71,9 @@ def run(args: argparse.Namespace) -> None:
 
 def _run(args: argparse.Namespace) -> None:
     from tpu_executor.tools.default_model import prepare
+    from tpu_executor.tools.published_models import model_directory
     from tpu_executor.tuning.roofline import ModelShape, Target
     from tpu_executor.tuning.traces import load_trace
-    from tpu_executor.tools.published_models import model_directory
     from tpu_executor.tuning.tuner import tune
     from tpu_executor.worker.model_loader import load_hf_config
 

@@ -10,7 +10,6 @@ honoured on a virtual clock when a cost model says how long each step would take
 from __future__ import annotations
 
 import dataclasses
-
 import random
 import time
 from dataclasses import dataclass, field

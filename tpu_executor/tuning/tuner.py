@@ -17,9 +17,9 @@ from tpu_executor.core.config import EngineConfig
 from tpu_executor.tuning.lowering import kernel_support, lower_graphs
 from tpu_executor.tuning.replay import ReplayResult, replay
 from tpu_executor.tuning.roofline import CostModel, HbmFit, ModelShape, Target, hbm_fit
-from tpu_executor.tuning.schemes import (Dimension, Plan, optimal_tables, recipe_plans, round_up,
-                                               split_budget)
+from tpu_executor.tuning.schemes import Dimension, Plan, optimal_tables, recipe_plans, round_up, split_budget
 from tpu_executor.tuning.traces import TraceRequest
+
 
 def with_buckets(config: EngineConfig, plan: Plan) -> EngineConfig:
     """``config`` serving ``plan``'s buckets (the configs validate them again)."""

@@ -135,7 +135,6 @@ class JaxRuntime:
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         from tpu_executor.kernels.binding import torchax_env
-
         from tpu_executor.worker.jax_programs import ExecutableStore, ProgramStore
 
         devices = list(devices) if devices is not None else jax.devices()

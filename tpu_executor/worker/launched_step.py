@@ -3,11 +3,14 @@
 later on XLA)."""
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
 
 from tpu_executor.core.step import ModelRunnerOutput, SampledTokens
 from tpu_executor.worker.prompt_logprobs import read_back
 from tpu_executor.worker.sampler import SamplerOutput
+
+if TYPE_CHECKING:
+    import torch
 
 
 class LaunchedCall(NamedTuple):

@@ -24,21 +24,39 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from tqdm import tqdm
 
-from tpu_executor.models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
-from tpu_executor.core.buckets import (BucketPlan, DecodeCall, DecodeGraph, Graph, HistoryGraph, MixedCall,
-                                      PrefillCall, PrefillGraph, PromptLogprobsGraph, SamplerGraph, graph_label)
+from tpu_executor.core.buckets import (
+    BucketPlan,
+    DecodeCall,
+    DecodeGraph,
+    Graph,
+    HistoryGraph,
+    MixedCall,
+    PrefillCall,
+    PrefillGraph,
+    PromptLogprobsGraph,
+    SamplerGraph,
+    graph_label,
+)
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.step import DecodeWork, PaddingStats, PrefillWork, SamplingMeta, SchedulerOutput
 from tpu_executor.kernels import REGISTRY
+from tpu_executor.models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from tpu_executor.worker.compile_guard import CompileGuard, jax_compile_events, raise_dynamo_limits
 from tpu_executor.worker.decode_batch import PersistentDecodeBatch
 from tpu_executor.worker.inputs import mixed_inputs, prefill_inputs, sampling_tensors, to_device
-from tpu_executor.worker.logits_processing import (ProcessingSlots, donate, empty_processing_tensors, fill_slots,
-                                                    fill_tensors, process_logits, processed_request_ids,
-                                                    record_tokens)
 from tpu_executor.worker.launched_step import LaunchedCall, LaunchedStep
+from tpu_executor.worker.logits_processing import (
+    ProcessingSlots,
+    donate,
+    empty_processing_tensors,
+    fill_slots,
+    fill_tensors,
+    process_logits,
+    processed_request_ids,
+    record_tokens,
+)
 from tpu_executor.worker.prompt_logprobs import groups, owed_positions, padding_group, prompt_logprobs_step
 from tpu_executor.worker.sampler import sample
 from tpu_executor.worker.token_feed import TokenFeed, fed_input_ids, write_slots

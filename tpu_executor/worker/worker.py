@@ -15,13 +15,13 @@ from typing import Deque, List, Optional, Tuple
 
 import torch
 
-from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup
 from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig, tpu_attached
 from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerStats
+from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup
 from tpu_executor.worker.distributed import GlooGroup, RankPlacement, XlaGroup, tpu_topology_env
-from tpu_executor.worker.model_loader import load_model, pack_for_cpu, use_xla_cpu_forms
 from tpu_executor.worker.launched_step import LaunchedStep
+from tpu_executor.worker.model_loader import load_model, pack_for_cpu, use_xla_cpu_forms
 from tpu_executor.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

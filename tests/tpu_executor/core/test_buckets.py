@@ -4,10 +4,26 @@ import dataclasses
 
 import pytest
 
-from tpu_executor.core.buckets import (BucketPlan, DecodeCall, DecodeGraph, HistoryGraph, MixedCall, PrefillCall,
-                                      PrefillGraph, SamplerGraph, pick_bucket)
-from tpu_executor.core.config import (CacheConfig, CompileConfig, DeviceConfig, EngineConfig, ModelConfig,
-                                      ParallelConfig, SchedulerConfig)
+from tpu_executor.core.buckets import (
+    BucketPlan,
+    DecodeCall,
+    DecodeGraph,
+    HistoryGraph,
+    MixedCall,
+    PrefillCall,
+    PrefillGraph,
+    SamplerGraph,
+    pick_bucket,
+)
+from tpu_executor.core.config import (
+    CacheConfig,
+    CompileConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
 
 def config(tmp_path, max_model_len=320, chunked=True, budget=2048, device="xla", **compile_options):

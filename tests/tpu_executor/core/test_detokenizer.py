@@ -89,8 +89,8 @@ def test_table_stream_and_window_paths_give_the_same_text(tokenizer):
     window._backend, window._pieces = None, {}
     assert table._pieces and stream._backend is not None
     prompt = tokenizer("Once upon a time")["input_ids"]
-    output = tokenizer("there was a café in Zürich, 東京 too 🙂, and\n  a   space")["input_ids"] + [tokenizer.eos_token_id] + \
-        tokenizer(" after the end")["input_ids"]
+    output = (tokenizer("there was a café in Zürich, 東京 too 🙂, and\n  a   space")["input_ids"]
+              + [tokenizer.eos_token_id] + tokenizer(" after the end")["input_ids"])
     params = SamplingParams(max_tokens=500, ignore_eos=True)
     states = [feed(detok, prompt, output, params)[0] for detok in (table, stream, window)]
     assert states[1].stream is not None and states[2].stream is None

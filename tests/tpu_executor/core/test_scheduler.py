@@ -40,7 +40,8 @@ def run_to_completion(scheduler, kv, requests, max_steps=2000, running=()):
         assert len(out.prefills) + len(out.decodes) <= scheduler.config.max_num_seqs
         # Without chunking a prompt over the budget runs whole, alone with the decodes.
         over = 0 if scheduler.config.enable_chunked_prefill else 1
-        assert sum(len(p.token_ids) for p in out.prefills[over:]) + len(out.decodes) <= scheduler.config.max_num_batched_tokens
+        scheduled = sum(len(p.token_ids) for p in out.prefills[over:]) + len(out.decodes)
+        assert scheduled <= scheduler.config.max_num_batched_tokens
         assert len({w.request_id for w in out.prefills + out.decodes}) == len(out.prefills) + len(out.decodes)
         _, finished = scheduler.update(fake_model_tokens(out, table), table)
         assert all(r.status is RequestStatus.FINISHED_LENGTH and len(r.output_token_ids) == r.max_outputs

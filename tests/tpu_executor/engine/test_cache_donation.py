@@ -1,6 +1,6 @@
 """Step time must not grow with the KV-cache size: the compiled step (torch_xla's and the JAX
-path's) updates the cache in place (donated buffers). Without donation every step copies the whole cache (0.5-0.9 s per GB
-on this machine), so a 1 GiB cache would be tens of times slower than a 1 MiB one.
+path's) updates the cache in place (donated buffers). Without donation every step copies the
+whole cache (0.5-0.9 s per GB on this machine), so a 1 GiB cache would be tens of times slower than a 1 MiB one.
 
 The two engines are timed side by side, interleaved, and only a loose ratio is asserted."""
 import statistics

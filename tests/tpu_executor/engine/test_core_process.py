@@ -6,8 +6,14 @@ import openai
 import pytest
 import torch
 
-from tests.common import (assert_nothing_compiled_after_warmup, assert_same_outputs_over_random_requests,
-                          live_server, preempting_llm_pair, run_to_end, tiny_engine_options)
+from tests.common import (
+    assert_nothing_compiled_after_warmup,
+    assert_same_outputs_over_random_requests,
+    live_server,
+    preempting_llm_pair,
+    run_to_end,
+    tiny_engine_options,
+)
 from tpu_executor import LLM, EngineDeadError, SamplingParams
 from tpu_executor.core.request import accumulate_deltas
 from tpu_executor.engine.llm_engine import LLMEngine

@@ -11,8 +11,14 @@ import textwrap
 import pytest
 import torch
 
-from tests.common import (logprob_values, output_summary, random_processing, random_requests, run_to_end,
-                          tiny_engine_options)
+from tests.common import (
+    logprob_values,
+    output_summary,
+    random_processing,
+    random_requests,
+    run_to_end,
+    tiny_engine_options,
+)
 from tpu_executor import LLM, SamplingParams
 from tpu_executor.core.request import accumulate_deltas
 

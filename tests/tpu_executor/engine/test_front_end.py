@@ -4,13 +4,13 @@ that arrive after the front-end ended a sample (as from a core that runs a step 
 import pytest
 from transformers import AutoTokenizer
 
+from tpu_executor.bench.host import tiny_checkpoint
 from tpu_executor.core.request import RequestStatus
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.core.step import SampledTokens
 from tpu_executor.engine.core import CoreOutput, Finished
 from tpu_executor.engine.llm_engine import LLMEngine
 from tpu_executor.engine.options import build_engine_config
-from tpu_executor.bench.host import tiny_checkpoint
 
 
 class ScriptedCore:

@@ -4,13 +4,12 @@ log-probs), with stop strings (held back until they can no longer be cut), ``n >
 log-probs; ``LLM.generate`` (which asks for ``FINAL_ONLY`` outputs) returns the same outputs."""
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 import torch
 
 from tests.common import run_to_end, tiny_engine_options
-from dataclasses import replace
-
 from tpu_executor import LLM, RequestOutputKind, SamplingParams
 
 # The third prompt repeats the first: it meets the same stop string (and hits the prefix cache).
@@ -94,7 +93,8 @@ def test_final_only_requests_hand_out_each_sample_once_at_its_end(llm):
     for request_id, final in zip(ids, expected):
         got = {c.index: c for d in deltas if d.request_id == request_id for c in d.outputs}
         for completion in final.outputs:
-            assert (got[completion.index].text, got[completion.index].token_ids) == (completion.text, completion.token_ids)
+            streamed = got[completion.index]
+            assert (streamed.text, streamed.token_ids) == (completion.text, completion.token_ids)
             assert got[completion.index].logprobs == completion.logprobs
     assert engine.stats().kv_blocks_used == 0
 

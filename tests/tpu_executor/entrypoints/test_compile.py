@@ -62,8 +62,8 @@ def test_architectures_compile_for_a_tpu_with_their_pallas_kernels(target, archi
 @pytest.mark.slow  # libtpu compiles a whole plan (about a minute)
 def test_the_command_compiles_every_graph_and_reports_them(tmp_path):
     from tpu_executor.core.buckets import BucketPlan
-    from tpu_executor.entrypoints.compile_job import engine_config
     from tpu_executor.core.tpu_slices import Target
+    from tpu_executor.entrypoints.compile_job import engine_config
     from tpu_executor.tools.random_checkpoint import write_config
 
     checkpoint = write_config(str(tmp_path / "llama"), "llama")

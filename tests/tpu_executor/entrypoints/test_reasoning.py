@@ -69,7 +69,8 @@ def ask(client, pattern: str, stream: bool = False, **fields):
     extra = fields.pop("extra_body", {})
     return client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "what is two and two"}], temperature=0,
-        max_tokens=fields.pop("max_tokens", 64), stream=stream, extra_body={"structured_outputs": {"regex": pattern}, **extra}, **fields)
+        max_tokens=fields.pop("max_tokens", 64), stream=stream,
+        extra_body={"structured_outputs": {"regex": pattern}, **extra}, **fields)
 
 
 def streamed_message(chunks) -> dict:

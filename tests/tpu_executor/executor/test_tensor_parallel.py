@@ -12,8 +12,18 @@ import time
 import pytest
 import ray
 
-from tests.common import (POISON_ALL_RANKS, POISON_RANK_1, engine_with_worker, faulty_worker_class, greedy_tokens,
-                          hf_greedy, mixed_prompts, ray_session, run_to_end, tensor_parallel_options)
+from tests.common import (
+    POISON_ALL_RANKS,
+    POISON_RANK_1,
+    engine_with_worker,
+    faulty_worker_class,
+    greedy_tokens,
+    hf_greedy,
+    mixed_prompts,
+    ray_session,
+    run_to_end,
+    tensor_parallel_options,
+)
 from tpu_executor import LLM, EngineDeadError, SamplingParams
 
 pytestmark = pytest.mark.slow  # Ray actors, one per simulated chip

@@ -5,8 +5,14 @@ import random
 import numpy as np
 import pytest
 
-from tpu_executor.tuning.schemes import (Dimension, gap_buckets, optimal_buckets, percent_buckets,
-                                               pow2_buckets, split_budget)
+from tpu_executor.tuning.schemes import (
+    Dimension,
+    gap_buckets,
+    optimal_buckets,
+    percent_buckets,
+    pow2_buckets,
+    split_budget,
+)
 
 
 def brute_force(dim: Dimension, k: int) -> float:

@@ -66,7 +66,8 @@ def test_unknown_sources_and_empty_files_are_refused(tmp_path):
 
 
 def test_long_requests_are_cut_to_fit_the_context(tmp_path):
-    path = write(tmp_path, "a.jsonl", '{"prompt_len": 900, "output_len": 300}\n{"prompt_len": 100, "output_len": 900}\n')
+    path = write(tmp_path, "a.jsonl",
+                 '{"prompt_len": 900, "output_len": 300}\n{"prompt_len": 100, "output_len": 900}\n')
     assert load_trace(path, max_model_len=512) == [TraceRequest(511, 1), TraceRequest(100, 412)]
 
 

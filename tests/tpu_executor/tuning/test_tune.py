@@ -8,16 +8,16 @@ import textwrap
 
 import pytest
 
+from tpu_executor.cli import main
 from tpu_executor.core.buckets import BucketPlan, DecodeGraph, PrefillGraph, read_bucket_file
 from tpu_executor.engine.llm_engine import LLMEngine
 from tpu_executor.engine.options import build_engine_config
-from tpu_executor.cli import main
+from tpu_executor.tools.published_models import model_directory
 from tpu_executor.tuning.lowering import kernel_support, lower_graphs
 from tpu_executor.tuning.measure import run_engine
 from tpu_executor.tuning.replay import replay
 from tpu_executor.tuning.roofline import CostModel, ModelShape, Target
 from tpu_executor.tuning.traces import TraceRequest, load_trace
-from tpu_executor.tools.published_models import model_directory
 from tpu_executor.tuning.tuner import tune
 
 TINY = dict(max_model_len=320, max_num_seqs=8, max_num_batched_tokens=320, prefill_buckets=(32, 128, 320),
@@ -172,7 +172,8 @@ def test_engine_from_a_tuned_file_compiles_exactly_its_graphs_and_never_recompil
     assert result.returncode == 0, result.stderr[-3000:]
     compiled, planned, after, tokens = json.loads(result.stdout.strip().splitlines()[-1])
     assert compiled == planned and after == 0 and tokens > 0
-    assert planned == len(BucketPlan.from_config(build_engine_config(checkpoints["llama"], bucket_config=str(path))).graphs())
+    config = build_engine_config(checkpoints["llama"], bucket_config=str(path))
+    assert planned == len(BucketPlan.from_config(config).graphs())
 
 
 def test_arrival_times_are_honoured_on_the_targets_clock(tmp_path):

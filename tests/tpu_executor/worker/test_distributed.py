@@ -3,10 +3,17 @@ from __future__ import annotations
 
 import pytest
 
+from tpu_executor.core.config import (
+    CacheConfig,
+    CompileConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from tpu_executor.executor.ray_executor import actor_layout, rank_placements
 from tpu_executor.worker.distributed import RankPlacement, tpu_topology_env
-from tpu_executor.core.config import (CacheConfig, CompileConfig, DeviceConfig, EngineConfig, ModelConfig,
-                                      ParallelConfig, SchedulerConfig)
 
 
 def test_ranks_are_contiguous_per_host_driver_host_first():

@@ -30,7 +30,8 @@ def assert_rows_match(t, work, rows, width):
         assert t["block_tables"][row].tolist() == blocks + [NULL_BLOCK] * (width - len(blocks))
         if item:
             slot = item.block_ids[item.position // BLOCK_SIZE] * BLOCK_SIZE + item.position % BLOCK_SIZE
-            assert (t["input_ids"][row], t["positions"][row], t["slot_mapping"][row]) == (item.token_id, item.position, slot)
+            laid_out = (t["input_ids"][row], t["positions"][row], t["slot_mapping"][row])
+            assert laid_out == (item.token_id, item.position, slot)
             assert t["context_lens"][row] == item.position + 1
         else:
             assert t["slot_mapping"][row] == NULL_BLOCK * BLOCK_SIZE and t["positions"][row] == 0
@@ -71,7 +72,8 @@ def test_persistent_batch_follows_joins_leaves_moves_and_new_blocks_over_many_st
             del live[request_id]
         while len(live) < 14 and rng.random() < 0.5:
             position = rng.randrange(0, 60)
-            live[f"r{next_id}"] = [position, tuple(rng.sample(range(1, 900), position // BLOCK_SIZE + 1)), random_meta(rng)]
+            blocks = tuple(rng.sample(range(1, 900), position // BLOCK_SIZE + 1))
+            live[f"r{next_id}"] = [position, blocks, random_meta(rng)]
             next_id += 1
         order = sorted(live, key=lambda r: int(r[1:]))
         if step % 7 == 0:

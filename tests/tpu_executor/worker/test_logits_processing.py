@@ -9,8 +9,14 @@ import torch
 
 from tpu_executor.core.request import logits_processing
 from tpu_executor.core.sampling_params import SamplingParams
-from tpu_executor.worker.logits_processing import (ProcessingSlots, fill_slots, fill_tensors, process_logits,
-                                                   process_logits_reference, record_tokens)
+from tpu_executor.worker.logits_processing import (
+    ProcessingSlots,
+    fill_slots,
+    fill_tensors,
+    process_logits,
+    process_logits_reference,
+    record_tokens,
+)
 
 VOCAB = 48
 WORDS = (VOCAB + 31) // 32

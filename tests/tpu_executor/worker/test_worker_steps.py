@@ -1,7 +1,13 @@
 """The worker's launch/collect protocol: steps left on the device are collected oldest first,
 and a failure at launch or at read-back fails only that step."""
-from tpu_executor.core.config import (CacheConfig, CompileConfig, DeviceConfig, EngineConfig, ModelConfig,
-                                      SchedulerConfig)
+from tpu_executor.core.config import (
+    CacheConfig,
+    CompileConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from tpu_executor.core.step import DecodeWork, ModelRunnerOutput, SampledTokens, SamplingMeta, SchedulerOutput
 from tpu_executor.worker.worker import Worker
 

@@ -27,8 +27,14 @@ from tpu_executor.entrypoints.openai.chat import create_chat_completion, render_
 from tpu_executor.entrypoints.openai.completions import create_completion
 from tpu_executor.entrypoints.openai.config import ServerConfig
 from tpu_executor.entrypoints.openai.metrics import ServerMetrics
-from tpu_executor.entrypoints.openai.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                                      DetokenizeRequest, TokenizeRequest, bad_request)
+from tpu_executor.entrypoints.openai.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+)
 from tpu_executor.entrypoints.openai.serving import OpenAIServing, token_ids
 
 logger = logging.getLogger(__name__)

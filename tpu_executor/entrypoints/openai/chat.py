@@ -10,8 +10,15 @@ from starlette.requests import Request as HttpRequest
 from tpu_executor.core.request import CompletionOutput, RequestOutput
 from tpu_executor.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, bad_request
 from tpu_executor.entrypoints.openai.reasoning import StreamedReasoning, split_reasoning, starts_in_reasoning
-from tpu_executor.entrypoints.openai.serving import (OpenAIServing, Prompt, session_of, token_ids, token_text, usage,
-                                                    vllm_prompt_logprobs)
+from tpu_executor.entrypoints.openai.serving import (
+    OpenAIServing,
+    Prompt,
+    session_of,
+    token_ids,
+    token_text,
+    usage,
+    vllm_prompt_logprobs,
+)
 from tpu_executor.entrypoints.openai.tool_parsers import ParsedCall
 from tpu_executor.entrypoints.openai.tools import ToolChoice, conversation_message, tool_call_json
 

@@ -8,8 +8,14 @@ from starlette.requests import Request as HttpRequest
 
 from tpu_executor.core.request import CompletionOutput, RequestOutput
 from tpu_executor.entrypoints.openai.protocol import CompletionRequest, bad_request
-from tpu_executor.entrypoints.openai.serving import (OpenAIServing, Prompt, session_of, token_text, usage,
-                                                     vllm_prompt_logprobs)
+from tpu_executor.entrypoints.openai.serving import (
+    OpenAIServing,
+    Prompt,
+    session_of,
+    token_text,
+    usage,
+    vllm_prompt_logprobs,
+)
 
 
 class CompletionLogprobs:

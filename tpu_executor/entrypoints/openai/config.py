@@ -23,7 +23,8 @@ class ServerConfig:
     Binds to loopback unless ``host`` says otherwise. ``api_key`` (when set) is required on
     every route but ``/health`` and ``/metrics``, as ``Authorization: Bearer KEY``.
     ``max_waiting_requests`` bounds the queue of requests not yet running (beyond it: 503 at
-    once). ``max_body_bytes``, ``max_n`` and ``max_prompts`` cap one request. ``allowed_origins`` turns CORS on for those origins.
+    once). ``max_body_bytes``, ``max_n`` and ``max_prompts`` cap one request.
+    ``allowed_origins`` turns CORS on for those origins.
     ``drain_timeout_s`` is how long SIGTERM lets in-flight requests run before aborting them.
     ``tool_call_parser`` reads tool calls out of a chat output (``tool_parsers.FORMATS``; the
     serve command picks the model family's). ``reasoning_parser`` (``REASONING_PARSERS``) splits a

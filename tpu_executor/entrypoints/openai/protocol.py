@@ -18,8 +18,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from tpu_executor.entrypoints.openai.request_limits import (MAX_MESSAGES, MAX_TOOLS, NOT_IMPLEMENTED,
-                                                            json_value_problem)
+from tpu_executor.entrypoints.openai.request_limits import MAX_MESSAGES, MAX_TOOLS, NOT_IMPLEMENTED, json_value_problem
 
 _INT64 = 2**63
 

@@ -26,7 +26,6 @@ from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.engine.async_engine import QueueFullError, RequestStream, ServedModel
 from tpu_executor.engine.llm_engine import EngineDeadError
 from tpu_executor.engine.stats import EngineStats
-from tpu_executor.entrypoints.openai.config import ReplicaConfig, ServerConfig
 
 logger = logging.getLogger(__name__)
 
