@@ -3,7 +3,7 @@ its share of the operands.
 
 A kernel is an opaque custom call that XLA's partitioner cannot split, so a mesh of several
 chips either runs it per chip on operands split the way the model's weights and caches are
-placed (``jax_runtime.SPLIT_DIMS``), or falls back to the op's reference. Each split says
+placed (``worker.jax.runtime.SPLIT_DIMS``), or falls back to the op's reference. Each split says
 whether a call can be split over the chips, what one chip's operands look like (the kernel's
 own shape checks run on them), and how to wrap the kernel.
 """

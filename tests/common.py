@@ -279,7 +279,7 @@ def replicated_server(tmp_dir: str, checkpoint: str, engine_options, cluster_nod
     from ray import serve
 
     from tpu_executor.entrypoints.openai.config import ReplicaConfig, ServerConfig
-    from tpu_executor.entrypoints.openai.serve_app import build_application, shutdown
+    from tpu_executor.entrypoints.ray_serve.app import build_application, shutdown
 
     server = ServerConfig(**{"model_name": "tiny", "port": free_port(), **server_options})
     replicas = ReplicaConfig(data_parallel_size=data_parallel_size)

@@ -104,10 +104,10 @@ def test_no_module_circles():
 
 def test_a_planted_circle_inside_one_unit_is_found():
     graph = import_graph()
-    serve, serve_app = "tpu_executor.entrypoints.serve", "tpu_executor.entrypoints.openai.serve_app"
-    assert serve_app in graph[serve]  # the serve command starts the replicated server (lazily)
-    graph[serve_app] = graph[serve_app] | {serve}
-    assert circles(graph) == [sorted([serve, serve_app])]
+    serve, app = "tpu_executor.entrypoints.serve", "tpu_executor.entrypoints.ray_serve.app"
+    assert app in graph[serve]  # the serve command starts the replicated server (lazily)
+    graph[app] = graph[app] | {serve}
+    assert circles(graph) == [sorted([serve, app])]
 
 
 def test_every_module_belongs_to_a_unit():
@@ -148,7 +148,7 @@ def test_core_is_pure_python():
 
 # The replicated server's modules are Ray Serve code through and through (a request router
 # subclasses Serve's): they import ray at the top, and everything else imports them lazily.
-SERVE_MODULES = {f"tpu_executor.entrypoints.openai.{name}" for name in ("routing", "replicas", "serve_app")}
+SERVE_MODULES = {f"tpu_executor.entrypoints.ray_serve.{name}" for name in ("routing", "replicas", "app")}
 
 
 def test_only_the_factory_imports_ray_and_lazily():

@@ -51,7 +51,7 @@ def compile_each_way() -> dict:
 
     from tpu_executor.core.tpu_slices import Target
     from tpu_executor.kernels.binding import call_exported_kernel, torchax_env
-    from tpu_executor.worker.jax_target import target_devices
+    from tpu_executor.worker.jax.target import target_devices
 
     mesh = jax.sharding.Mesh(np.array(target_devices(Target.parse("v5e-1"))), ("tp",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

@@ -99,7 +99,7 @@ class ReplicatedTarget:
 
         from tpu_executor.bench.host import held_device_worker
         from tpu_executor.entrypoints.openai.config import ReplicaConfig, ServerConfig
-        from tpu_executor.entrypoints.openai.serve_app import build_application
+        from tpu_executor.entrypoints.ray_serve.app import build_application
 
         replicas = ReplicaConfig(data_parallel_size=count, routing=routing)
         app = build_application(self.path, engine_options(self.args), ServerConfig(model_name="bench"), replicas,

@@ -125,10 +125,10 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
     here, with the slice's HBM figures). ``model_steps_only``: the prefill and decode graphs
     alone (the fit's; the host compiles the rest)."""
     from tpu_executor.kernels.registry import REGISTRY
-    from tpu_executor.worker.jax_aot import AotJob, job_parts
-    from tpu_executor.worker.jax_graphs import GraphCompileError
-    from tpu_executor.worker.jax_runtime import libtpu_version
-    from tpu_executor.worker.jax_target import target_devices
+    from tpu_executor.worker.jax.aot import AotJob, job_parts
+    from tpu_executor.worker.jax.graphs import GraphCompileError
+    from tpu_executor.worker.jax.runtime import libtpu_version
+    from tpu_executor.worker.jax.target import target_devices
 
     devices = list(devices) if devices is not None else target_devices(target)
     config = engine_config(checkpoint, target, options, devices[0].platform)
@@ -171,7 +171,7 @@ def _out_of_memory(report: CompileReport, err: Exception) -> str:
 def _shapes_worker(config: EngineConfig, devices):
     """A started worker of the slice with the model's shapes placed (its runner is replaced
     when the cache is allocated)."""
-    from tpu_executor.worker.jax_target import TargetWorker
+    from tpu_executor.worker.jax.target import TargetWorker
 
     worker = TargetWorker(config, devices)
     worker.init_device()
@@ -269,7 +269,7 @@ def in_plan_order(records, plan) -> list:
 
 
 def kernel_warnings(records) -> List[str]:
-    """Where a Pallas kernel refused a bucket's shapes (``jax_programs.refusal_lines``)."""
-    from tpu_executor.worker.jax_programs import refusal_lines
+    """Where a Pallas kernel refused a bucket's shapes (``worker.jax.programs.refusal_lines``)."""
+    from tpu_executor.worker.jax.programs import refusal_lines
 
     return refusal_lines(choice for record in records for choice in record.program.kernels)

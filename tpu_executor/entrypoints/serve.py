@@ -116,7 +116,7 @@ def app_builder(args: Dict[str, str]):
 
 def application_from_args(args: argparse.Namespace):
     """(Serve application, server config, replica config) of parsed ``serve`` arguments."""
-    from tpu_executor.entrypoints.openai.serve_app import build_application
+    from tpu_executor.entrypoints.ray_serve.app import build_application
     from tpu_executor.tools.default_model import prepare
 
     model_path = args.model or prepare()
@@ -126,7 +126,7 @@ def application_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> None:
     if replica_config(args).replicated:
-        from tpu_executor.entrypoints.openai.serve_app import run_replicated
+        from tpu_executor.entrypoints.ray_serve.app import run_replicated
 
         app, server, replicas = application_from_args(args)
         chips = getattr(args, "tensor_parallel_size", None) or 1

@@ -73,7 +73,7 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.device = device
-        self.runtime = runtime  # the JAX path's JaxRuntime (worker/jax_runtime.py), else None
+        self.runtime = runtime  # the JAX path's JaxRuntime (worker/jax/runtime.py), else None
         self.plan = BucketPlan.from_config(config)
         self.block_size = config.cache.block_size
         self.kv_caches: KVCaches = []
@@ -85,7 +85,7 @@ class ModelRunner:
                                                                     cache_figures=events.cache_figures)))
         self.jax_graphs = None
         if runtime is not None:
-            from tpu_executor.worker.jax_graphs import JaxGraphs  # imports JAX and torchax
+            from tpu_executor.worker.jax.graphs import JaxGraphs  # imports JAX and torchax
 
             self.jax_graphs = JaxGraphs(model, runtime)
         self.padding = PaddingStats()
@@ -352,7 +352,7 @@ class ModelRunner:
         """Log the provider each op got in the compiled graphs; on a TPU, each op and shape where
         a Pallas kernel refused a bucket is a warning (an error with ``strict_kernels``): a
         silent fallback to the reference costs speed."""
-        from tpu_executor.worker.jax_programs import refusal_lines
+        from tpu_executor.worker.jax.programs import refusal_lines
 
         choices = self.jax_graphs.kernel_choices()
         chosen = sorted({(c.op, c.provider) for c in choices})

@@ -84,7 +84,7 @@ class Worker:
         ``tensor_parallel_size`` devices (this process's, or in a Ray actor, those of every
         host's process together); JAX's persistent cache is used."""
         from tpu_executor.kernels import register_all
-        from tpu_executor.worker.jax_runtime import cpu_runtime, join_hosts
+        from tpu_executor.worker.jax.runtime import cpu_runtime, join_hosts
 
         chips = self.config.parallel.tensor_parallel_size
         cpu_runtime()
@@ -98,14 +98,14 @@ class Worker:
             self._use_jax_caches(self.config.compile.cache_dir, registry.fingerprint(jax_path=True))
 
     def _new_jax_runtime(self, chips: int):
-        from tpu_executor.worker.jax_runtime import JaxRuntime
+        from tpu_executor.worker.jax.runtime import JaxRuntime
 
         return JaxRuntime(chips)
 
     def _use_jax_caches(self, cache_dir: str, kernels_fingerprint: str) -> None:
         """Executables compiled ahead of time for this engine and these chips, when
         ``cache_dir`` holds them (``tpu-executor compile``); else JAX's persistent cache."""
-        from tpu_executor.worker.jax_aot import AotJob, has_jobs, job_parts
+        from tpu_executor.worker.jax.aot import AotJob, has_jobs, job_parts
 
         if has_jobs(cache_dir):
             self.aot_job = AotJob.find(cache_dir, job_parts(self.config, self.jax, kernels_fingerprint))
@@ -118,7 +118,7 @@ class Worker:
 
     def _compile_cache_key(self, kernels_fingerprint: str) -> str:
         from tpu_executor.core.buckets import BucketPlan
-        from tpu_executor.worker.jax_runtime import compile_cache_key
+        from tpu_executor.worker.jax.runtime import compile_cache_key
 
         parts = self._cache_key_parts(kernels_fingerprint) + (BucketPlan.from_config(self.config).describe(),)
         return compile_cache_key(parts, self.config.model.model)

@@ -29,7 +29,7 @@ def model_graph_kernels(target_name: str, architectures, root: str) -> dict:
     from tpu_executor.core.tpu_slices import Target
     from tpu_executor.entrypoints.compile_job import _largest_graphs, engine_config
     from tpu_executor.tools.random_checkpoint import write_config
-    from tpu_executor.worker.jax_target import TargetWorker, target_devices
+    from tpu_executor.worker.jax.target import TargetWorker, target_devices
 
     target = Target.parse(target_name)
     devices = target_devices(target)

@@ -9,9 +9,9 @@ from tpu_executor.core.request import RequestMetrics
 from tpu_executor.engine.stats import EngineStats
 from tpu_executor.entrypoints.openai.config import ReplicaConfig, ServerConfig
 from tpu_executor.entrypoints.openai.metrics import ServerMetrics
-from tpu_executor.entrypoints.openai.replicas import in_local_time
-from tpu_executor.entrypoints.openai.routing import PrefixAffinity, block_hashes
-from tpu_executor.entrypoints.openai.serve_app import replica_deployment_options
+from tpu_executor.entrypoints.ray_serve.app import replica_deployment_options
+from tpu_executor.entrypoints.ray_serve.replicas import in_local_time
+from tpu_executor.entrypoints.ray_serve.routing import PrefixAffinity, block_hashes
 
 SYSTEM = list(range(100, 164))  # four blocks of 16
 

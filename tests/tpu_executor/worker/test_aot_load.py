@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from tests.pallas_kernels.kernel_cases import in_fresh_process
-from tpu_executor.worker.jax_aot import AotJob, differences
+from tpu_executor.worker.jax.aot import AotJob, differences
 
 OPTIONS = dict(max_model_len=320, max_num_seqs=8, prefill_buckets=(32, 128, 320), decode_buckets=(2, 8),
                decode_context_buckets=(128, 320), num_blocks=256)
@@ -42,7 +42,7 @@ def compile_for_this_cpu(checkpoint: str, cache_dir: str):
     """``compile_job`` with this process's CPU device in place of a slice's chips."""
     from tpu_executor.core.tpu_slices import Target
     from tpu_executor.entrypoints.compile_job import compile_job
-    from tpu_executor.worker.jax_runtime import cpu_runtime
+    from tpu_executor.worker.jax.runtime import cpu_runtime
 
     cpu_runtime()
     import jax

@@ -1,6 +1,6 @@
 """The JAX path's compile-cache key: what steers the traced programs or XLA's compiler is in it,
 so a change never loads an executable built under other settings."""
-from tpu_executor.worker.jax_runtime import compile_cache_key
+from tpu_executor.worker.jax.runtime import compile_cache_key
 
 
 def test_the_key_follows_the_engine_parts_and_xla_flags(checkpoints, monkeypatch):

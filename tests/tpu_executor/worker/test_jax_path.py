@@ -46,7 +46,7 @@ def test_second_start_compiles_nothing_and_changes_miss(checkpoints, tmp_path, m
     assert "paged_attention" in kernels and f"paged_attention={kernels['paged_attention']}" in report.splitlines()[-1]
     cold.shutdown()
 
-    from tpu_executor.worker.jax_graphs import JaxFunction
+    from tpu_executor.worker.jax.graphs import JaxFunction
 
     with monkeypatch.context() as patched:  # a warm start reads every traced program back
         patched.setattr(JaxFunction, "_trace", lambda *_: pytest.fail("a warm start traced a graph"))

@@ -33,7 +33,7 @@ from torchax import interop
 from torchax.tensor import Tensor as JaxTensor
 
 from tpu_executor.kernels.registry import REGISTRY
-from tpu_executor.worker.jax_programs import KernelChoice, OutputStructure, TracedProgram, program_key
+from tpu_executor.worker.jax.programs import KernelChoice, OutputStructure, TracedProgram, program_key
 
 
 class CallSignature(NamedTuple):

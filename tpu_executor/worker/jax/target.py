@@ -20,8 +20,8 @@ import torch
 from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.tpu_slices import Target
-from tpu_executor.worker.jax_aot import AotJob
-from tpu_executor.worker.jax_runtime import JaxRuntime, cpu_runtime
+from tpu_executor.worker.jax.aot import AotJob
+from tpu_executor.worker.jax.runtime import JaxRuntime, cpu_runtime
 from tpu_executor.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class TargetWorker(Worker):
                      graphs: Optional[List[Graph]] = None) -> List:
         """Compile every graph of the plan (or ``graphs``) over a KV cache of ``num_blocks``
         blocks, serving ``max_model_len`` tokens; returns the compile records
-        (``jax_graphs.CompileRecord``), model steps first."""
+        (``graphs.CompileRecord``), model steps first."""
         self.init_cache(num_blocks, max_model_len)
         done = len(self.runner.jax_graphs.records)  # a runner kept for another cache holds earlier ones
         self.warmup(show_progress, graphs)

@@ -135,7 +135,7 @@ class JaxRuntime:
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         from tpu_executor.kernels.binding import torchax_env
-        from tpu_executor.worker.jax_programs import ExecutableStore, ProgramStore
+        from tpu_executor.worker.jax.programs import ExecutableStore, ProgramStore
 
         devices = list(devices) if devices is not None else jax.devices()
         if len(devices) < tensor_parallel_size:
@@ -261,7 +261,7 @@ class JaxRuntime:
         import jax
         from jax.experimental.compilation_cache import compilation_cache
 
-        from tpu_executor.worker.jax_programs import ProgramStore
+        from tpu_executor.worker.jax.programs import ProgramStore
 
         path = os.path.join(root, key)
         self.programs = ProgramStore(os.path.join(path, "programs"))

@@ -51,7 +51,7 @@ def job_parts(config, runtime, kernels_fingerprint: str) -> Dict[str, str]:
     """Everything a job's key is made of, by name (the miss line names the ones that differ)."""
     import importlib.metadata
 
-    from tpu_executor.worker.jax_runtime import LIBRARIES, source_fingerprint
+    from tpu_executor.worker.jax.runtime import LIBRARIES, source_fingerprint
 
     parts = {"model_config": model_config_text(config.model.model),
              **{name: repr(value) for name, value in engine_parts(config).items()},
@@ -87,7 +87,7 @@ class AotJob:
 
     def write_manifest(self) -> None:
         """Written last: a job without its manifest is never found."""
-        from tpu_executor.worker.jax_programs import write_atomically
+        from tpu_executor.worker.jax.programs import write_atomically
 
         record = {"target": self.target, "num_blocks": self.num_blocks, "max_model_len": self.max_model_len,
                   "parts": self.parts}
@@ -119,7 +119,7 @@ class AotJob:
     def attach(self, runtime, writes: bool = False) -> None:
         """Let ``runtime``'s compiled functions load this job's programs and executables (or,
         ``writes``: keep the ones they compile in it)."""
-        from tpu_executor.worker.jax_programs import ExecutableStore, ProgramStore
+        from tpu_executor.worker.jax.programs import ExecutableStore, ProgramStore
 
         runtime.programs = ProgramStore(os.path.join(self.path, "programs"))
         runtime.executables = ExecutableStore(os.path.join(self.path, "executables"), writes=writes)

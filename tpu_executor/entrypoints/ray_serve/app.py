@@ -16,10 +16,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from tpu_executor.engine.async_engine import ServedModel
-from tpu_executor.entrypoints.openai import routing
 from tpu_executor.entrypoints.openai.config import ReplicaConfig, ServerConfig
 from tpu_executor.entrypoints.openai.metrics import PREFIX
-from tpu_executor.entrypoints.openai.replicas import BOARD_NAMESPACE, EngineReplica, ReplicaPool, board_name
+from tpu_executor.entrypoints.ray_serve import routing
+from tpu_executor.entrypoints.ray_serve.replicas import BOARD_NAMESPACE, EngineReplica, ReplicaPool, board_name
 
 # Seconds between Serve's health checks of a replica: a dead engine is replaced this soon.
 HEALTH_CHECK_PERIOD_S = 2.0

@@ -10,7 +10,7 @@ outputs.
 
 The directory is keyed by everything a trace depends on (the checkpoint's config, the engine
 config and bucket plan, the sources of this package and its kernels, the library versions:
-``jax_runtime.compile_cache_key``); a record that cannot be read is traced again, with a warning.
+``runtime.compile_cache_key``); a record that cannot be read is traced again, with a warning.
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ class ExecutableStore:
     ``directory`` (None: none are kept). The format is JAX's ``serialize_executable``, which is
     pickle-based: only files this package wrote are ever loaded, from a directory the user
     named. An executable runs only under the platform, chips and compiler that built it: the
-    directory's key names them (``worker/jax_aot.py``)."""
+    directory's key names them (``worker/jax/aot.py``)."""
 
     def __init__(self, directory: Optional[str], writes: bool = False):
         self.directory = directory
