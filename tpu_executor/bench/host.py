@@ -32,6 +32,7 @@ import torch
 
 from tpu_executor.core.phase_timer import DEVICE_PHASES, HOST_PHASES, PHASES, PhaseTimer
 from tpu_executor.engine.options import HelpFormatter
+from tpu_executor.executor import WorkerMaker
 from tpu_executor.worker.launched_step import LaunchedStep
 from tpu_executor.worker.model_runner import ModelRunner
 from tpu_executor.worker.sampler import SamplerOutput
@@ -176,7 +177,7 @@ def tiny_checkpoint() -> str:
     return build(path, "llama", dict(TINY, vocab_size=VOCAB))
 
 
-def engine_for(path: str, num_seqs: int, steps: int, device: str, worker_class: type = NullModelWorker,
+def engine_for(path: str, num_seqs: int, steps: int, device: str, worker_class: WorkerMaker = NullModelWorker,
                async_scheduling: bool = False, core_process: bool = False):
     """An engine sized for ``num_seqs`` sequences of the benchmark (by default with the empty
     model step, synchronous and in one process, so the phases add up to the step)."""

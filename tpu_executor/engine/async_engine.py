@@ -18,11 +18,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Dict, List, Optional, Sequence, Set, Union
+from typing import AsyncIterator, Dict, List, Optional, Sequence
 
 from tpu_executor.core.request import RequestOutput
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.engine.llm_engine import EngineDeadError, LLMEngine
+from tpu_executor.engine.protocols import RequestStream, ServedModel
 from tpu_executor.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -52,47 +53,6 @@ class _Stats:
 
 
 _STOP = object()
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """What a server reads of the engine's model: fixed once the engine has started."""
-
-    path: str  # the checkpoint directory
-    max_model_len: int  # as served (a default one fitted to the KV cache)
-    vocab_size: int
-
-
-class RequestStream:
-    """The deltas of one or more engine requests, in the order the engine produced them (a
-    completions call with several prompts reads all of them from one stream). It ends after
-    the finished delta of its last request, or raises the error that ended it
-    (``EngineDeadError`` when the engine died)."""
-
-    def __init__(self):
-        self.unfinished: Set[str] = set()
-        self._queue: asyncio.Queue = asyncio.Queue()
-
-    @property
-    def finished(self) -> bool:
-        return not self.unfinished
-
-    def put(self, item: Union[RequestOutput, BaseException]) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if not self.unfinished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.unfinished.clear()
-            raise item
-        if item.finished:
-            self.unfinished.discard(item.request_id)
-        return item
 
 
 class AsyncLLMEngine:
@@ -206,9 +166,13 @@ class AsyncLLMEngine:
         self._commands.put(_Stats(answer))
         return await asyncio.wrap_future(answer)
 
-    async def health_report(self) -> None:
-        """What ``/health`` adds to "running" (a replicated server counts its replicas): nothing."""
-        return None
+    async def stats_by_engine(self) -> Dict[str, EngineStats]:
+        """``stats()`` under the name of a lone engine, ``""`` (``EngineClient``)."""
+        return {"": await self.stats()}
+
+    async def health_report(self) -> Dict[str, str]:
+        """``/health``'s answer while the engine runs."""
+        return {"status": "ok"}
 
     async def shutdown(self) -> None:
         """Abort what is left, stop the engine thread and release the workers."""

@@ -23,15 +23,16 @@ import dataclasses
 import logging
 import multiprocessing
 import sys
-from typing import Deque, Optional, Sequence, Set, Union
+from typing import Deque, Optional, Sequence, Set
 
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.heap import freeze_startup_heap
 from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.request import Request, RequestStatus
 from tpu_executor.engine.core import CoreOutput, EngineCore, EngineDeadError
+from tpu_executor.engine.protocols import CoreClient
 from tpu_executor.engine.stats import EngineStats
-from tpu_executor.executor import Executor, executor_class_for
+from tpu_executor.executor import Executor, WorkerMaker, executor_class_for
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class CoreProcess:
     """``EngineCore`` in a spawned process. Start-up waits until the core's workers are up (or
     raises the error that stopped them)."""
 
-    def __init__(self, config: EngineConfig, worker_class: Optional[type] = None, show_progress: bool = True):
+    def __init__(self, config: EngineConfig, worker_class: Optional[WorkerMaker] = None, show_progress: bool = True):
         context = multiprocessing.get_context("spawn")  # never fork a process holding a device or Ray
         self._conn, child = context.Pipe()
         self._process = context.Process(target=run_core, args=(child, core_config(config), worker_class, show_progress),
@@ -161,8 +162,8 @@ class CoreProcess:
         return output
 
 
-def start_core(config: EngineConfig, executor: Optional[Executor] = None, worker_class: Optional[type] = None,
-               show_progress: bool = True) -> Union[EngineCore, CoreProcess]:
+def start_core(config: EngineConfig, executor: Optional[Executor] = None, worker_class: Optional[WorkerMaker] = None,
+               show_progress: bool = True) -> CoreClient:
     """The engine core the config asks for: in this process over ``executor`` (default: the
     config's, with ``worker_class`` if given), or in a process of its own (``core_process``)."""
     if config.scheduler.core_process:
@@ -186,7 +187,7 @@ def core_config(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, parallel=parallel)
 
 
-def run_core(conn, config: EngineConfig, worker_class: Optional[type], show_progress: bool) -> None:
+def run_core(conn, config: EngineConfig, worker_class: Optional[WorkerMaker], show_progress: bool) -> None:
     """The core process: start the workers, then step while there is work, applying the
     front-end's messages between steps."""
     try:

@@ -25,11 +25,12 @@ from tpu_executor.core.request import CompletionOutput, Request, RequestMetrics,
 from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams
 from tpu_executor.core.step import PromptLogprobs, SampledTokens
 from tpu_executor.engine.core import CoreOutput, EngineCore, EngineDeadError, Finished
-from tpu_executor.engine.core_process import CoreProcess, start_core
+from tpu_executor.engine.core_process import start_core
 from tpu_executor.engine.options import build_engine_config
+from tpu_executor.engine.protocols import CoreClient
 from tpu_executor.engine.stats import EngineStats
 from tpu_executor.engine.validation import RequestChecks
-from tpu_executor.executor import Executor
+from tpu_executor.executor import Executor, WorkerMaker
 from tpu_executor.worker.inputs import check_sampling_row
 
 __all__ = ["EngineDeadError", "LLMEngine", "PromptType"]
@@ -98,14 +99,14 @@ class LLMEngine:
 
     ``executor`` defaults to the one the config asks for (in-process, or Ray actors for
     tensor parallelism); the engine's core owns it and shuts it down. ``core`` replaces the
-    core itself (``start_core``'s choice by default): anything with ``EngineCore``'s methods,
-    since the front-end knows requests only from what the core reports.
+    core itself (``start_core``'s choice by default): any ``CoreClient``, since the front-end
+    knows requests only from what the core reports.
     """
 
     def __init__(self, config: EngineConfig, tokenizer, executor: Optional[Executor] = None,
-                 show_progress: bool = True, core: Optional[EngineCore] = None):
+                 show_progress: bool = True, core: Optional[CoreClient] = None):
         self.tokenizer = tokenizer
-        self.core = core if core is not None else start_core(config, executor, show_progress=show_progress)
+        self.core: CoreClient = core if core is not None else start_core(config, executor, show_progress=show_progress)
         # The core's config: a default max_model_len is lowered there to what the KV cache holds.
         self.config: EngineConfig = self.core.config
         self.vocab_size = self.core.vocab_size
@@ -123,7 +124,7 @@ class LLMEngine:
         freeze_startup_heap()
 
     @classmethod
-    def from_options(cls, model: str, show_progress: bool = True, worker_class: Optional[type] = None,
+    def from_options(cls, model: str, show_progress: bool = True, worker_class: Optional[WorkerMaker] = None,
                      **options) -> "LLMEngine":
         """An engine for the checkpoint at ``model`` from flat engine options (see
         ``engine/options.py``). ``worker_class`` swaps in a ``Worker`` subclass (tests inject
@@ -143,7 +144,7 @@ class LLMEngine:
         """Time the front-end's, the core's and the model runner's phases with ``timer``
         (``bench host``, ``bench throughput --profile``); returns the in-process model runner,
         so a profiler can observe its model too. Needs the core and its worker in this process."""
-        if isinstance(self.core, CoreProcess):
+        if not isinstance(self.core, EngineCore):
             raise ValueError("phase timing needs the engine core in this process (core_process off)")
         self.timer = timer
         return self.core.attach_phase_timer(timer)

@@ -6,7 +6,7 @@ so the in-process path never imports Ray.
 from __future__ import annotations
 
 from tpu_executor.core.config import EngineConfig
-from tpu_executor.executor.base import Executor, WorkerFailure
+from tpu_executor.executor.base import Executor, WorkerFailure, WorkerLike, WorkerMaker
 from tpu_executor.executor.uniproc import UniprocExecutor
 
 
@@ -19,4 +19,4 @@ def executor_class_for(config: EngineConfig) -> type:
     return UniprocExecutor
 
 
-__all__ = ["Executor", "UniprocExecutor", "WorkerFailure", "executor_class_for"]
+__all__ = ["Executor", "UniprocExecutor", "WorkerFailure", "WorkerLike", "WorkerMaker", "executor_class_for"]

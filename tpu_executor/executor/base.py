@@ -15,11 +15,55 @@ from __future__ import annotations
 
 import abc
 from concurrent.futures import Future
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Protocol, Sequence, runtime_checkable
 
 from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerStats
+
+
+@runtime_checkable
+class WorkerLike(Protocol):
+    """What an executor calls on each of its workers (``Executor`` names every call): the
+    ``Worker`` of one chip, or a stand-in such as the tuner's ``NullWorker``."""
+
+    def init_device(self) -> str:
+        """Bind this rank's device; returns its name."""
+
+    def load_model(self) -> int:
+        """Load this rank's shard; returns the vocabulary size."""
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks this rank's memory holds."""
+
+    def init_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate the KV cache."""
+
+    def warmup(self, show_progress: bool) -> None:
+        """Compile the bucket plan's graphs (note the kernels on eager devices)."""
+
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and return its tokens."""
+
+    def launch_step(self, step: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        """Start one step; its output, or None while its tokens are still on the device."""
+
+    def collect_step(self) -> ModelRunnerOutput:
+        """The tokens of the oldest launched step that answered None."""
+
+    def time_graphs(self, graphs: List[Graph], repeats: int) -> List[float]:
+        """Median seconds of each graph on padding-only inputs."""
+
+    def stats(self) -> WorkerStats:
+        """This rank's compile, padding and cache figures."""
+
+    def close(self) -> None:
+        """Release the device and leave the group."""
+
+
+# A ``Worker`` class, or anything that makes a ``WorkerLike`` from (config) in this process or
+# (config, placement) on a Ray actor: tests inject faults and benchmarks a held device with it.
+WorkerMaker = Callable[..., WorkerLike]
 
 
 class WorkerFailure(RuntimeError):

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import socket
 from dataclasses import replace
-from typing import Any, Callable, List, Optional, Tuple, Type
+from typing import Any, Callable, List, Optional, Tuple
 
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.heap import freeze_startup_heap
-from tpu_executor.executor.base import Executor, WorkerFailure
+from tpu_executor.executor.base import Executor, WorkerFailure, WorkerMaker
 from tpu_executor.worker.distributed import RankPlacement
 from tpu_executor.worker.worker import Worker
 
@@ -40,7 +40,7 @@ class WorkerActor:
             sock.bind(("", 0))
             return sock.getsockname()[1]
 
-    def init_worker(self, config: EngineConfig, placement: RankPlacement, worker_class: Type[Worker]) -> None:
+    def init_worker(self, config: EngineConfig, placement: RankPlacement, worker_class: WorkerMaker) -> None:
         self.worker = worker_class(config, placement)
 
     def execute_method(self, method: str, *args: Any) -> Any:
@@ -113,7 +113,7 @@ class RayExecutor(Executor):
     one per host (``actor_layout``). ``worker_class`` swaps in a ``Worker`` subclass (tests
     inject faults with it)."""
 
-    def __init__(self, config: EngineConfig, worker_class: Optional[Type[Worker]] = None):
+    def __init__(self, config: EngineConfig, worker_class: Optional[WorkerMaker] = None):
         import ray
 
         super().__init__(config)

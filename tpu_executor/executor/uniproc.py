@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, List, Optional, Type
+from typing import Any, Callable, List, Optional
 
 from tpu_executor.core.config import EngineConfig
-from tpu_executor.executor.base import Executor, WorkerFailure
+from tpu_executor.executor.base import Executor, WorkerFailure, WorkerLike, WorkerMaker
 from tpu_executor.worker.model_runner import ModelRunner
 from tpu_executor.worker.worker import Worker
 
@@ -16,9 +16,9 @@ class UniprocExecutor(Executor):
     scheduling the engine's host work overlaps the step there (the device work releases the
     GIL). ``worker_class`` swaps in a subclass (tests inject faults with it)."""
 
-    def __init__(self, config: EngineConfig, worker_class: Optional[Type[Worker]] = None):
+    def __init__(self, config: EngineConfig, worker_class: Optional[WorkerMaker] = None):
         super().__init__(config)
-        self.workers: List[Worker] = [(worker_class or Worker)(config)]
+        self.workers: List[WorkerLike] = [(worker_class or Worker)(config)]
         # Every call, not only the steps, and in a synchronous engine too: torch's CPU ops run
         # on an OpenMP team per calling thread, and with a second team alive (warm-up's on the
         # caller's thread, or an earlier engine's) libgomp counts more threads than cores and
@@ -43,7 +43,10 @@ class UniprocExecutor(Executor):
         return self._step_thread.submit(self._run_on_workers, method, *args).result
 
     def attach_phase_timer(self, timer) -> "ModelRunner":
-        runner = self.workers[0].runner
+        worker = self.workers[0]
+        if not isinstance(worker, Worker):
+            raise ValueError(f"phase timing needs a Worker's model runner; {type(worker).__name__} has none")
+        runner = worker.runner
         runner.timer = timer
         return runner
 

@@ -40,7 +40,8 @@ class NullTokenizer:
 
 
 class NullWorker:
-    """A worker without a model: one token per scheduled request, every model call recorded."""
+    """A worker without a model (a ``WorkerLike``): one token per scheduled request, every
+    model call recorded."""
 
     def __init__(self, config: EngineConfig, vocab_size: int, num_blocks: int):
         self.config = config
@@ -78,6 +79,12 @@ class NullWorker:
     def launch_step(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Runs the step at once: nothing is left on a device to collect."""
         return self.execute_model(step)
+
+    def collect_step(self) -> ModelRunnerOutput:
+        raise RuntimeError("the null worker's launch_step answered every step at once: nothing to collect")
+
+    def time_graphs(self, graphs: List[Graph], repeats: int) -> List[float]:
+        raise ValueError("the null worker has no device to time graphs on")
 
     def stats(self) -> WorkerStats:
         return WorkerStats(padding=self.padding)

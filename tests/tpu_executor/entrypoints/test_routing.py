@@ -88,7 +88,7 @@ def test_metrics_label_each_replicas_figures():
     assert 'tpu_executor:num_requests_running{replica="r1"} 3.0' in text
     assert 'tpu_executor:num_requests_running{replica="r2"} 1.0' in text
     assert 'tpu_executor:prefix_cache_hits_total{replica="r1"} 64.0' in text
-    single = ServerMetrics().render(EngineStats(num_running=2)).decode()
+    single = ServerMetrics().render({"": EngineStats(num_running=2)}).decode()
     assert "tpu_executor:num_requests_running 2.0" in single and "replica=" not in single
 
 

@@ -22,7 +22,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tpu_executor.engine.async_engine import AsyncLLMEngine
+from tpu_executor.engine.protocols import EngineClient
 from tpu_executor.entrypoints.openai.chat import create_chat_completion, render_chat
 from tpu_executor.entrypoints.openai.completions import create_completion
 from tpu_executor.entrypoints.openai.config import ServerConfig
@@ -152,9 +152,9 @@ def _install_drain(app: FastAPI) -> None:
         return await call_next(request)
 
 
-def build_app(engine: AsyncLLMEngine, tokenizer, config: ServerConfig, collectors: Sequence[Any] = ()) -> FastAPI:
+def build_app(engine: EngineClient, tokenizer, config: ServerConfig, collectors: Sequence[Any] = ()) -> FastAPI:
     """The FastAPI app; the engine thread starts with the app and the workers stop with it.
-    ``engine`` is one async engine, or a ``ReplicaPool`` of several (same interface);
+    ``engine`` is one async engine, or a ``ReplicaPool`` of several (``EngineClient``);
     ``collectors`` add their metrics to ``/metrics``."""
     metrics = ServerMetrics(collectors)
     engine.observe_grammar_compiles(metrics.grammar_compile.observe)
@@ -209,16 +209,14 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
             return error_response(ApiError(503, f"the engine is not running: {engine.dead_reason}",
                                            type="server_error", code="engine_unavailable"))
         report = await engine.health_report()
-        if report is None:
-            return Response(status_code=200)
-        if not report["replicas_serving"]:
+        if report["status"] == "unavailable":
             return error_response(ApiError(503, "no engine replica is serving", type="server_error",
                                            code="engine_unavailable"))
         return JSONResponse(report)
 
     @app.get("/metrics")
     async def metrics_page():
-        return Response(serving.metrics.render(await engine.stats()),
+        return Response(serving.metrics.render(await engine.stats_by_engine()),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")
@@ -252,7 +250,7 @@ def uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
 
 
 @contextlib.contextmanager
-def serve_in_thread(engine: AsyncLLMEngine, tokenizer, config: ServerConfig) -> Iterator[str]:
+def serve_in_thread(engine: EngineClient, tokenizer, config: ServerConfig) -> Iterator[str]:
     """Run the server on a thread of this process (benchmarks, tests); yields its base URL
     (``config.port`` 0 picks a free port). Leaving stops it and shuts the engine down."""
     server = uvicorn.Server(uvicorn_config(build_app(engine, tokenizer, config), config))

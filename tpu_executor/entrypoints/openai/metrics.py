@@ -15,7 +15,7 @@ Each server has a registry of its own, so several servers in one process do not 
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -30,8 +30,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 
 
 class EngineStatsCollector:
-    """Exposes the last ``EngineStats`` snapshot (set before each scrape): one engine's, or
-    several replicas' by name (each series then has a ``replica`` label)."""
+    """Exposes the last ``EngineStats`` snapshot of each engine (set before each scrape), by
+    engine name: a lone engine's (``""``) series have no label, replicas' a ``replica`` label."""
 
     GAUGES = {
         "num_requests_running": ("Sequences running on the engine.", lambda s: s.num_running),
@@ -48,19 +48,15 @@ class EngineStatsCollector:
     }
 
     def __init__(self):
-        self.stats: Union[EngineStats, Mapping[str, EngineStats]] = EngineStats()
+        self.stats_by_engine: Mapping[str, EngineStats] = {"": EngineStats()}
 
     def collect(self) -> Iterator[Metric]:
-        by_replica = self.stats if isinstance(self.stats, Mapping) else None
-        labels = ["replica"] if by_replica is not None else []
+        labelled = any(self.stats_by_engine)
         for kinds, family_class in ((self.GAUGES, GaugeMetricFamily), (self.COUNTERS, CounterMetricFamily)):
             for name, (doc, value_of) in kinds.items():
-                family = family_class(PREFIX + name, doc, labels=labels)
-                if by_replica is None:
-                    family.add_metric([], value_of(self.stats))
-                else:
-                    for replica, stats in sorted(by_replica.items()):
-                        family.add_metric([replica], value_of(stats))
+                family = family_class(PREFIX + name, doc, labels=["replica"] if labelled else [])
+                for engine, stats in sorted(self.stats_by_engine.items()):
+                    family.add_metric([engine] if labelled else [], value_of(stats))
                 yield family
 
 
@@ -94,9 +90,9 @@ class ServerMetrics:
         self.grammar_compile = histogram("grammar_compile_seconds",
                                          "Seconds to compile a request's grammar (cached ones are not compiled).")
 
-    def render(self, stats: Union[EngineStats, Mapping[str, EngineStats]]) -> bytes:
-        """The text exposition, with the engine figures of ``stats`` (one engine's, or by replica)."""
-        self.engine_stats.stats = stats
+    def render(self, stats_by_engine: Mapping[str, EngineStats]) -> bytes:
+        """The text exposition, with each engine's figures (``EngineClient.stats_by_engine``)."""
+        self.engine_stats.stats_by_engine = stats_by_engine
         return generate_latest(self.registry)
 
     def tracker(self, num_prompt_tokens: int, arrival_time: float, params: SamplingParams,

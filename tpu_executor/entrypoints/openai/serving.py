@@ -17,8 +17,9 @@ from starlette.requests import Request as HttpRequest
 
 from tpu_executor.core.request import RequestOutput, accumulate_deltas
 from tpu_executor.core.sampling_params import SamplingParams
-from tpu_executor.engine.async_engine import AsyncLLMEngine, QueueFullError, RequestStream
+from tpu_executor.engine.async_engine import QueueFullError
 from tpu_executor.engine.llm_engine import EngineDeadError
+from tpu_executor.engine.protocols import EngineClient, RequestStream
 from tpu_executor.entrypoints.openai.config import ServerConfig
 from tpu_executor.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from tpu_executor.entrypoints.openai.protocol import ApiError, bad_request, checked_text, field_named_by
@@ -68,7 +69,7 @@ def sse(payload: Union[str, Dict[str, Any]]) -> str:
 class OpenAIServing:
     """Shared machinery of the generation endpoints over one async engine."""
 
-    def __init__(self, engine: AsyncLLMEngine, tokenizer, config: ServerConfig, metrics: ServerMetrics):
+    def __init__(self, engine: EngineClient, tokenizer, config: ServerConfig, metrics: ServerMetrics):
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config

@@ -15,11 +15,12 @@ from prometheus_client.core import CounterMetricFamily
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from tpu_executor.engine.async_engine import ServedModel
+from tpu_executor.engine.protocols import ServedModel
 from tpu_executor.entrypoints.openai.config import ReplicaConfig, ServerConfig
 from tpu_executor.entrypoints.openai.metrics import PREFIX
 from tpu_executor.entrypoints.ray_serve import routing
 from tpu_executor.entrypoints.ray_serve.replicas import BOARD_NAMESPACE, EngineReplica, ReplicaPool, board_name
+from tpu_executor.executor import WorkerMaker
 
 # Seconds between Serve's health checks of a replica: a dead engine is replaced this soon.
 HEALTH_CHECK_PERIOD_S = 2.0
@@ -95,7 +96,7 @@ def replica_deployment_options(engine_options: Dict[str, Any], server: ServerCon
 
 
 def build_application(model_path: str, engine_options: Dict[str, Any], server: ServerConfig,
-                      replicas: ReplicaConfig, worker_class: Optional[Any] = None):
+                      replicas: ReplicaConfig, worker_class: Optional[WorkerMaker] = None):
     """The Serve application: ``replicas.data_parallel_size`` engines behind one ingress.
     ``worker_class`` swaps in a ``Worker`` maker in every replica (the benchmark's held device)."""
     engine_options = {k: v for k, v in engine_options.items() if k != "ray_address"}  # replicas are on the cluster

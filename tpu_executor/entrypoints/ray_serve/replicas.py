@@ -23,9 +23,11 @@ from ray.serve.exceptions import BackPressureError
 
 from tpu_executor.core.request import RequestMetrics
 from tpu_executor.core.sampling_params import SamplingParams
-from tpu_executor.engine.async_engine import QueueFullError, RequestStream, ServedModel
+from tpu_executor.engine.async_engine import QueueFullError
 from tpu_executor.engine.llm_engine import EngineDeadError
+from tpu_executor.engine.protocols import RequestStream, ServedModel
 from tpu_executor.engine.stats import EngineStats
+from tpu_executor.executor import WorkerMaker
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +82,7 @@ class EngineReplica:
     actor's event loop."""
 
     async def __init__(self, model_path: str, engine_options: Dict[str, Any], max_waiting_requests: int,
-                       worker_class: Optional[Any] = None):
+                       worker_class: Optional[WorkerMaker] = None):
         from tpu_executor.engine.async_engine import AsyncLLMEngine
         from tpu_executor.engine.llm_engine import LLMEngine
 
@@ -139,7 +141,7 @@ def in_local_time(metrics: RequestMetrics, arrival_time: float) -> RequestMetric
 
 
 class ReplicaPool:
-    """The ingress's engine: the interface of ``AsyncLLMEngine`` over the replicas of a Serve
+    """The ingress's engine: an ``EngineClient``, like ``AsyncLLMEngine``, over the replicas of a Serve
     deployment. Requests are checked here (with the replicas' config) and streamed from the
     replica the router picks; aborting one cancels its call, which aborts it on the replica."""
 
@@ -215,12 +217,12 @@ class ReplicaPool:
         for request_id in list(stream.unfinished):
             self.abort(request_id)
 
-    async def stats(self) -> Dict[str, EngineStats]:
+    async def stats_by_engine(self) -> Dict[str, EngineStats]:
         """Each serving replica's latest stats, by replica."""
         return await self.board.snapshot.remote(STALE_AFTER_S)
 
     async def health_report(self) -> Dict[str, Any]:
-        serving = len(await self.stats())
+        serving = len(await self.stats_by_engine())
         status = "ok" if serving >= self.replicas_wanted else ("degraded" if serving else "unavailable")
         return {"status": status, "replicas_serving": serving, "replicas_wanted": self.replicas_wanted}
 
