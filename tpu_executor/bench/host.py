@@ -35,7 +35,9 @@ from tpu_executor.engine.options import HelpFormatter
 from tpu_executor.executor import WorkerMaker
 from tpu_executor.worker.launched_step import LaunchedStep
 from tpu_executor.worker.model_runner import ModelRunner
+from tpu_executor.worker.model_steps import ModelSteps
 from tpu_executor.worker.sampler import SamplerOutput
+from tpu_executor.worker.sampling_runner import SampleSteps
 from tpu_executor.worker.token_feed import fed_input_ids, write_slots
 from tpu_executor.worker.worker import Worker
 
@@ -55,27 +57,33 @@ def next_token_logits(input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return logits.scatter(1, next_token_ids(input_ids, vocab_size)[:, None], 1.0)
 
 
-class NullModelRunner(ModelRunner):
-    """The model runner with an empty model step: inputs, transfers and the sampler are real."""
+class NullModelSteps(ModelSteps):
+    """Model steps without a model: each token's logits pick ``next_token_ids`` of it."""
 
-    def _prefill_step(self, input_ids, positions, slot_mapping, context_slots, key_positions,
-                      key_segments, query_segments, logits_indices, kv_caches):
-        return self._next_token_logits(input_ids[logits_indices]), None  # no hidden states
+    def prefill(self, input_ids, positions, slot_mapping, context_slots, key_positions,
+                key_segments, query_segments, logits_indices, kv_caches):
+        return self.next_token_logits(input_ids[logits_indices]), None  # no hidden states
 
-    def _decode_step(self, input_ids, feed_slots, feed_tokens, positions, slot_mapping, block_tables,
-                     context_lens, kv_caches):
-        return self._next_token_logits(fed_input_ids(input_ids, feed_slots, feed_tokens))
+    def decode(self, input_ids, feed_slots, feed_tokens, positions, slot_mapping, block_tables,
+               context_lens, kv_caches):
+        return self.next_token_logits(fed_input_ids(input_ids, feed_slots, feed_tokens))
 
-    def _mixed_step(self, input_ids, positions, slot_mapping, context_slots, key_positions, key_segments,
-                    query_segments, logits_indices, feed_slots, block_tables, context_lens, feed_tokens, kv_caches):
+    def mixed(self, input_ids, positions, slot_mapping, context_slots, key_positions, key_segments,
+              query_segments, logits_indices, feed_slots, block_tables, context_lens, feed_tokens, kv_caches):
         """The native path's prefill pack and decode rows in one call, empty too."""
         num_prefill = query_segments.shape[0]
         decode_ids = fed_input_ids(input_ids[num_prefill:], feed_slots, feed_tokens)
-        return self._next_token_logits(input_ids[logits_indices]), self._next_token_logits(decode_ids), None
+        return self.next_token_logits(input_ids[logits_indices]), self.next_token_logits(decode_ids), None
 
-    def _next_token_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def next_token_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """What the empty step hands the sampler for the last tokens ``input_ids``."""
         return next_token_logits(input_ids, self.model.config.vocab_size)
+
+
+class NullModelRunner(ModelRunner):
+    """The model runner with an empty model step: inputs, transfers and the sampler are real."""
+
+    model_steps_class = NullModelSteps
 
 
 class NullModelWorker(Worker):
@@ -84,16 +92,36 @@ class NullModelWorker(Worker):
     runner_class = NullModelRunner
 
 
-class HeldDeviceRunner(NullModelRunner):
+class HeldModelSteps(NullModelSteps):
+    """The empty steps hand the sampler the next ids themselves, not a row of logits each."""
+
+    def next_token_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return next_token_ids(input_ids, self.model.config.vocab_size)
+
+
+class HeldSampleSteps(SampleSteps):
+    """The sampler of the held device: its "logits" are the next ids, and they are the sample."""
+
+    @staticmethod
+    def sample(logits, slots, feed_tokens, num_logprobs: int, all_greedy: bool, **sampling):
+        if num_logprobs:
+            raise ValueError("the held device gives no log-probs")
+        out = SamplerOutput(logits, torch.zeros(logits.shape, dtype=torch.float32), None, None)
+        return out, write_slots(feed_tokens, slots, logits)
+
+
+class HeldDeviceRunner(ModelRunner):
     """A simulated accelerator that takes ``device_seconds`` per step. As on XLA, a launch only
     queues the step (behind the steps queued before it) and reading its tokens back waits for
     the device to finish it; the wait holds neither Python's lock nor the host's cores. The
-    model and sampler compute nothing on the host (the step hands the sampler the next ids
-    themselves, not a row of logits each), so the host's work is the engine's alone. On this
-    CPU a real model, and even the empty step's logits and sampler, run on the same two cores
-    as the host work they should hide behind; this shows what the engine overlaps when the
-    device is a device. Greedy tokens are the empty step's; it gives no log-probs."""
+    model and sampler compute nothing on the host (``HeldModelSteps``, ``HeldSampleSteps``),
+    so the host's work is the engine's alone. On this CPU a real model, and even the empty
+    step's logits and sampler, run on the same two cores as the host work they should hide
+    behind; this shows what the engine overlaps when the device is a device. Greedy tokens are
+    the empty step's; it gives no log-probs."""
 
+    model_steps_class = HeldModelSteps
+    sample_steps = HeldSampleSteps()
     device_seconds = 0.0
 
     def __init__(self, *args, **kwargs):
@@ -105,16 +133,6 @@ class HeldDeviceRunner(NullModelRunner):
         launched = super().launch(step)
         self._device_free_at = max(time.perf_counter(), self._device_free_at) + self.device_seconds
         return HeldStep(launched.calls, launched.timer, self._device_free_at)
-
-    def _next_token_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return next_token_ids(input_ids, self.model.config.vocab_size)  # the ids, not a row of logits each
-
-    def _sample_step(self, logits, slots, feed_tokens, num_logprobs: int, all_greedy: bool, **sampling):
-        """``logits`` holds the next ids themselves: they are the sample."""
-        if num_logprobs:
-            raise ValueError("the held device gives no log-probs")
-        out = SamplerOutput(logits, torch.zeros(logits.shape, dtype=torch.float32), None, None)
-        return out, write_slots(feed_tokens, slots, logits)
 
 
 class HeldStep(LaunchedStep):

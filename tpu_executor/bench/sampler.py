@@ -88,7 +88,7 @@ def grammar_step_ms(rows: int, tokenizer, vocab: int, steps: int) -> float:
 def measure(rows: int, vocab: int, device: torch.device, steps: int):
     """(plain ms, processed ms, host ms) per call at ``rows`` rows."""
     from tpu_executor.worker.inputs import to_device
-    from tpu_executor.worker.logits_processing import ProcessingSlots
+    from tpu_executor.worker.logits_processing import ProcessingRows, ProcessingSlots
 
     work = processed_work(rows, vocab)
     slots = ProcessingSlots(rows, vocab, device)
@@ -101,7 +101,7 @@ def measure(rows: int, vocab: int, device: torch.device, steps: int):
     sampling = to_device(sampler_inputs(rows), device)
     logits = torch.randn(rows, vocab).to(device)
     plain = lambda: _plain(logits, sampling)  # noqa: E731
-    processed_inputs = to_device(processing, device)
+    processed_inputs = ProcessingRows(**to_device(processing._asdict(), device))
     with_processing = lambda: _processed(logits, sampling, processed_inputs, slots.state)  # noqa: E731
     return timed(plain, device, steps), timed(with_processing, device, steps), host_ms
 
@@ -142,20 +142,20 @@ def _compiled(name: str, fn: Callable, device: torch.device) -> Callable:
 
 
 def _plain(logits, sampling):
-    from tpu_executor.worker.model_runner import ModelRunner
+    from tpu_executor.worker.sampling_runner import SampleSteps
 
     feed = torch.zeros(logits.shape[0] + 1, dtype=torch.int64, device=logits.device)
-    fn = _compiled("plain", ModelRunner._sample_step, logits.device)
+    fn = _compiled("plain", SampleSteps.sample, logits.device)
     return fn(logits, feed_tokens=feed, num_logprobs=0, all_greedy=False, **sampling)[0].token_ids
 
 
-def _processed(logits, sampling, processing, state):
-    from tpu_executor.worker.model_runner import ModelRunner
+def _processed(logits, sampling, rows, state):
+    from tpu_executor.worker.sampling_runner import SampleSteps
 
     feed = torch.zeros(logits.shape[0] + 1, dtype=torch.int64, device=logits.device)
-    fn = _compiled("processed", ModelRunner._sample_processed_step, logits.device)
-    return fn(logits, feed_tokens=feed, num_logprobs=0, all_greedy=False, state=state, **sampling,
-              **processing)[0].token_ids
+    fn = _compiled("processed", SampleSteps.sample_processed, logits.device)
+    return fn(logits, feed_tokens=feed, num_logprobs=0, all_greedy=False, state=state, rows=rows,
+              **sampling)[0].token_ids
 
 
 def timed(call: Callable, device: torch.device, steps: int) -> float:

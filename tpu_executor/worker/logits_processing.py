@@ -19,7 +19,7 @@ held to it.
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -67,32 +67,45 @@ def process_logits_reference(logits: torch.Tensor, processing: LogitsProcessing,
 
 
 # ---- on the device ----------------------------------------------------------------------------
+class ProcessingRows(NamedTuple):
+    """A sampler call's per-row processing inputs, one pytree for torch.compile and jax.jit:
+    each row's slot, penalties (presence, frequency, repetition), entries ``[B, K]`` (-1:
+    none), ``min_tokens``, bad-word prefixes ``[B, W, L]`` (right-aligned, ``ANY_TOKEN`` before
+    a word), last tokens ``[B, W]`` (-1: none) and the grammar's bitmask ``[B, ceil(V / 32)]``
+    int32 (all bits set: no grammar)."""
+
+    state_slots: torch.Tensor
+    penalties: torch.Tensor
+    entry_ids: torch.Tensor
+    entry_values: torch.Tensor
+    entry_kinds: torch.Tensor
+    min_tokens: torch.Tensor
+    bad_prefixes: torch.Tensor
+    bad_last: torch.Tensor
+    token_bitmask: torch.Tensor
+
+
 def process_logits(logits: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor, recent: torch.Tensor,
-                   state_slots: torch.Tensor, penalties: torch.Tensor, entry_ids: torch.Tensor,
-                   entry_values: torch.Tensor, entry_kinds: torch.Tensor, min_tokens: torch.Tensor,
-                   steps: torch.Tensor, bad_prefixes: torch.Tensor, bad_last: torch.Tensor,
-                   token_bitmask: torch.Tensor) -> torch.Tensor:
-    """``process_logits_reference`` for every row of ``logits [B, V]`` at once: per row its slot,
-    penalties (presence, frequency, repetition), entries ``[B, K]`` (-1: none), ``min_tokens``,
-    outputs so far (``steps``), bad-word prefixes ``[B, W, L]`` (right-aligned, ``ANY_TOKEN``
-    before a word), last tokens ``[B, W]`` (-1: none) and the grammar's bitmask ``[B, ceil(V /
-    32)]`` int32 (all bits set: no grammar)."""
-    row_counts = counts.index_select(0, state_slots)
-    seen = (prompt_seen.index_select(0, state_slots) > 0) | (row_counts > 0)
+                   rows: ProcessingRows, steps: torch.Tensor) -> torch.Tensor:
+    """``process_logits_reference`` for every row of ``logits [B, V]`` at once, given the
+    state, the rows' inputs and their outputs so far (``steps``)."""
+    row_counts = counts.index_select(0, rows.state_slots)
+    seen = (prompt_seen.index_select(0, rows.state_slots) > 0) | (row_counts > 0)
+    penalties, ids, kinds = rows.penalties, rows.entry_ids.clamp(min=0), rows.entry_kinds
     repetition = penalties[:, 2:3]
     logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
     logits = logits - penalties[:, 1:2] * row_counts - penalties[:, 0:1] * (row_counts > 0).to(logits.dtype)
-    valid, ids = entry_ids >= 0, entry_ids.clamp(min=0)
-    bias = torch.where(valid & (entry_kinds == ENTRY_BIAS), entry_values, torch.zeros_like(entry_values))
+    valid = rows.entry_ids >= 0
+    bias = torch.where(valid & (kinds == ENTRY_BIAS), rows.entry_values, torch.zeros_like(rows.entry_values))
     logits = logits + torch.zeros_like(logits).scatter_add(1, ids, bias)
-    allowed = valid & (entry_kinds == ENTRY_ALLOWED)
-    stopping = (entry_kinds == ENTRY_STOP) & (steps < min_tokens)[:, None]
-    banned = _marked(logits, ids, valid & ((entry_kinds == ENTRY_BANNED) | stopping))
+    allowed = valid & (kinds == ENTRY_ALLOWED)
+    stopping = (kinds == ENTRY_STOP) & (steps < rows.min_tokens)[:, None]
+    banned = _marked(logits, ids, valid & ((kinds == ENTRY_BANNED) | stopping))
     banned = banned | (allowed.any(dim=1, keepdim=True) & ~_marked(logits, ids, allowed))
-    last = recent.index_select(0, state_slots)[:, None, :]
-    completes = ((bad_prefixes == last) | (bad_prefixes == ANY_TOKEN)).all(dim=-1) & (bad_last >= 0)
-    banned = banned | _marked(logits, bad_last.clamp(min=0), completes)
-    return logits.masked_fill(banned | ~grammar_allows(token_bitmask, logits.shape[1]), float("-inf"))
+    last = recent.index_select(0, rows.state_slots)[:, None, :]
+    completes = ((rows.bad_prefixes == last) | (rows.bad_prefixes == ANY_TOKEN)).all(dim=-1) & (rows.bad_last >= 0)
+    banned = banned | _marked(logits, rows.bad_last.clamp(min=0), completes)
+    return logits.masked_fill(banned | ~grammar_allows(rows.token_bitmask, logits.shape[1]), float("-inf"))
 
 
 def grammar_allows(token_bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -170,8 +183,8 @@ class ProcessingSlots:
             self._free.append(self._slots.pop(request_id))
             self._rows.pop(request_id, None)
 
-    def prepare(self, work: Sequence, rows: int) -> Optional[Tuple[Dict[str, torch.Tensor], List[Fill]]]:
-        """None when no row of ``work`` is processed; else (its per-row tensors padded to
+    def prepare(self, work: Sequence, rows: int) -> Optional[Tuple[ProcessingRows, List[Fill]]]:
+        """None when no row of ``work`` is processed; else (its per-row host tensors padded to
         ``rows``, the fills to run first: (slot, history, prompt length) of each row whose
         history arrives now)."""
         processed = [(row, item) for row, item in enumerate(work) if item.sampling.processing is not None
@@ -190,7 +203,7 @@ class ProcessingSlots:
             bitmask = self._bitmasks.get(item.request_id)
             if bitmask is not None:
                 arrays["token_bitmask"][row] = bitmask
-        return {name: torch.from_numpy(a) for name, a in arrays.items()}, fills
+        return ProcessingRows(**{name: torch.from_numpy(a) for name, a in arrays.items()}), fills
 
     def _take_slot(self, request_id: str, processing: LogitsProcessing) -> int:
         if request_id not in self._slots:
@@ -245,9 +258,10 @@ def fill_tensors(fills: Sequence[Fill], rows: int, width: int, discard: int) -> 
             dict(slots=slots, history=history, prompt_lens=prompt_lens, recent_outputs=recent).items()}
 
 
-def empty_processing_tensors(rows: int, slots: ProcessingSlots) -> Dict[str, torch.Tensor]:
+def empty_processing_rows(rows: int, slots: ProcessingSlots) -> ProcessingRows:
     """Per-row processing inputs of ``rows`` rows without processing (warm-up)."""
-    return {name: torch.from_numpy(a) for name, a in empty_rows(rows, slots.discard, slots.bitmask_words).items()}
+    arrays = empty_rows(rows, slots.discard, slots.bitmask_words)
+    return ProcessingRows(**{name: torch.from_numpy(a) for name, a in arrays.items()})
 
 
 def processed_request_ids(step) -> List[str]:

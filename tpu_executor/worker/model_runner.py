@@ -29,12 +29,10 @@ from tpu_executor.core.buckets import (
     DecodeCall,
     DecodeGraph,
     Graph,
-    HistoryGraph,
     MixedCall,
     PrefillCall,
     PrefillGraph,
     PromptLogprobsGraph,
-    SamplerGraph,
     graph_label,
 )
 from tpu_executor.core.config import EngineConfig
@@ -42,24 +40,13 @@ from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.step import DecodeWork, PaddingStats, PrefillWork, SamplingMeta, SchedulerOutput
 from tpu_executor.kernels import REGISTRY
-from tpu_executor.models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from tpu_executor.worker.compile_guard import CompileGuard, jax_compile_events, raise_dynamo_limits
 from tpu_executor.worker.decode_batch import PersistentDecodeBatch
 from tpu_executor.worker.inputs import mixed_inputs, prefill_inputs, sampling_tensors, to_device
 from tpu_executor.worker.launched_step import LaunchedCall, LaunchedStep
-from tpu_executor.worker.logits_processing import (
-    ProcessingSlots,
-    donate,
-    empty_processing_tensors,
-    fill_slots,
-    fill_tensors,
-    process_logits,
-    processed_request_ids,
-    record_tokens,
-)
+from tpu_executor.worker.model_steps import ModelSteps
 from tpu_executor.worker.prompt_logprobs import groups, owed_positions, padding_group, prompt_logprobs_step
-from tpu_executor.worker.sampler import sample
-from tpu_executor.worker.token_feed import TokenFeed, fed_input_ids, write_slots
+from tpu_executor.worker.sampling_runner import SampleSteps, SamplingRunner
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +54,12 @@ KVCaches = List[Tuple[torch.Tensor, torch.Tensor]]
 
 
 class ModelRunner:
-    """Runs scheduled work on one device and returns one sampled token per request."""
+    """Runs scheduled work on one device and returns one sampled token per request. The model's
+    step functions come from ``model_steps_class``, the sampler's from ``sample_steps``: the
+    seams where a benchmark runs the engine without a model, or on a simulated device."""
+
+    model_steps_class = ModelSteps
+    sample_steps = SampleSteps()
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device, runtime=None):
         self.config = config
@@ -89,11 +81,13 @@ class ModelRunner:
 
             self.jax_graphs = JaxGraphs(model, runtime)
         self.padding = PaddingStats()
-        self.timer = NullPhaseTimer()  # see LLMEngine.attach_phase_timer
         # On XLA a call only queues work: reading tokens back can wait for the next launch.
         self.collects_late = compiled
-        self.feed = TokenFeed(config.scheduler.max_num_seqs, device, in_use=config.scheduler.async_scheduling)
-        self.processing = ProcessingSlots(config.scheduler.max_num_seqs, model.config.vocab_size, device)
+        self.sampling = SamplingRunner(config, self.plan, model.config.vocab_size, device, self.guard,
+                                       partial(self._compile, compiled=compiled, fullgraph=True), self._put,
+                                       self.sample_steps)
+        self.feed = self.sampling.feed
+        self.timer = NullPhaseTimer()  # see LLMEngine.attach_phase_timer
         self.decode_batch = PersistentDecodeBatch(self.plan.decode_row_buckets[-1],
                                                   self.plan.decode_context_block_buckets[-1])
         if device.type == "xla":
@@ -101,12 +95,20 @@ class ModelRunner:
         # Host-side collectives (gloo on CPU) split the model step into one graph per piece
         # between collectives; each piece is still compiled once per bucket.
         one_graph = model.tp.collectives_in_graph
-        self._prefill_fn = self._compile(self._prefill_step, compiled, one_graph)
-        self._decode_fn = self._compile(self._decode_step, compiled, one_graph)
-        self._sample_fn = self._compile(self._sample_step, compiled, True)
-        self._sample_processed_fn = self._compile(self._sample_processed_step, compiled, True)
-        self._fill_fn = self._compile(self._fill_step, compiled, True)
+        self.steps = self.model_steps_class(model)
+        self._prefill_fn = self._compile(self.steps.prefill, compiled, one_graph)
+        self._decode_fn = self._compile(self.steps.decode, compiled, one_graph)
+        self._mixed_fn = self.steps.mixed  # eager devices only
         self._prompt_logprobs_fn = self._compile(partial(prompt_logprobs_step, model), compiled, one_graph)
+
+    @property
+    def timer(self):
+        """The phase timer of the runner and its sampler side."""
+        return self.sampling.timer
+
+    @timer.setter
+    def timer(self, timer) -> None:
+        self.sampling.timer = timer
 
     def _compile(self, fn, compiled: bool, fullgraph: bool):
         if not compiled:
@@ -119,66 +121,11 @@ class ModelRunner:
         """The per-layer K/V pages every later step reads and writes in place."""
         self.kv_caches = kv_caches
 
-    def _prefill_step(self, input_ids, positions, slot_mapping, context_slots, key_positions,
-                      key_segments, query_segments, logits_indices, kv_caches):
-        prefill = PrefillMetadata(context_slots, key_positions, key_segments, query_segments)
-        hidden = self.model(input_ids, kv_caches, AttentionMetadata(positions, slot_mapping, prefill=prefill))
-        # The hidden states stay on the device for prompt log-probs (read only when asked for).
-        return self.model.compute_logits(hidden[logits_indices]), hidden
-
-    def _decode_step(self, input_ids, feed_slots, feed_tokens, positions, slot_mapping, block_tables,
-                     context_lens, kv_caches):
-        decode = DecodeMetadata(block_tables, context_lens)
-        input_ids = fed_input_ids(input_ids, feed_slots, feed_tokens)
-        hidden = self.model(input_ids, kv_caches, AttentionMetadata(positions, slot_mapping, decode=decode))
-        return self.model.compute_logits(hidden)
-
-    def _mixed_step(self, input_ids, positions, slot_mapping, context_slots, key_positions, key_segments,
-                    query_segments, logits_indices, feed_slots, block_tables, context_lens, feed_tokens, kv_caches):
-        """A prefill pack's tokens, then the decode rows' (eager only): the prefill rows' logits,
-        the decode rows' logits, and the pack's hidden states (for prompt log-probs)."""
-        num_prefill, num_decode = query_segments.shape[0], feed_slots.shape[0]
-        decode_ids = fed_input_ids(input_ids[num_prefill:], feed_slots, feed_tokens)
-        meta = AttentionMetadata(positions, slot_mapping, decode=DecodeMetadata(block_tables, context_lens),
-                                 prefill=PrefillMetadata(context_slots, key_positions, key_segments, query_segments))
-        hidden = self.model(torch.cat([input_ids[:num_prefill], decode_ids]), kv_caches, meta)
-        logits = self.model.compute_logits(torch.cat([hidden[logits_indices], hidden[num_prefill:]]))
-        return logits[:-num_decode], logits[-num_decode:], hidden[:num_prefill]
-
-    @staticmethod
-    def _sample_step(logits, slots, feed_tokens, num_logprobs: int, all_greedy: bool, **sampling):
-        """Sample, and write the sampled tokens into the token feed (one compiled graph)."""
-        out = sample(logits, num_logprobs=num_logprobs, all_greedy=all_greedy, **sampling)
-        return out, write_slots(feed_tokens, slots, out.token_ids)
-
-    @staticmethod
-    def _sample_processed_step(logits, slots, feed_tokens, num_logprobs: int, all_greedy: bool, state, state_slots,
-                               penalties, entry_ids, entry_values, entry_kinds, min_tokens, bad_prefixes, bad_last,
-                               token_bitmask, **sampling):
-        """``_sample_step`` over the processed logits; records the tokens in the rows' slots of
-        ``state`` (counts, prompt_seen, recent: updated in place)."""
-        counts, prompt_seen, recent = state
-        donate(counts, recent)
-        chosen = process_logits(logits, counts, prompt_seen, recent, state_slots, penalties, entry_ids,
-                                entry_values, entry_kinds, min_tokens, sampling["steps"], bad_prefixes, bad_last,
-                                token_bitmask)
-        out = sample(logits, num_logprobs=num_logprobs, all_greedy=all_greedy, choice_logits=chosen, **sampling)
-        record_tokens(counts, recent, state_slots, out.token_ids)
-        return out, write_slots(feed_tokens, slots, out.token_ids)
-
-    @staticmethod
-    def _fill_step(state, slots, history, prompt_lens, recent_outputs):
-        counts, prompt_seen, recent = state
-        donate(counts, prompt_seen, recent)
-        fill_slots(counts, prompt_seen, recent, slots, history, prompt_lens, recent_outputs)
-        return slots.sum()  # something to wait on (warm-up)
-
     @torch.no_grad()
     def launch(self, step: SchedulerOutput) -> LaunchedStep:
         """Run the prefills (packed), then the decode batch, and sample one token for each,
         without reading anything back (on XLA this returns once the work is queued)."""
-        self.feed.begin_step()
-        self.processing.begin_step(processed_request_ids(step), step.token_bitmasks)
+        self.sampling.begin_step(step)
         calls = []
         try:
             for call in self.plan.model_calls(step):
@@ -211,10 +158,14 @@ class ModelRunner:
         return self._run_fn(self._decode_fn, inputs, "decode", feed_tokens=self.feed.read_tokens,
                             kv_caches=self.kv_caches)
 
+    def _put(self, host_inputs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """``host_inputs`` on the device, in one transfer."""
+        with self.timer.phase("transfer"):
+            return self.runtime.put(host_inputs) if self.runtime is not None else to_device(host_inputs, self.device)
+
     def _run_fn(self, fn, host_inputs: Dict[str, torch.Tensor], phase: str, **static):
         """Copy ``host_inputs`` to the device and call ``fn`` on them (timed as ``phase``)."""
-        with self.timer.phase("transfer"):
-            inputs = self.runtime.put(host_inputs) if self.runtime is not None else to_device(host_inputs, self.device)
+        inputs = self._put(host_inputs)
         with self.timer.phase(phase):
             return fn(**inputs, **static)
 
@@ -228,16 +179,12 @@ class ModelRunner:
         prompt = self._launch_prompt_logprobs(call, hidden)
         # A chunk that does not end its prompt gives no token (its row is sampled with the rest).
         sampled_ids = [w.request_id if w.is_last_chunk else None for w in call.pack]
-        rows = self.plan.max_prefill_seqs
         with self.timer.phase("inputs"):
-            sampling = sampling_tensors(call.pack, rows)
-            processing = self.processing.prepare(call.pack, rows)
-            sampler = self.plan.sampler_graph(
-                rows, wants_logprobs=any(item.sampling.num_logprobs > 0 for item in call.pack),
-                all_greedy=all(item.sampling.temperature == 0 for item in call.pack),
-                processing=processing is not None)
-        returns_logprobs = any(item.sampling.num_logprobs >= 0 for item in call.pack)
-        launched = self._sample(call.pack, sampled_ids, returns_logprobs, logits, sampling, sampler, processing)
+            sampling = sampling_tensors(call.pack, self.plan.max_prefill_seqs)
+        launched = self.sampling.sample(
+            call.pack, sampled_ids, any(item.sampling.num_logprobs >= 0 for item in call.pack), logits, sampling,
+            wants_logprobs=any(item.sampling.num_logprobs > 0 for item in call.pack),
+            all_greedy=all(item.sampling.temperature == 0 for item in call.pack))
         return launched._replace(prompt=prompt)
 
     def _launch_prompt_logprobs(self, call: PrefillCall, hidden: torch.Tensor) -> list:
@@ -261,14 +208,11 @@ class ModelRunner:
 
     def _sample_decode(self, call: DecodeCall, logits: torch.Tensor) -> LaunchedCall:
         """Launch the sampler over the decode rows' ``logits``."""
-        batch, rows = self.decode_batch, call.graph.num_rows
+        batch = self.decode_batch
         with self.timer.phase("inputs"):
-            sampling = batch.sampling(rows)
-            processing = self.processing.prepare(call.work, rows)
-            sampler = self.plan.sampler_graph(rows, wants_logprobs=batch.wants_logprobs,
-                                              all_greedy=batch.all_greedy, processing=processing is not None)
-        return self._sample(call.work, batch.request_ids, batch.returns_logprobs, logits, sampling, sampler,
-                            processing)
+            sampling = batch.sampling(call.graph.num_rows)
+        return self.sampling.sample(call.work, batch.request_ids, batch.returns_logprobs, logits, sampling,
+                                    wants_logprobs=batch.wants_logprobs, all_greedy=batch.all_greedy)
 
     def _launch_mixed(self, call: MixedCall) -> List[LaunchedCall]:
         """One model call over a prefill pack and the decode rows (eager devices: nothing is
@@ -278,36 +222,8 @@ class ModelRunner:
             inputs = mixed_inputs(self._prefill_host_inputs(prefill.pack, prefill.graph),
                                   self._decode_host_inputs(decode.work, decode.graph))
         prefill_logits, decode_logits, hidden = self._run_fn(
-            self._mixed_step, inputs, "mixed", feed_tokens=self.feed.read_tokens, kv_caches=self.kv_caches)
+            self._mixed_fn, inputs, "mixed", feed_tokens=self.feed.read_tokens, kv_caches=self.kv_caches)
         return [self._sample_prefill(prefill, prefill_logits, hidden), self._sample_decode(decode, decode_logits)]
-
-    def _sample(self, work, sampled_ids: Sequence[Optional[str]], returns_logprobs: bool, logits: torch.Tensor,
-                tensors: Dict[str, torch.Tensor], graph: SamplerGraph, processing=None) -> LaunchedCall:
-        """Launch the sampler over ``logits`` with its per-row ``tensors`` (padded to the
-        graph's rows); each sampled row writes its token into the feed. ``returns_logprobs``:
-        a row of ``work`` asked for log-probs (its sampled token's, at least). ``processing``:
-        the rows' logits-processing tensors and the slot fills to run first, or None."""
-        fn = self._sample_fn
-        if processing is not None:
-            processed, fills = processing
-            if fills:
-                self._fill(fills)
-            tensors, fn = {**tensors, **processed}, partial(self._sample_processed_fn, state=self.processing.state)
-        with self.timer.phase("inputs"):
-            tensors["slots"] = self.feed.assign(sampled_ids, graph.num_rows)
-        out, self.feed.written_tokens = self._run_fn(
-            fn, tensors, "sample", logits=logits, feed_tokens=self.feed.written_tokens,
-            num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy)
-        kept = None if None not in sampled_ids else [row for row, sampled in enumerate(sampled_ids) if sampled]
-        return LaunchedCall(work, sampled_ids, returns_logprobs, out, kept)
-
-    def _fill(self, fills) -> None:
-        """Fill the slots of requests whose history arrives now (one call per fill graph)."""
-        width = max(len(history) for _, history, _ in fills)
-        graph = self.plan.history_graph(width)
-        with self.guard.watch(f"processing state tokens={graph.num_tokens}"), self.timer.phase("inputs"):
-            tensors = fill_tensors(fills, self.plan.max_prefill_seqs, graph.num_tokens, self.processing.discard)
-        self._run_fn(self._fill_fn, tensors, "sample", state=self.processing.state)
 
     @torch.no_grad()
     def profile_run(self, kv_caches: KVCaches) -> None:
@@ -396,30 +312,21 @@ class ModelRunner:
 
     def _run_dummy(self, graph: Graph) -> None:
         """Run ``graph`` once on padding-only inputs (writes go to the null block)."""
-        if isinstance(graph, PrefillGraph):
-            dummy = [PrefillWork("warmup", (0,), 0, (NULL_BLOCK,), SamplingMeta.greedy())]
-            self._wait(self._prefill_logits(dummy, graph, self.kv_caches)[0])
-        elif isinstance(graph, PromptLogprobsGraph):
-            hidden = torch.zeros(graph.num_tokens, self.model.config.hidden_size).to(self.device)
-            outputs = self._run_fn(self._prompt_logprobs_fn, padding_group(graph.num_rows), "prefill", hidden=hidden,
-                                   num_logprobs=max(1, self.config.compile.max_logprobs))
-            self._wait(outputs[0])
-        elif isinstance(graph, DecodeGraph):
-            self._wait(self._decode_logits([DecodeWork("warmup", 0, 0, (NULL_BLOCK,), SamplingMeta.greedy())], graph))
-        elif isinstance(graph, HistoryGraph):
-            tensors = fill_tensors([], self.plan.max_prefill_seqs, graph.num_tokens, self.processing.discard)
-            self._wait(self._run_fn(self._fill_fn, tensors, "sample", state=self.processing.state))
-        else:
-            rows = graph.num_rows
-            logits = torch.zeros(rows, self.model.config.vocab_size).to(self.device)  # device data, as in serving
-            tensors = dict(sampling_tensors([], rows), slots=self.feed.assign([], rows))
-            fn = self._sample_fn
-            if graph.processing:
-                tensors.update(empty_processing_tensors(rows, self.processing))
-                fn = partial(self._sample_processed_fn, state=self.processing.state)
-            out, _ = self._run_fn(fn, tensors, "sample", logits=logits, feed_tokens=self.feed.written_tokens,
-                                  num_logprobs=graph.num_logprobs, all_greedy=graph.all_greedy)
-            self._wait(out.token_ids)
+        run = {PrefillGraph: self._dummy_prefill, PromptLogprobsGraph: self._dummy_prompt_logprobs,
+               DecodeGraph: self._dummy_decode}.get(type(graph), self.sampling.run_dummy)
+        self._wait(run(graph))
+
+    def _dummy_prefill(self, graph: PrefillGraph) -> torch.Tensor:
+        dummy = [PrefillWork("warmup", (0,), 0, (NULL_BLOCK,), SamplingMeta.greedy())]
+        return self._prefill_logits(dummy, graph, self.kv_caches)[0]
+
+    def _dummy_prompt_logprobs(self, graph: PromptLogprobsGraph) -> torch.Tensor:
+        hidden = torch.zeros(graph.num_tokens, self.model.config.hidden_size).to(self.device)
+        return self._run_fn(self._prompt_logprobs_fn, padding_group(graph.num_rows), "prefill", hidden=hidden,
+                            num_logprobs=max(1, self.config.compile.max_logprobs))[0]
+
+    def _dummy_decode(self, graph: DecodeGraph) -> torch.Tensor:
+        return self._decode_logits([DecodeWork("warmup", 0, 0, (NULL_BLOCK,), SamplingMeta.greedy())], graph)
 
     def _wait(self, tensor: torch.Tensor) -> None:
         """Wait for a warm-up call (compiling ahead there is nothing to wait for: the call

@@ -10,6 +10,7 @@ import torch
 from tpu_executor.core.request import logits_processing
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.worker.logits_processing import (
+    ProcessingRows,
     ProcessingSlots,
     fill_slots,
     fill_tensors,
@@ -61,7 +62,8 @@ def test_device_processing_equals_the_reference_row_by_row():
         bitmasks = [[rng.randrange(-2**31, 2**31) for _ in range(WORDS)] if rng.random() < 0.5 else None
                     for _ in range(rows)]
         arrays["token_bitmask"] = torch.tensor([b or [-1] * WORDS for b in bitmasks], dtype=torch.int32)
-        processed = process_logits(logits, *slots.state, torch.arange(rows), steps=steps, **arrays)
+        processed = process_logits(logits, *slots.state, ProcessingRows(state_slots=torch.arange(rows), **arrays),
+                                   steps=steps)
         for row in range(rows):
             expected = process_logits_reference(logits[row], processings[row], prompts[row], outputs[row],
                                                 bitmasks[row])
@@ -86,6 +88,6 @@ def test_slots_are_given_on_a_history_and_freed_with_the_request():
     _, fills = slots.prepare([Work("a", (3, 4)), Work("b", (5,))], rows=4)
     assert sorted(slot for slot, _, _ in fills) == [0, 1]
     slots.begin_step(["b"])  # "a" finished or was preempted: its slot is free again
-    tensors, fills = slots.prepare([Work("b"), Work("c", (6,))], rows=4)
-    assert fills and tensors["state_slots"].tolist()[2:] == [2, 2]  # padding rows use the discard slot
+    rows, fills = slots.prepare([Work("b"), Work("c", (6,))], rows=4)
+    assert fills and rows.state_slots.tolist()[2:] == [2, 2]  # padding rows use the discard slot
     assert slots.prepare([Work("z")], rows=2) is None  # no history, no slot: nothing to process
