@@ -71,12 +71,22 @@ def c_provider(native, function: Callable):
     return Provider("cpu_c", function, priority=6, supported=can_build, supports_args=supports_args)
 
 
+def built_with_wide_vectors(kernel: "CFunction", wide: "CFunction", op: str, serving: str) -> bool:
+    """``kernel`` builds here and its library was compiled with AVX-512's registers (``wide()``
+    answers 1). A kernel built without them stands aside, with a warning once per process: its
+    tiles would spill AVX2's registers and run slower than ``serving``."""
+    if not kernel.supported():
+        return False
+    if not wide():
+        _stands_aside(op, serving)
+        return False
+    return True
+
+
 @functools.lru_cache(maxsize=None)
-def stands_aside(kernel_name: str, serving: str) -> None:
-    """Warn, once per process, that a built kernel stands aside on this CPU for lack of
-    AVX-512 (its tiles would spill AVX2's registers and run slower than ``serving``)."""
+def _stands_aside(op: str, serving: str) -> None:
     logger.warning("this CPU has no AVX-512: the native path's %s C kernel stands aside and %s serves, "
-                   "more slowly than on an AVX-512 CPU", kernel_name, serving)
+                   "more slowly than on an AVX-512 CPU", op, serving)
 
 
 def _compile(compiler: str, source: str, target: str) -> None:

@@ -30,12 +30,7 @@ _FITS_REGISTERS = cpu_library.CFunction(SOURCE, "packed_matmul_f32_fits_register
 @functools.lru_cache(maxsize=None)
 def supported() -> bool:
     """The kernel builds here, with AVX-512 (its tiles need 28 vector registers)."""
-    if not KERNEL.supported():
-        return False
-    if not _FITS_REGISTERS():
-        cpu_library.stands_aside("packed_matmul", "oneDNN's packed matmul")
-        return False
-    return True
+    return cpu_library.built_with_wide_vectors(KERNEL, _FITS_REGISTERS, "packed_matmul", "oneDNN's packed matmul")
 
 
 def supports_args(x=None, panels=None, *args, out_features=None, **kwargs) -> bool:

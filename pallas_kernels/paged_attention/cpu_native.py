@@ -34,12 +34,7 @@ _WIDE_VECTORS = cpu_library.CFunction(SOURCE, "paged_attention_f32_wide_vectors"
 @functools.lru_cache(maxsize=None)
 def wide_vectors() -> bool:
     """The kernel builds here with AVX-512's registers (what its prefill use needs to pay)."""
-    if not KERNEL.supported():
-        return False
-    if not _WIDE_VECTORS():
-        cpu_library.stands_aside("prefill_attention", "eager_segments")
-        return False
-    return True
+    return cpu_library.built_with_wide_vectors(KERNEL, _WIDE_VECTORS, "prefill_attention", "eager_segments")
 
 
 def fp32_cpu_operands(q, k_pages, v_pages) -> bool:
