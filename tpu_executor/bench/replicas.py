@@ -97,7 +97,7 @@ class ReplicatedTarget:
             max_concurrency: Optional[int] = None, stream: bool = True) -> Dict:
         from ray import serve
 
-        from tpu_executor.bench.host import held_device_worker
+        from tpu_executor.bench.null_model import held_device_worker
         from tpu_executor.entrypoints.openai.config import ReplicaConfig, ServerConfig
         from tpu_executor.entrypoints.ray_serve.app import build_application
 
@@ -143,7 +143,7 @@ def single_engine(args: argparse.Namespace, path: str, workload: Workload) -> Di
     """``workload`` one request at a time through the single-engine server on the same device."""
     from transformers import AutoTokenizer
 
-    from tpu_executor.bench.host import held_device_worker
+    from tpu_executor.bench.null_model import held_device_worker
     from tpu_executor.engine.async_engine import AsyncLLMEngine
     from tpu_executor.engine.llm_engine import LLMEngine
     from tpu_executor.entrypoints.openai.api_server import serve_in_thread

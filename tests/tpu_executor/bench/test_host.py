@@ -6,6 +6,7 @@ import time
 import pytest
 
 from tpu_executor.bench import host as bench_host
+from tpu_executor.bench import null_model
 from tpu_executor.cli import main
 from tpu_executor.core.phase_timer import HOST_PHASES
 
@@ -92,14 +93,14 @@ def _greedy_tokens(worker_class, async_scheduling: bool):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_held_device_gives_the_empty_steps_tokens(async_scheduling):
-    expected = _greedy_tokens(bench_host.NullModelWorker, async_scheduling=False)
-    held = _greedy_tokens(bench_host.held_device_worker(1.0), async_scheduling)
+    expected = _greedy_tokens(null_model.NullModelWorker, async_scheduling=False)
+    held = _greedy_tokens(null_model.held_device_worker(1.0), async_scheduling)
     assert held == expected and all(len(tokens) == 6 for tokens in held)
 
 
 def test_held_device_queues_steps_and_collect_waits_for_each():
     engine = bench_host.engine_for(bench_host.tiny_checkpoint(), num_seqs=8, steps=4, device="cpu",
-                                   worker_class=bench_host.held_device_worker(20.0))
+                                   worker_class=null_model.held_device_worker(20.0))
     try:
         bench_host._add_requests(engine, 2, random.Random(2), max_tokens=8)
         step = engine.core.scheduler.schedule()

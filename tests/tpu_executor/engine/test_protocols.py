@@ -9,6 +9,7 @@ import inspect
 import pytest
 
 from tpu_executor.bench import host as bench_host
+from tpu_executor.bench.null_model import NullModelWorker
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.engine.async_engine import AsyncLLMEngine
 from tpu_executor.engine.options import build_engine_config
@@ -28,7 +29,7 @@ def protocol_methods(protocol):
                     "tpu_executor.entrypoints.ray_serve.replicas.ReplicaPool"]),
     (CoreClient, ["tpu_executor.engine.core.EngineCore", "tpu_executor.engine.core_process.CoreProcess"]),
     (WorkerLike, ["tpu_executor.worker.worker.Worker", "tpu_executor.tuning.replay.NullWorker",
-                  "tpu_executor.bench.host.NullModelWorker"]),
+                  "tpu_executor.bench.null_model.NullModelWorker"]),
 ])
 def test_every_implementation_has_every_method_with_its_parameters(protocol, implementations):
     """Checked on the classes' signatures (the replica pool's module imports Ray Serve)."""
@@ -56,7 +57,7 @@ def test_the_tuners_null_worker_runs_a_replay_through_the_core_client(checkpoint
 def test_the_benchs_null_model_serves_a_request_through_both_clients():
     engine = bench_host.engine_for(bench_host.tiny_checkpoint(), num_seqs=2, steps=2, device="cpu")
     worker = engine.core.executor.workers[0]
-    assert type(worker) is bench_host.NullModelWorker and isinstance(worker, WorkerLike)
+    assert type(worker) is NullModelWorker and isinstance(worker, WorkerLike)
     assert isinstance(engine.core, CoreClient)
     client = AsyncLLMEngine(engine)
     assert isinstance(client, EngineClient)
