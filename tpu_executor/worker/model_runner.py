@@ -86,7 +86,6 @@ class ModelRunner:
         self.sampling = SamplingRunner(config, self.plan, model.config.vocab_size, device, self.guard,
                                        partial(self._compile, compiled=compiled, fullgraph=True), self._put,
                                        self.sample_steps)
-        self.feed = self.sampling.feed
         self.timer = NullPhaseTimer()  # see LLMEngine.attach_phase_timer
         self.decode_batch = PersistentDecodeBatch(self.plan.decode_row_buckets[-1],
                                                   self.plan.decode_context_block_buckets[-1])
@@ -136,7 +135,7 @@ class ModelRunner:
                     calls.append(self._launch_prefill(call) if isinstance(call, PrefillCall)
                                  else self._launch_decode(call))
         except BaseException:
-            self.feed.forget()
+            self.sampling.feed.forget()
             raise
         return LaunchedStep(calls, self.timer)
 
@@ -145,7 +144,8 @@ class ModelRunner:
 
     def _decode_host_inputs(self, work: Sequence[DecodeWork], graph: DecodeGraph) -> Dict[str, torch.Tensor]:
         self.decode_batch.update(work)
-        return self.decode_batch.inputs(graph.num_rows, graph.context_blocks, self.block_size, self.feed.pending_slots)
+        pending = self.sampling.feed.pending_slots
+        return self.decode_batch.inputs(graph.num_rows, graph.context_blocks, self.block_size, pending)
 
     def _prefill_logits(self, pack: Sequence[PrefillWork], graph: PrefillGraph, kv_caches: KVCaches) -> torch.Tensor:
         with self.timer.phase("inputs"):
@@ -155,7 +155,7 @@ class ModelRunner:
     def _decode_logits(self, work: Sequence[DecodeWork], graph: DecodeGraph) -> torch.Tensor:
         with self.timer.phase("inputs"):
             inputs = self._decode_host_inputs(work, graph)
-        return self._run_fn(self._decode_fn, inputs, "decode", feed_tokens=self.feed.read_tokens,
+        return self._run_fn(self._decode_fn, inputs, "decode", feed_tokens=self.sampling.feed.read_tokens,
                             kv_caches=self.kv_caches)
 
     def _put(self, host_inputs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -222,7 +222,7 @@ class ModelRunner:
             inputs = mixed_inputs(self._prefill_host_inputs(prefill.pack, prefill.graph),
                                   self._decode_host_inputs(decode.work, decode.graph))
         prefill_logits, decode_logits, hidden = self._run_fn(
-            self._mixed_fn, inputs, "mixed", feed_tokens=self.feed.read_tokens, kv_caches=self.kv_caches)
+            self._mixed_fn, inputs, "mixed", feed_tokens=self.sampling.feed.read_tokens, kv_caches=self.kv_caches)
         return [self._sample_prefill(prefill, prefill_logits, hidden), self._sample_decode(decode, decode_logits)]
 
     @torch.no_grad()
