@@ -109,7 +109,16 @@ class PromptLogprobsGraph:
     num_rows: int
 
 
-Graph = Union[PrefillGraph, DecodeGraph, SamplerGraph, HistoryGraph, PromptLogprobsGraph]
+@dataclass(frozen=True)
+class VerifyGraph:
+    """The target's greedy choice at ``num_rows`` positions of a prefill call's ``num_tokens``
+    hidden states: a verify pack's last tokens and drafts (``worker/verify.py``)."""
+
+    num_tokens: int
+    num_rows: int
+
+
+Graph = Union[PrefillGraph, DecodeGraph, SamplerGraph, HistoryGraph, PromptLogprobsGraph, VerifyGraph]
 
 
 @dataclass(frozen=True)
@@ -158,7 +167,20 @@ class MixedCall:
         self.decode.count_into(padding)
 
 
-ModelCall = Union[PrefillCall, DecodeCall, MixedCall]
+@dataclass(frozen=True)
+class VerifyCall:
+    """A pack of verifies (speculative decoding): a prefill call over each request's last token
+    and drafts, whose every position the verify graph reads."""
+
+    pack: Tuple[PrefillWork, ...]
+    graph: PrefillGraph
+
+    def count_into(self, padding: PaddingStats) -> None:
+        padding.prefill_tokens_real += sum(len(w.token_ids) for w in self.pack)
+        padding.prefill_tokens_padded += self.graph.num_tokens
+
+
+ModelCall = Union[PrefillCall, DecodeCall, MixedCall, VerifyCall]
 
 
 def context_keys(work: PrefillWork, block_size: int) -> int:
@@ -212,6 +234,9 @@ class BucketPlan:
     # the wait ends in the timeout that the executor reports as ranks out of step
     # (executor/test_tensor_parallel.py).
     exact_sizes: bool = False
+    # Speculative decoding: the positions one verify call reads (a pack's last tokens and
+    # drafts); 0 without speculation (no verify graphs).
+    verify_rows: int = 0
 
     @classmethod
     def from_config(cls, config: "EngineConfig") -> "BucketPlan":
@@ -226,7 +251,9 @@ class BucketPlan:
                    logprob_widths=tuple(sorted({0, compile_cfg.max_logprobs})),
                    history_token_buckets=geometric_fill(effective_buckets((HISTORY_BUCKET,), config.max_model_len)),
                    max_prefill_seqs=compile_cfg.max_prefill_seqs, block_size=block_size,
-                   exact_sizes=not config.device.compiles and config.parallel.tensor_parallel_size == 1)
+                   exact_sizes=not config.device.compiles and config.parallel.tensor_parallel_size == 1,
+                   verify_rows=0 if config.speculative is None else
+                   compile_cfg.max_prefill_seqs * (config.speculative.num_speculative_tokens + 1))
 
     @property
     def max_prefill_tokens(self) -> int:
@@ -296,14 +323,15 @@ class BucketPlan:
         """The model calls that run ``step``: its prefills packed, then one decode call (at
         exact sizes the last pack and the decodes are one ``MixedCall``)."""
         calls: List[ModelCall] = []
-        # One key short of the widest: room for the padding key.
-        for pack in pack_prefills(step.prefills, self.max_prefill_tokens, self.max_prefill_keys - 1,
-                                  self.max_prefill_seqs, self.block_size):
-            calls.append(PrefillCall(tuple(pack), self.pack_graph(pack)))
+        for kind, works in ((PrefillCall, step.prefills), (VerifyCall, step.verifies)):
+            # One key short of the widest: room for the padding key.
+            for pack in pack_prefills(works, self.max_prefill_tokens, self.max_prefill_keys - 1,
+                                      self.max_prefill_seqs, self.block_size):
+                calls.append(kind(tuple(pack), self.pack_graph(pack)))
         if step.decodes:
             needed = tuple(w.position // self.block_size + 1 for w in step.decodes)
             calls.append(DecodeCall(step.decodes, needed, self.decode_graph(len(needed), max(needed))))
-        if self.exact_sizes and step.decodes and len(calls) > 1:
+        if self.exact_sizes and step.decodes and len(calls) > 1 and isinstance(calls[-2], PrefillCall):
             calls[-2:] = [MixedCall(calls[-2], calls[-1])]
         return calls
 
@@ -315,6 +343,10 @@ class BucketPlan:
     def prompt_logprobs_graph(self, num_tokens: int) -> PromptLogprobsGraph:
         """The prompt log-probs graph over a prefill call of ``num_tokens`` (its bucket)."""
         return PromptLogprobsGraph(num_tokens, min(PROMPT_LOGPROB_ROWS, num_tokens))
+
+    def verify_graph(self, num_tokens: int) -> VerifyGraph:
+        """The verify graph over a prefill call of ``num_tokens`` (its bucket)."""
+        return VerifyGraph(num_tokens, self.verify_rows)
 
     def history_graph(self, num_tokens: int) -> HistoryGraph:
         """The graph that fills processing slots from histories of up to ``num_tokens`` tokens."""
@@ -333,7 +365,8 @@ class BucketPlan:
         return (f"prefill {tokens} tokens ({count(PrefillGraph)} with the long-context forms); "
                 f"decode {rows} rows x {widths} context tokens ({count(DecodeGraph)}); sampler {count(SamplerGraph)}, "
                 f"half of them with logits processing; processing state {count(HistoryGraph)}; "
-                f"prompt log-probs {count(PromptLogprobsGraph)}")
+                f"prompt log-probs {count(PromptLogprobsGraph)}"
+                + (f"; speculative verify {count(VerifyGraph)}" if self.verify_rows else ""))
 
     def graphs(self) -> List[Graph]:
         """Every graph the runner compiles at warm-up, model steps first."""
@@ -343,7 +376,8 @@ class BucketPlan:
                    for n in self.logprob_widths for g in (True, False)]
         history = [HistoryGraph(t) for t in self.history_token_buckets]
         prompt = [self.prompt_logprobs_graph(t) for t in self.prefill_token_buckets]
-        return [*prefill, *decode, *sampler, *history, *prompt]
+        verify = [self.verify_graph(t) for t in self.prefill_token_buckets] if self.verify_rows else []
+        return [*prefill, *decode, *sampler, *history, *prompt, *verify]
 
 
 def graph_label(graph: Graph) -> str:
@@ -356,6 +390,8 @@ def graph_label(graph: Graph) -> str:
         return f"prompt log-probs tokens={graph.num_tokens}"
     if isinstance(graph, HistoryGraph):
         return f"processing state tokens={graph.num_tokens}"
+    if isinstance(graph, VerifyGraph):
+        return f"verify tokens={graph.num_tokens} rows={graph.num_rows}"
     return (f"sampler rows={graph.num_rows} logprobs={graph.num_logprobs} greedy={graph.all_greedy} "
             f"processing={graph.processing}")
 

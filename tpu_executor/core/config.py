@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Optional, Tuple
 
+from tpu_executor.core.speculative import SpeculativeConfig
+
 # "xla": compiled graphs through torch_xla; any other torch device runs the native eager path.
 DEVICE_PATTERN = re.compile(r"^(xla|jax|cpu|cuda(:\d+)?)$")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -278,6 +280,7 @@ class EngineConfig:
     device: DeviceConfig
     max_model_len: int
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: Optional[SpeculativeConfig] = None
 
     def __post_init__(self):
         if self.model.dtype == "auto":
@@ -285,9 +288,13 @@ class EngineConfig:
             object.__setattr__(self, "model", replace(self.model, dtype=dtype))
         if self.scheduler.async_scheduling is None:
             # On the native CPU path the host is the device: there is nothing to overlap, and a
-            # prompt arriving mid-step would wait behind the step already scheduled.
-            scheduler = replace(self.scheduler, async_scheduling=self.device.device != "cpu")
-            object.__setattr__(self, "scheduler", scheduler)
+            # prompt arriving mid-step would wait behind the step already scheduled. N-gram
+            # drafts are made from the accepted tokens, so each step waits for the one before.
+            overlap = self.device.device != "cpu" and self.speculative is None
+            object.__setattr__(self, "scheduler", replace(self.scheduler, async_scheduling=overlap))
+        _require(self.speculative is None or not self.scheduler.async_scheduling,
+                 "async_scheduling cannot be on with speculative decoding: the n-gram drafter needs each "
+                 "step's accepted tokens before the next step (leave async_scheduling unset)")
         block = self.cache.block_size
         bad = [b for b in self.compile.prefill_buckets if b % block]
         _require(not bad, f"prefill_buckets {bad} are not multiples of block_size {block}")

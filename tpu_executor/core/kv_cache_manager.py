@@ -173,6 +173,20 @@ class KVCacheManager:
                 block.block_hash = block_hash
                 self._cached[block_hash] = block.block_id
 
+    def shrink(self, request_id: str, num_tokens: int) -> None:
+        """Give back the request's blocks past those ``num_tokens`` tokens need (blocks that
+        only rejected draft tokens reached: never full, so never in the prefix cache)."""
+        table = self._req_blocks.get(request_id)
+        keep = self.blocks_needed(num_tokens)
+        if table is None or len(table) <= keep:
+            return
+        self._req_tables.pop(request_id, None)
+        while len(table) > keep:
+            block = self.blocks[table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+
     def free(self, request_id: str) -> None:
         """Drop the request's references; its blocks become free (still cached) at zero."""
         table = self._req_blocks.pop(request_id, [])

@@ -32,6 +32,7 @@ from typing import Collection, Deque, Dict, List, Optional, Tuple
 from tpu_executor.core.config import SchedulerConfig
 from tpu_executor.core.kv_cache_manager import KVCacheManager
 from tpu_executor.core.request import Request, RequestStatus
+from tpu_executor.core.speculative import Drafter, SpecCounts
 from tpu_executor.core.step import PENDING_TOKEN, DecodeWork, PrefillWork, SampledTokens, SchedulerOutput
 
 # NamedTuple's own constructor is a Python function (~0.5 us); tuple.__new__ builds the same
@@ -43,14 +44,17 @@ class Scheduler:
     """Decides the prefill and decode work of each step and owns the request queues."""
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 max_chunk_tokens: int):
+                 max_chunk_tokens: int, drafter: Optional[Drafter] = None):
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.max_chunk_tokens = max_chunk_tokens  # the largest prefill call (its token bucket)
+        self.drafter = drafter
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
         self.num_preemptions = 0
+        self.spec = SpecCounts()
+        self._verifying: Dict[str, int] = {}  # request id -> drafts in its verify in flight
 
     def add(self, request: Request) -> None:
         request.max_outputs = min(request.max_outputs, self.max_model_len - len(request.prompt_token_ids))
@@ -66,6 +70,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
+        self._verifying.pop(request.request_id, None)
         self.kv_cache.free(request.request_id)
 
     @property
@@ -80,23 +85,28 @@ class Scheduler:
         """The next step's work: decodes of running requests first, then prefills (chunks of
         running prompts, then new requests) in what is left of the token budget."""
         preemptions = self.num_preemptions
-        decodes, prefilling = self._schedule_decodes()
-        budget = self.config.max_num_batched_tokens - len(decodes)
-        chunks = self._schedule_chunks(prefilling, budget, decodes)
+        decodes, verifies, prefilling = self._schedule_decodes()
+        budget = self.config.max_num_batched_tokens - len(decodes) - sum(len(w.token_ids) for w in verifies)
+        chunks = self._schedule_chunks(prefilling, budget, decodes, verifies)
         budget -= sum(len(work.token_ids) for work in chunks)
         prefills: List[PrefillWork] = []
         if self.num_preemptions == preemptions:  # blocks are short: admit nobody (as vLLM)
-            prefills = self._schedule_prefills(budget, bool(decodes or chunks))
-        return SchedulerOutput(prefills=tuple(chunks + prefills), decodes=tuple(decodes))
+            prefills = self._schedule_prefills(budget, bool(decodes or verifies or chunks))
+        return SchedulerOutput(prefills=tuple(chunks + prefills), decodes=tuple(decodes), verifies=tuple(verifies))
 
-    def _schedule_decodes(self) -> Tuple[List[DecodeWork], List[Request]]:
-        """A decode for every running request that has finished its prefill; also the ones
-        still prefilling, in admission order (this is the step's one pass over them all)."""
+    def _schedule_decodes(self) -> Tuple[List[DecodeWork], List[PrefillWork], List[Request]]:
+        """A decode for every running request that has finished its prefill, or a verify of
+        its drafts; also the ones still prefilling, in admission order (this is the step's one
+        pass over them all)."""
         # Runs over every running request on every step: attributes are read directly rather
         # than through the request's properties, and a request whose blocks have room costs
         # one call into the KV-cache manager.
         decodes: List[DecodeWork] = []
+        verifies: List[PrefillWork] = []
         prefilling: List[Request] = []
+        drafter = self.drafter if self.drafter is not None and self.drafter.active(len(self.running)) else None
+        # Drafts are extra tokens of the budget, beyond a slot per running sequence.
+        spare_tokens = self.config.max_num_batched_tokens - len(self.running)
         table_if_room, block_table = self.kv_cache.table_if_room, self.kv_cache.block_table
         running_status = RequestStatus.RUNNING
         for request in list(self.running):  # a preemption removes requests as it goes
@@ -110,6 +120,12 @@ class Scheduler:
             if in_flight and self._reaches_limit(request, num_tokens):
                 continue  # its in-flight token is its last
             request_id = request.request_id
+            if drafter is not None and not in_flight and spare_tokens > 0:
+                work = self._verify(request, num_tokens, drafter, spare_tokens)
+                if work is not None:
+                    verifies.append(work)
+                    spare_tokens -= len(work.token_ids) - 1
+                    continue
             table = table_if_room(request_id, num_tokens)
             if table is None:
                 if not self._allocate_or_preempt(request, num_tokens):
@@ -119,7 +135,23 @@ class Scheduler:
             work = (request_id, token_id, num_tokens - 1, table, request.sampling)
             decodes.append(_new_decode_work(DecodeWork, work))
             request.num_in_flight = in_flight + 1
-        return decodes, prefilling
+        return decodes, verifies, prefilling
+
+    def _verify(self, request: Request, num_tokens: int, drafter: Drafter, spare_tokens: int) -> Optional[PrefillWork]:
+        """A verify of the request's drafts (its last token and the drafts, as a prefill from
+        the last token's position), with blocks for them; None when it has no drafts or their
+        blocks are not free (it then decodes: drafts never preempt a request)."""
+        room = min(spare_tokens, request.max_outputs - len(request.output_token_ids) - 1)
+        drafts = drafter.propose(request, room) if room > 0 else ()
+        if not drafts:
+            return None
+        if not self.kv_cache.allocate(request.request_id, num_tokens + len(drafts)):
+            return None
+        request.num_in_flight = 1
+        self._verifying[request.request_id] = len(drafts)
+        tokens = request.all_token_ids
+        return PrefillWork(request.request_id, (tokens[-1], *drafts), num_tokens - 1,
+                           self.kv_cache.block_table(request.request_id), request.sampling)
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, scheduled: Collection[str] = ()) -> bool:
         """Blocks for ``num_tokens`` of a running request, preempting the most recently admitted
@@ -131,11 +163,12 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_chunks(self, prefilling: List[Request], budget: int, decodes: List[DecodeWork]) -> List[PrefillWork]:
+    def _schedule_chunks(self, prefilling: List[Request], budget: int, decodes: List[DecodeWork],
+                         verifies: List[PrefillWork]) -> List[PrefillWork]:
         """The next chunk of each request in ``prefilling`` (running, in admission order).
         Blocks come without preempting a request that has work in the step already."""
         chunks: List[PrefillWork] = []
-        scheduled = _LazyIds(decodes, chunks)
+        scheduled = _LazyIds(decodes, verifies, chunks)
         for request in prefilling:
             if budget <= 0:
                 break
@@ -221,12 +254,16 @@ class Scheduler:
         dropped, finished = [], []
         kv_cache = self.kv_cache
         running = RequestStatus.RUNNING  # looked up once: reading an enum class attribute is slow
+        verified = self._count_verified(sampled.request_ids) if self._verifying else None
+        previous = None  # a verify's accepted tokens are consecutive rows of one request
         for row, (request_id, token_id) in enumerate(zip(sampled.request_ids, sampled.token_ids)):
             request = requests.get(request_id)
             if request is None or request.status.is_finished:
                 dropped.append(row)
                 continue
-            request.num_in_flight -= 1
+            if request_id != previous:
+                request.num_in_flight -= 1
+                previous = request_id
             outputs = request.output_token_ids
             if request.status is running:
                 num_computed = request.num_computed_tokens = len(request.prompt_token_ids) + len(outputs)
@@ -241,9 +278,29 @@ class Scheduler:
             elif len(outputs) >= request.max_outputs:
                 self.finish(request, RequestStatus.FINISHED_LENGTH)
                 finished.append(request)
+        if verified:
+            self._release_rejected_blocks(verified, requests)
         if dropped:
             sampled = sampled.rows(sorted(set(range(len(sampled))).difference(dropped)))
         return sampled, finished
+
+    def _count_verified(self, request_ids: List[str]) -> List[str]:
+        """Count the drafts of the verifies among ``request_ids`` and how many were accepted
+        (a verify gives its accepted drafts and one token of the target's); their ids."""
+        rows: Dict[str, int] = {}
+        for request_id in request_ids:
+            if request_id in self._verifying:
+                rows[request_id] = rows.get(request_id, 0) + 1
+        for request_id, count in rows.items():
+            self.spec.add(self._verifying.pop(request_id), count - 1)
+        return list(rows)
+
+    def _release_rejected_blocks(self, request_ids: List[str], requests: Dict[str, Request]) -> None:
+        """Give back the blocks that only rejected drafts reached."""
+        for request_id in request_ids:
+            request = requests.get(request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                self.kv_cache.shrink(request_id, request.num_tokens)
 
 
 class _LazyIds:

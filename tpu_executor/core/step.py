@@ -112,20 +112,26 @@ class SchedulerOutput:
     prefills: Tuple[PrefillWork, ...] = ()
     decodes: Tuple[DecodeWork, ...] = ()
     token_bitmasks: Mapping[str, Any] = field(default_factory=dict)
+    # Speculative decoding: per request, its last token then its draft tokens, computed from the
+    # last token's position; the worker gives back the accepted drafts and the target's next
+    # token (several rows of one request, in order).
+    verifies: Tuple[PrefillWork, ...] = ()
 
     @property
     def is_empty(self) -> bool:
-        return not self.prefills and not self.decodes
+        return not self.prefills and not self.decodes and not self.verifies
 
     @property
     def request_ids(self) -> List[str]:
         """Every request with work in the step."""
-        return [w.request_id for w in self.prefills] + [w.request_id for w in self.decodes]
+        return ([w.request_id for w in self.prefills] + [w.request_id for w in self.decodes]
+                + [w.request_id for w in self.verifies])
 
     @property
     def sampled_request_ids(self) -> List[str]:
         """The requests the step samples a token for (all but prompts' earlier chunks)."""
-        return [w.request_id for w in self.prefills if w.is_last_chunk] + [w.request_id for w in self.decodes]
+        return ([w.request_id for w in self.prefills if w.is_last_chunk] + [w.request_id for w in self.decodes]
+                + [w.request_id for w in self.verifies])
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ the workers down and raises ``EngineDeadError``.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from concurrent.futures import Future
@@ -27,6 +28,7 @@ from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.request import Request, RequestStatus
 from tpu_executor.core.scheduler import Scheduler
 from tpu_executor.core.step import ModelRunnerOutput, PromptLogprobs, SampledTokens, SchedulerOutput, WorkerStats
+from tpu_executor.engine.drafter import make_drafter
 from tpu_executor.engine.stats import EngineStats
 from tpu_executor.engine.structured_outputs import GrammarCompiler, GrammarMatchers
 from tpu_executor.executor import Executor, WorkerFailure
@@ -87,7 +89,8 @@ class EngineCore:
         config = self.config  # with max_model_len fitted to the cache
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.max_model_len,
-                                   BucketPlan.from_config(config).max_prefill_tokens)
+                                   BucketPlan.from_config(config).max_prefill_tokens,
+                                   make_drafter(config.speculative))
         self._requests: Dict[str, Request] = {}  # sample id -> its request, until it finishes
         # Samples the front-end finished since the last step: the next output confirms them, so
         # a front-end in another process knows when no token of theirs can come any more.
@@ -321,7 +324,7 @@ class EngineCore:
             kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_usable_blocks,
             kv_cache_bytes=worker.kv_cache_bytes, compile_cache_hits=worker.compile_cache_hits,
             compile_cache_misses=worker.compile_cache_misses, compile_seconds=worker.compile_seconds,
-            kernel_providers=worker.kernel_providers)
+            kernel_providers=worker.kernel_providers, spec_decode=copy.deepcopy(self.scheduler.spec))
 
     def shutdown(self) -> None:
         self.executor.shutdown()

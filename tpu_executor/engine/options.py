@@ -24,11 +24,15 @@ from tpu_executor.core.config import (
     SchedulerConfig,
     resolve_max_model_len,
 )
+from tpu_executor.core.speculative import SpeculativeConfig
 from tpu_executor.models.layers.parallel import check_tensor_parallel
 from tpu_executor.models.layers.rotary import check_rope
 from tpu_executor.worker.model_loader import checkpoint_limit, load_hf_config
 
 logger = logging.getLogger(__name__)
+
+# The option that carries a whole SpeculativeConfig (a mapping, or JSON on the command line).
+SPECULATIVE_OPTION = "speculative_config"
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -49,6 +53,12 @@ def option_fields() -> List[Tuple[type, dataclasses.Field]]:
     it is the one required argument)."""
     return [(section, f) for section in OPTION_SECTIONS for f in dataclasses.fields(section)
             if f.name != "model"]
+
+
+def option_names() -> List[str]:
+    """Every engine option's name: the config sections' fields, then ``speculative_config``
+    (one option holding a whole config, as vLLM's)."""
+    return [f.name for _, f in option_fields()] + [SPECULATIVE_OPTION]
 
 
 def apply_bucket_file(options: Dict[str, Any]) -> Dict[str, Any]:
@@ -74,6 +84,7 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
     An impossible tensor-parallel split or an unsupported RoPE type fails here, before any
     worker starts."""
     options = apply_bucket_file(options)
+    speculative = SpeculativeConfig.parse(options.pop(SPECULATIVE_OPTION, None))
     values: Dict[type, Dict[str, Any]] = {section: {} for section in OPTION_SECTIONS}
     for section, f in option_fields():
         if f.name in options:
@@ -89,7 +100,8 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
     limit = resolve_max_model_len(checkpoint_limit(hf_config), model_config.max_model_len, scheduler)
     return EngineConfig(model=model_config, cache=CacheConfig(**values[CacheConfig]),
                         scheduler=scheduler, compile=compile_config,
-                        device=DeviceConfig(**values[DeviceConfig]), max_model_len=limit, parallel=parallel)
+                        device=DeviceConfig(**values[DeviceConfig]), max_model_len=limit, parallel=parallel,
+                        speculative=speculative)
 
 
 def shown_default(value: Any) -> str:
@@ -134,6 +146,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, exclude: Iterable[str]
     for section, f in option_fields():
         if f.name not in exclude:
             group.add_argument("--" + f.name.replace("_", "-"), **_argument_kwargs(section, f, defaults))
+    if SPECULATIVE_OPTION not in exclude:
+        group.add_argument("--speculative-config", dest=SPECULATIVE_OPTION, default=argparse.SUPPRESS,
+                           metavar="JSON", help="speculative decoding, as vLLM's: e.g. '{\"method\": \"ngram\", "
+                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+                           "(default: none)")
     parser.set_defaults(engine_defaults=defaults)
 
 
@@ -142,7 +159,7 @@ def engine_options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
     configs turn bucket lists into tuples). A bucket file replaces the subcommand's buckets
     and limits: the user chose them by tuning."""
     values = vars(args)
-    given = {f.name: values[f.name] for _, f in option_fields() if f.name in values}
+    given = {name: values[name] for name in option_names() if name in values}
     defaults = dict(values.get("engine_defaults") or {})
     if given.get("bucket_config") is not None:
         defaults = {k: v for k, v in defaults.items() if k not in BUCKET_FIELDS + LIMIT_FIELDS}

@@ -10,6 +10,7 @@ from typing import Dict, Tuple
 
 from tpu_executor.core.buckets import BucketPlan
 from tpu_executor.core.config import EngineConfig
+from tpu_executor.core.speculative import SpecCounts
 from tpu_executor.core.step import PaddingStats
 
 
@@ -25,7 +26,8 @@ class EngineStats:
     persistent compile cache at warm-up (JAX path): graphs loaded from it, graphs it lacked,
     and the seconds XLA spent compiling or loading (summed over the compile threads). Kernels:
     the provider each op's calls took at warm-up, as (op, provider) pairs (the compiled paths;
-    the native path compiles nothing at warm-up and chooses per call).
+    the native path compiles nothing at warm-up and chooses per call). Speculative decoding:
+    verifies, draft tokens, accepted drafts and accepted drafts per draft position.
     """
 
     startup_seconds: Dict[str, float] = field(default_factory=dict)
@@ -44,6 +46,7 @@ class EngineStats:
     compile_cache_misses: int = 0
     compile_seconds: float = 0.0
     kernel_providers: Tuple[Tuple[str, str], ...] = ()
+    spec_decode: SpecCounts = field(default_factory=SpecCounts)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -65,7 +68,7 @@ def startup_report(config: EngineConfig, stats: EngineStats, seconds: float) -> 
         compiled = f"native {config.device.device} path, nothing compiled"
     return (f"engine ready in {seconds:.1f} s: context {config.max_model_len} tokens, {stats.kv_blocks_total} KV "
             f"blocks of {config.cache.block_size} tokens, up to {config.scheduler.max_num_seqs} sequences, "
-            f"{compiled}\nbucket plan: {plan.describe()}{kernel_line(stats)}")
+            f"{compiled}\nbucket plan: {plan.describe()}{kernel_line(stats)}{speculative_line(config)}")
 
 
 def kernel_line(stats: EngineStats) -> str:
@@ -73,3 +76,8 @@ def kernel_line(stats: EngineStats) -> str:
     if not stats.kernel_providers:
         return ""
     return "\nkernels: " + ", ".join(f"{op}={provider}" for op, provider in stats.kernel_providers)
+
+
+def speculative_line(config: EngineConfig) -> str:
+    """The start-up report's line naming the speculative config (empty without one)."""
+    return "" if config.speculative is None else f"\nspeculative decoding: {config.speculative.describe()}"

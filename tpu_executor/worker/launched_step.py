@@ -3,11 +3,12 @@
 later on XLA)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from tpu_executor.core.step import ModelRunnerOutput, SampledTokens
 from tpu_executor.worker.prompt_logprobs import read_back
 from tpu_executor.worker.sampler import SamplerOutput
+from tpu_executor.worker.verify import LaunchedVerify
 
 if TYPE_CHECKING:
     import torch
@@ -30,7 +31,7 @@ class LaunchedCall(NamedTuple):
 class LaunchedStep:
     """A step handed to the device; ``collect()`` reads its tokens back (waiting for the device)."""
 
-    def __init__(self, calls: List[LaunchedCall], timer):
+    def __init__(self, calls: List[Union[LaunchedCall, LaunchedVerify]], timer):
         self.calls = calls
         self.timer = timer
 
@@ -39,6 +40,10 @@ class LaunchedStep:
         prompt log-probs its prefills gave."""
         parts, prompt = [], []
         for call in self.calls:
+            if isinstance(call, LaunchedVerify):
+                with self.timer.phase("transfer"):
+                    parts.append(call.collect())
+                continue
             with self.timer.phase("transfer"):
                 host = _read_back(call.out)
                 prompt.extend(call.prompt)

@@ -33,6 +33,8 @@ from tpu_executor.core.buckets import (
     PrefillCall,
     PrefillGraph,
     PromptLogprobsGraph,
+    VerifyCall,
+    VerifyGraph,
     graph_label,
 )
 from tpu_executor.core.config import EngineConfig
@@ -47,6 +49,7 @@ from tpu_executor.worker.launched_step import LaunchedCall, LaunchedStep
 from tpu_executor.worker.model_steps import ModelSteps
 from tpu_executor.worker.prompt_logprobs import groups, owed_positions, padding_group, prompt_logprobs_step
 from tpu_executor.worker.sampling_runner import SampleSteps, SamplingRunner
+from tpu_executor.worker.verify import LaunchedVerify, verify_rows, verify_step
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +102,7 @@ class ModelRunner:
         self._decode_fn = self._compile(self.steps.decode, compiled, one_graph)
         self._mixed_fn = self.steps.mixed  # eager devices only
         self._prompt_logprobs_fn = self._compile(partial(prompt_logprobs_step, model), compiled, one_graph)
+        self._verify_fn = self._compile(partial(verify_step, model), compiled, one_graph)
 
     @property
     def timer(self):
@@ -131,6 +135,8 @@ class ModelRunner:
                 call.count_into(self.padding)
                 if isinstance(call, MixedCall):
                     calls.extend(self._launch_mixed(call))
+                elif isinstance(call, VerifyCall):
+                    calls.append(self._launch_verify(call))
                 else:
                     calls.append(self._launch_prefill(call) if isinstance(call, PrefillCall)
                                  else self._launch_decode(call))
@@ -200,6 +206,18 @@ class ModelRunner:
                 launched.append((self._run_fn(self._prompt_logprobs_fn, tensors, "prefill", hidden=hidden,
                                               num_logprobs=width), owners))
         return launched
+
+    def _launch_verify(self, call: VerifyCall) -> LaunchedVerify:
+        """The target's tokens at every position of a pack of verifies (speculative decoding)."""
+        graph = call.graph
+        with self.guard.watch(f"verify bucket tokens={graph.num_tokens} keys={graph.keys}"):
+            _, hidden = self._prefill_logits(call.pack, graph, self.kv_caches)
+            num_rows = sum(len(w.token_ids) for w in call.pack) if self.plan.exact_sizes else self.plan.verify_rows
+            with self.timer.phase("inputs"):
+                rows = verify_rows(call.pack, num_rows)
+            out = self._run_fn(self._verify_fn, {"rows": rows}, "prefill", hidden=hidden,
+                               num_logprobs=self.plan.logprob_widths[-1])
+        return LaunchedVerify(call.pack, out)
 
     def _launch_decode(self, call: DecodeCall) -> LaunchedCall:
         graph = call.graph
@@ -313,7 +331,8 @@ class ModelRunner:
     def _run_dummy(self, graph: Graph) -> None:
         """Run ``graph`` once on padding-only inputs (writes go to the null block)."""
         run = {PrefillGraph: self._dummy_prefill, PromptLogprobsGraph: self._dummy_prompt_logprobs,
-               DecodeGraph: self._dummy_decode}.get(type(graph), self.sampling.run_dummy)
+               DecodeGraph: self._dummy_decode, VerifyGraph: self._dummy_verify}.get(type(graph),
+                                                                                 self.sampling.run_dummy)
         self._wait(run(graph))
 
     def _dummy_prefill(self, graph: PrefillGraph) -> torch.Tensor:
@@ -324,6 +343,11 @@ class ModelRunner:
         hidden = torch.zeros(graph.num_tokens, self.model.config.hidden_size).to(self.device)
         return self._run_fn(self._prompt_logprobs_fn, padding_group(graph.num_rows), "prefill", hidden=hidden,
                             num_logprobs=max(1, self.config.compile.max_logprobs))[0]
+
+    def _dummy_verify(self, graph: VerifyGraph) -> torch.Tensor:
+        hidden = torch.zeros(graph.num_tokens, self.model.config.hidden_size).to(self.device)
+        return self._run_fn(self._verify_fn, {"rows": verify_rows([], graph.num_rows)}, "prefill", hidden=hidden,
+                            num_logprobs=self.plan.logprob_widths[-1])[0]
 
     def _dummy_decode(self, graph: DecodeGraph) -> torch.Tensor:
         return self._decode_logits([DecodeWork("warmup", 0, 0, (NULL_BLOCK,), SamplingMeta.greedy())], graph)

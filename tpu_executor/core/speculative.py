@@ -1,0 +1,118 @@
+"""Speculative decoding's config (pure Python).
+
+A running sequence may carry up to ``num_speculative_tokens`` draft tokens into a step. The
+target model computes the sequence's last token and its drafts in one verify call (a prefill
+over them, reading the earlier context from the pages) and the greedy verifier accepts the
+longest run of drafts equal to the target's own choices, then adds the target's next token: a
+step gives 1 to k + 1 tokens, exactly the tokens decoding one at a time would have given.
+The drafter runs in the engine core (``engine/drafter.py``), the verifier in the worker
+(``worker/verify.py``); the scheduler budgets the drafts' slots and blocks.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Protocol, Tuple, Union
+
+if TYPE_CHECKING:
+    from tpu_executor.core.request import Request
+
+METHODS = ("ngram",)
+# vLLM's methods that this engine does not run yet: named so the error says so.
+LATER_METHODS = ("draft_model", "eagle3", "eagle", "medusa", "mtp")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config``: the method, the draft tokens per step, the n-gram sizes,
+    and the running batch above which no sequence speculates (``disable_by_batch_size``:
+    verifying drafts costs more than the steps it saves once the batch is large enough that
+    one decode step is no longer cheap)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: Optional[int] = None
+
+    def __post_init__(self):
+        if self.method in LATER_METHODS:
+            raise ValueError(f"speculative_config method {self.method!r} is not supported by this engine; "
+                             f"use one of {METHODS}")
+        if self.method not in METHODS:
+            raise ValueError(f"unknown speculative_config method {self.method!r}; use one of {METHODS}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer from 1 to "
+                             f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
+            raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                             f"got {low!r} and {high!r}")
+        limit = self.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer, got {limit!r}")
+
+    @classmethod
+    def parse(cls, value: Union[None, str, Mapping[str, Any], "SpeculativeConfig"]) -> Optional["SpeculativeConfig"]:
+        """A config from what a user passes: a mapping (``LLM``), JSON text (the command
+        line), a config, or None (no speculation). Unknown keys are an error naming them."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"speculative_config is not valid JSON: {err}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        if "method" not in value:
+            raise ValueError("speculative_config needs a method, e.g. {\"method\": \"ngram\"}")
+        return cls(**value)
+
+    def describe(self) -> str:
+        """The config as the start-up report prints it."""
+        limit = "" if self.disable_by_batch_size is None else f", off above {self.disable_by_batch_size} running"
+        return (f"{self.method}, {self.num_speculative_tokens} draft tokens, n-grams of "
+                f"{self.prompt_lookup_min}-{self.prompt_lookup_max}{limit}")
+
+
+class Drafter(Protocol):
+    """What the scheduler asks of a drafter (``engine/drafter.py``)."""
+
+    def active(self, num_running: int) -> bool:
+        """Whether sequences speculate in a step with ``num_running`` running sequences."""
+
+    def propose(self, request: "Request", max_drafts: int) -> Tuple[int, ...]:
+        """Up to ``max_drafts`` draft tokens to follow the request's tokens (none: it decodes)."""
+
+
+@dataclass
+class SpecCounts:
+    """Speculation's figures as vLLM reports them: verifies (``num_drafts``), draft tokens
+    verified, drafts accepted, and accepted drafts per draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: List[int] = field(default_factory=list)
+
+    def add(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One verify of ``num_draft_tokens`` drafts, of which the first ``num_accepted`` held."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_position = self.accepted_per_position
+        per_position.extend([0] * (num_accepted - len(per_position)))
+        for position in range(num_accepted):
+            per_position[position] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verify gave on average (accepted drafts plus the target's own), 0 before any."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

@@ -1,0 +1,64 @@
+"""The n-gram drafter of speculative decoding (prompt lookup), on the host.
+
+For a request it looks for the sequence's last ``n`` tokens earlier in its prompt and outputs,
+``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``, and drafts the tokens that
+followed its most recent earlier occurrence with room for a full draft: text that repeats or
+edits what came before (code edits, quoting, summaries) drafts itself. Each ``n`` is one
+vectorised comparison over the sequence, no Python loop over its tokens.
+
+Only greedy requests without logits processing speculate: their verified tokens are the
+target's argmax, exactly what decoding one token at a time picks. Every other request decodes
+as without speculation.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+
+from tpu_executor.core.request import Request
+from tpu_executor.core.speculative import SpeculativeConfig
+
+
+class NgramDrafter:
+    """Drafts by prompt lookup for the scheduler (``core.speculative.Drafter``)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+
+    def active(self, num_running: int) -> bool:
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running <= limit
+
+    def propose(self, request: Request, max_drafts: int) -> Tuple[int, ...]:
+        sampling = request.sampling
+        if sampling.temperature != 0 or sampling.processing is not None:
+            return ()
+        config = self.config
+        return ngram_drafts(request.all_token_ids, min(max_drafts, config.num_speculative_tokens),
+                            config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+def ngram_drafts(token_ids: Sequence[int], max_drafts: int, min_n: int, max_n: int) -> Tuple[int, ...]:
+    """Up to ``max_drafts`` tokens that followed an earlier occurrence of the sequence's last
+    ``n`` tokens, for the largest ``n`` in ``[min_n, max_n]`` that occurs (the latest occurrence
+    that ``max_drafts`` tokens follow, else the earliest); none when no such suffix recurs."""
+    num = len(token_ids)
+    if max_drafts <= 0 or num <= min_n:
+        return ()
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(max_n, num - 1), min_n - 1, -1):
+        # Windows starting at 0 .. num - n - 1: every earlier occurrence, the suffix itself excluded.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if hits.size:
+            # The latest occurrence followed by a full draft, else the earliest (the longest).
+            full = hits[hits + n + max_drafts <= num]
+            start = int(full[-1] if full.size else hits[0]) + n
+            return tuple(tokens[start:start + max_drafts].tolist())
+    return ()
+
+
+def make_drafter(config: Optional[SpeculativeConfig]) -> Optional[NgramDrafter]:
+    """The drafter of ``config``'s method, None without speculation."""
+    return None if config is None else NgramDrafter(config)
