@@ -67,12 +67,13 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {err}") from None
         if not isinstance(value, Mapping):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        if "method" not in value:
+            raise ValueError("speculative_config needs a method, e.g. {\"method\": \"ngram\"}")
+        cls(method=value["method"])  # an unsupported method is the error to report, before its keys
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
-        if "method" not in value:
-            raise ValueError("speculative_config needs a method, e.g. {\"method\": \"ngram\"}")
         return cls(**value)
 
     def describe(self) -> str:

@@ -209,14 +209,18 @@ class ModelRunner:
 
     def _launch_verify(self, call: VerifyCall) -> LaunchedVerify:
         """The target's tokens at every position of a pack of verifies (speculative decoding)."""
-        graph = call.graph
+        graph, width = call.graph, self.plan.logprob_widths[-1]
+        if self.plan.exact_sizes:  # eager: the model and the LM head over the rows in one call
+            with self.timer.phase("inputs"):
+                inputs = self._prefill_host_inputs(call.pack, graph)
+                inputs["rows"] = verify_rows(call.pack, graph.num_tokens)
+            out = self._run_fn(self.steps.verify, inputs, "prefill", num_logprobs=width, kv_caches=self.kv_caches)
+            return LaunchedVerify(call.pack, out)
         with self.guard.watch(f"verify bucket tokens={graph.num_tokens} keys={graph.keys}"):
             _, hidden = self._prefill_logits(call.pack, graph, self.kv_caches)
-            num_rows = sum(len(w.token_ids) for w in call.pack) if self.plan.exact_sizes else self.plan.verify_rows
             with self.timer.phase("inputs"):
-                rows = verify_rows(call.pack, num_rows)
-            out = self._run_fn(self._verify_fn, {"rows": rows}, "prefill", hidden=hidden,
-                               num_logprobs=self.plan.logprob_widths[-1])
+                rows = verify_rows(call.pack, self.plan.verify_rows)
+            out = self._run_fn(self._verify_fn, {"rows": rows}, "prefill", hidden=hidden, num_logprobs=width)
         return LaunchedVerify(call.pack, out)
 
     def _launch_decode(self, call: DecodeCall) -> LaunchedCall:

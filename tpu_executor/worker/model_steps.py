@@ -1,5 +1,5 @@
 """The model's step functions over one model, as the model runner compiles and calls them: a
-prefill pack, a decode batch, and (eager devices) both in one call. A benchmark swaps in steps
+prefill pack, a decode batch, and (eager devices) both in one call, or a verify pack in one call. A benchmark swaps in steps
 without a model (``bench host``) through ``ModelRunner.model_steps_class``."""
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 
 from tpu_executor.models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from tpu_executor.worker.token_feed import fed_input_ids
+from tpu_executor.worker.verify import verify_step
 
 
 class ModelSteps:
@@ -22,6 +23,15 @@ class ModelSteps:
         hidden = self.model(input_ids, kv_caches, AttentionMetadata(positions, slot_mapping, prefill=prefill))
         # The hidden states stay on the device for prompt log-probs (read only when asked for).
         return self.model.compute_logits(hidden[logits_indices]), hidden
+
+    def verify(self, input_ids, positions, slot_mapping, context_slots, key_positions, key_segments,
+               query_segments, logits_indices, rows, num_logprobs, kv_caches):
+        """A verify pack in one call (eager only; compiled paths run the prefill graph, then the
+        verify graph over its hidden states): the target's greedy token at each of ``rows``."""
+        del logits_indices  # every position of the pack is read through ``rows``
+        prefill = PrefillMetadata(context_slots, key_positions, key_segments, query_segments)
+        hidden = self.model(input_ids, kv_caches, AttentionMetadata(positions, slot_mapping, prefill=prefill))
+        return verify_step(self.model, hidden, rows, num_logprobs)
 
     def decode(self, input_ids, feed_slots, feed_tokens, positions, slot_mapping, block_tables,
                context_lens, kv_caches):
