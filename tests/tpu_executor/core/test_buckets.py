@@ -13,6 +13,8 @@ from tpu_executor.core.buckets import (
     PrefillCall,
     PrefillGraph,
     SamplerGraph,
+    VerifyCall,
+    VerifyGraph,
     pick_bucket,
 )
 from tpu_executor.core.config import (
@@ -26,12 +28,13 @@ from tpu_executor.core.config import (
 )
 
 
-def config(tmp_path, max_model_len=320, chunked=True, budget=2048, device="xla", **compile_options):
+def config(tmp_path, max_model_len=320, chunked=True, budget=2048, device="xla", speculative=None,
+           **compile_options):
     return EngineConfig(model=ModelConfig(model=str(tmp_path)), cache=CacheConfig(block_size=16),
                         scheduler=SchedulerConfig(max_num_seqs=24, max_num_batched_tokens=budget,
                                                   enable_chunked_prefill=chunked),
                         compile=CompileConfig(**compile_options), device=DeviceConfig(device),
-                        max_model_len=max_model_len)
+                        max_model_len=max_model_len, speculative=speculative)
 
 
 def test_eager_devices_run_each_call_at_its_own_size(tmp_path):
@@ -133,6 +136,33 @@ def test_graph_list_covers_every_combination_once(tmp_path):
     assert len([g for g in graphs if isinstance(g, SamplerGraph)]) == 3 * 2 * 2 * 2
     # processing state filled from histories up to max_model_len (320: narrower than the first 256 x 4)
     assert [g for g in graphs if isinstance(g, HistoryGraph)] == [HistoryGraph(256), HistoryGraph(320)]
+
+
+def test_speculation_adds_a_verify_graph_per_prefill_token_bucket(tmp_path):
+    from tpu_executor.core.speculative import SpeculativeConfig
+
+    options = dict(prefill_buckets=(32, 128), decode_buckets=(2, 8), decode_context_buckets=(128,), max_prefill_seqs=8)
+    plain = BucketPlan.from_config(config(tmp_path, **options))
+    speculative = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(num_speculative_tokens=3),
+                                                **options))
+    added = [g for g in speculative.graphs() if g not in plain.graphs()]
+    # a pack holds up to 8 sequences' last token and 3 drafts: 32 positions
+    assert added == [VerifyGraph(32, 32), VerifyGraph(128, 32)]
+    assert "speculative verify 2 graphs" in speculative.describe()
+
+
+def test_verifies_run_as_their_own_packs_never_mixed_with_the_decodes(tmp_path):
+    from tpu_executor.core.speculative import SpeculativeConfig
+    from tpu_executor.core.step import DecodeWork, PrefillWork, SchedulerOutput
+
+    verifies = tuple(PrefillWork(f"v{i}", (1, 2, 3, 4), 40, (1,) * 3, None) for i in range(3))
+    decodes = tuple(DecodeWork(f"d{i}", 5, 20, (2,) * 2, None) for i in range(2))
+    for device in ("cpu", "xla"):
+        plan = BucketPlan.from_config(config(tmp_path, device=device, speculative=SpeculativeConfig(),
+                                             prefill_buckets=(64, 128), max_prefill_seqs=2))
+        calls = plan.model_calls(SchedulerOutput(decodes=decodes, verifies=verifies))
+        assert [type(call) for call in calls] == [VerifyCall, VerifyCall, DecodeCall]
+        assert sorted(len(call.pack) for call in calls[:2]) == [1, 2]
 
 
 def test_prefills_pack_longest_first_into_the_first_pack_with_room():

@@ -1,7 +1,7 @@
 """Engine behaviour on the compiled paths (torch_xla and JAX) with a tiny Llama: zero
-recompilation over 200 random requests, preemption that changes nothing, n samples, seeds,
-stop strings, abort, prefix cache; with a token budget of 96, so that longer prompts run as
-chunks."""
+recompilation over 200 random requests, with and without speculative decoding, preemption that
+changes nothing, n samples, seeds, stop strings, abort, prefix cache; with a token budget of
+96, so that longer prompts run as chunks."""
 import json
 import random
 import subprocess
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.common import (
+    assert_same_outputs_over_random_requests,
     logprob_values,
     output_summary,
     random_processing,
@@ -59,6 +60,21 @@ def test_zero_recompilation_over_200_random_requests(llm):
     assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
     # Warm-up noted each op's provider while tracing, and that left no guard to fail since.
     assert {"paged_attention", "prefill_attention", "rms_norm"} <= set(dict(stats.kernel_providers))
+
+
+def test_speculation_changes_no_output_and_compiles_nothing_after_warmup(checkpoints, llm):
+    """N-gram drafts verified by the prefill graphs and the verify graphs: 200 random requests
+    mixing speculation with every sampling feature give what the engine without it gives."""
+    speculative = LLM(model=checkpoints["llama"], device=device_of(llm),
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+                      **tiny_engine_options(strict=True, max_num_batched_tokens=96))
+    try:
+        assert_same_outputs_over_random_requests(llm, speculative)
+        stats = speculative.stats()
+        assert stats.graphs_compiled_after_warmup == 0
+        assert stats.spec_decode.num_accepted_tokens > 0
+    finally:
+        speculative.shutdown()
 
 
 COUNT_GRAPHS = textwrap.dedent("""
