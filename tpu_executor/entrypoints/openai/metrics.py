@@ -1,7 +1,8 @@
 """Prometheus metrics of the server, named like vLLM's with the prefix ``tpu_executor:``.
 
 Two sources: the engine's own figures (``EngineStats``: running and waiting requests, KV-cache
-usage, preemptions, prefix-cache queries and hits, compiled graphs), read fresh at every
+usage, preemptions, prefix-cache queries and hits, compiled graphs, speculative decoding's
+drafts and accepted tokens), read fresh at every
 scrape; and per-request timings the server observes as outputs come out (time to first
 token, inter-token latency, time per output token, end-to-end latency, queue time, token
 counts, finish reasons, requests by sampling feature, grammar compile times). The time to
@@ -45,6 +46,10 @@ class EngineStatsCollector:
         "num_preemptions": ("Preemptions (by recompute).", lambda s: s.num_preemptions),
         "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries),
         "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits),
+        "spec_decode_num_drafts": ("Verifies of draft tokens (speculative decoding).",
+                                   lambda s: s.spec_decode.num_drafts),
+        "spec_decode_num_draft_tokens": ("Draft tokens verified.", lambda s: s.spec_decode.num_draft_tokens),
+        "spec_decode_num_accepted_tokens": ("Draft tokens accepted.", lambda s: s.spec_decode.num_accepted_tokens),
     }
 
     def __init__(self):
@@ -58,6 +63,17 @@ class EngineStatsCollector:
                 for engine, stats in sorted(self.stats_by_engine.items()):
                     family.add_metric([engine] if labelled else [], value_of(stats))
                 yield family
+        yield self._accepted_per_position(labelled)
+
+    def _accepted_per_position(self, labelled: bool) -> Metric:
+        """Accepted draft tokens by their position in the draft (vLLM's ``position`` label)."""
+        family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft.",
+                                     labels=(["replica"] if labelled else []) + ["position"])
+        for engine, stats in sorted(self.stats_by_engine.items()):
+            for position, count in enumerate(stats.spec_decode.accepted_per_position):
+                family.add_metric(([engine] if labelled else []) + [str(position)], count)
+        return family
 
 
 class ServerMetrics:
