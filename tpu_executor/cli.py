@@ -4,7 +4,7 @@
     tpu-executor serve [MODEL] [--host ...] [--port ...] [engine options]
     tpu-executor compile MODEL --target v6e-8 [--cache-dir DIR] [--json FILE] [engine options]
     tpu-executor tune --trace TRACE [--model MODEL] [--max-graphs N] [--target v5e-8] [--out FILE]
-    tpu-executor bench throughput | serve | host | chunked-prefill | sampler | structured | kernels | cpu-matmul [...]
+    tpu-executor bench throughput | serve | host | chunked-prefill | speculative | sampler | structured | ... [...]
 
 Every subcommand that starts an engine takes the same engine options (``engine/options.py``);
 ``--help`` shows the defaults that subcommand uses. This module is the composition root: it

@@ -5,10 +5,11 @@
 ``serve`` (an OpenAI server under load),
 ``replicas`` (the replicated server: scaling over replicas, routing overhead, prefix routing),
 ``host`` (the host's work per engine step), ``chunked-prefill`` (latency while a long prompt
-arrives), ``sampler`` (the sampler, plain and with logits processing), ``structured``
-(JSON-schema outputs against unconstrained ones), ``kernels`` (the Pallas kernels against their
-references), ``cpu-matmul`` (the native CPU path's matmul forms side by side), ``cpu-kernels``
-(its other C kernels against the forms that serve their ops without them).
+arrives), ``speculative`` (n-gram speculative decoding against none), ``sampler`` (the
+sampler, plain and with logits processing), ``structured`` (JSON-schema outputs against
+unconstrained ones), ``kernels`` (the Pallas kernels against their references), ``cpu-matmul``
+(the native CPU path's matmul forms side by side), ``cpu-kernels`` (its other C kernels
+against the forms that serve their ops without them).
 """
 from __future__ import annotations
 
@@ -23,19 +24,22 @@ from tpu_executor.bench import (
     replicas,
     sampler,
     serve,
+    speculative,
     startup,
     structured,
     throughput,
 )
 
-COMMANDS = (throughput, startup, serve, replicas, host, chunked, sampler, structured, kernels, cpu_matmul, cpu_kernels)
+COMMANDS = (throughput, startup, serve, replicas, host, chunked, speculative, sampler, structured, kernels, cpu_matmul,
+            cpu_kernels)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """``bench`` and its subcommands."""
     parser = subparsers.add_parser(
         "bench", help="benchmarks: offline throughput, start-up, a server under load, replicas, host work, "
-                      "chunked prefill, the sampler, structured outputs, kernels, CPU matmul forms")
+                      "chunked prefill, speculative decoding, the sampler, structured outputs, kernels, "
+                      "CPU matmul forms")
     benchmarks = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for module in COMMANDS:
         module.add_parser(benchmarks)

@@ -140,6 +140,19 @@ class PrefillCall:
 
 
 @dataclass(frozen=True)
+class VerifyCall:
+    """A pack of verifies (speculative decoding): a prefill call over each request's last token
+    and drafts, whose every position the verify graph reads."""
+
+    pack: Tuple[PrefillWork, ...]
+    graph: PrefillGraph
+
+    def count_into(self, padding: PaddingStats) -> None:
+        padding.prefill_tokens_real += sum(len(w.token_ids) for w in self.pack)
+        padding.prefill_tokens_padded += self.graph.num_tokens
+
+
+@dataclass(frozen=True)
 class DecodeCall:
     """The decode call of a step: its rows, the context blocks each row needs, its graph."""
 
@@ -156,28 +169,15 @@ class DecodeCall:
 
 @dataclass(frozen=True)
 class MixedCall:
-    """A prefill pack and the decode batch in one model call (eager devices only): the pack's
-    tokens first, then one token per decode row."""
+    """A prefill or verify pack and the decode batch in one model call (eager devices only):
+    the pack's tokens first, then one token per decode row."""
 
-    prefill: PrefillCall
+    prefill: Union[PrefillCall, VerifyCall]
     decode: DecodeCall
 
     def count_into(self, padding: PaddingStats) -> None:
         self.prefill.count_into(padding)
         self.decode.count_into(padding)
-
-
-@dataclass(frozen=True)
-class VerifyCall:
-    """A pack of verifies (speculative decoding): a prefill call over each request's last token
-    and drafts, whose every position the verify graph reads."""
-
-    pack: Tuple[PrefillWork, ...]
-    graph: PrefillGraph
-
-    def count_into(self, padding: PaddingStats) -> None:
-        padding.prefill_tokens_real += sum(len(w.token_ids) for w in self.pack)
-        padding.prefill_tokens_padded += self.graph.num_tokens
 
 
 ModelCall = Union[PrefillCall, DecodeCall, MixedCall, VerifyCall]
@@ -320,20 +320,25 @@ class BucketPlan:
                            pick_bucket(self.decode_context_block_buckets, context_blocks))
 
     def model_calls(self, step: SchedulerOutput) -> List[ModelCall]:
-        """The model calls that run ``step``: its prefills packed, then one decode call (at
-        exact sizes the last pack and the decodes are one ``MixedCall``)."""
+        """The model calls that run ``step``: its prefills packed, its verifies packed, then
+        one decode call (at exact sizes the last pack and the decodes are one ``MixedCall``)."""
         calls: List[ModelCall] = []
-        for kind, works in ((PrefillCall, step.prefills), (VerifyCall, step.verifies)):
-            # One key short of the widest: room for the padding key.
-            for pack in pack_prefills(works, self.max_prefill_tokens, self.max_prefill_keys - 1,
-                                      self.max_prefill_seqs, self.block_size):
-                calls.append(kind(tuple(pack), self.pack_graph(pack)))
+        for pack in self._packs(step.prefills):
+            calls.append(PrefillCall(tuple(pack), self.pack_graph(pack)))
+        # At exact sizes every verify runs in one call: a call reads all the weights once.
+        for pack in ([step.verifies] if self.exact_sizes and step.verifies else self._packs(step.verifies)):
+            calls.append(VerifyCall(tuple(pack), self.pack_graph(pack)))
         if step.decodes:
             needed = tuple(w.position // self.block_size + 1 for w in step.decodes)
             calls.append(DecodeCall(step.decodes, needed, self.decode_graph(len(needed), max(needed))))
-        if self.exact_sizes and step.decodes and len(calls) > 1 and isinstance(calls[-2], PrefillCall):
+        if self.exact_sizes and step.decodes and len(calls) > 1:
             calls[-2:] = [MixedCall(calls[-2], calls[-1])]
         return calls
+
+    def _packs(self, works: Sequence[PrefillWork]) -> List[List[PrefillWork]]:
+        # One key short of the widest: room for the padding key.
+        return pack_prefills(works, self.max_prefill_tokens, self.max_prefill_keys - 1, self.max_prefill_seqs,
+                             self.block_size)
 
     def sampler_graph(self, num_rows: int, wants_logprobs: bool, all_greedy: bool,
                       processing: bool = False) -> SamplerGraph:

@@ -218,9 +218,14 @@ class ModelRunner:
             return LaunchedVerify(call.pack, out)
         with self.guard.watch(f"verify bucket tokens={graph.num_tokens} keys={graph.keys}"):
             _, hidden = self._prefill_logits(call.pack, graph, self.kv_caches)
-            with self.timer.phase("inputs"):
-                rows = verify_rows(call.pack, self.plan.verify_rows)
-            out = self._run_fn(self._verify_fn, {"rows": rows}, "prefill", hidden=hidden, num_logprobs=width)
+            return self._verify_hidden(call, hidden, self.plan.verify_rows)
+
+    def _verify_hidden(self, call: VerifyCall, hidden: torch.Tensor, num_rows: int) -> LaunchedVerify:
+        """The verify graph over a verify pack's ``hidden`` states (``num_rows`` rows)."""
+        with self.timer.phase("inputs"):
+            rows = verify_rows(call.pack, num_rows)
+        out = self._run_fn(self._verify_fn, {"rows": rows}, "prefill", hidden=hidden,
+                           num_logprobs=self.plan.logprob_widths[-1])
         return LaunchedVerify(call.pack, out)
 
     def _launch_decode(self, call: DecodeCall) -> LaunchedCall:
@@ -245,7 +250,11 @@ class ModelRunner:
                                   self._decode_host_inputs(decode.work, decode.graph))
         prefill_logits, decode_logits, hidden = self._run_fn(
             self._mixed_fn, inputs, "mixed", feed_tokens=self.sampling.feed.read_tokens, kv_caches=self.kv_caches)
-        return [self._sample_prefill(prefill, prefill_logits, hidden), self._sample_decode(decode, decode_logits)]
+        if isinstance(prefill, VerifyCall):
+            first = self._verify_hidden(prefill, hidden, sum(len(w.token_ids) for w in prefill.pack))
+        else:
+            first = self._sample_prefill(prefill, prefill_logits, hidden)
+        return [first, self._sample_decode(decode, decode_logits)]
 
     @torch.no_grad()
     def profile_run(self, kv_caches: KVCaches) -> None:

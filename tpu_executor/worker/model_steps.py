@@ -1,6 +1,7 @@
 """The model's step functions over one model, as the model runner compiles and calls them: a
-prefill pack, a decode batch, and (eager devices) both in one call, or a verify pack in one call. A benchmark swaps in steps
-without a model (``bench host``) through ``ModelRunner.model_steps_class``."""
+prefill pack, a decode batch, and (eager devices) both in one call, or a verify pack in one
+call. A benchmark swaps in steps without a model (``bench host``) through
+``ModelRunner.model_steps_class``."""
 from __future__ import annotations
 
 import torch

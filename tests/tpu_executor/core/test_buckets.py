@@ -151,18 +151,23 @@ def test_speculation_adds_a_verify_graph_per_prefill_token_bucket(tmp_path):
     assert "speculative verify 2 graphs" in speculative.describe()
 
 
-def test_verifies_run_as_their_own_packs_never_mixed_with_the_decodes(tmp_path):
+def test_verifies_run_as_packs_of_their_own(tmp_path):
     from tpu_executor.core.speculative import SpeculativeConfig
     from tpu_executor.core.step import DecodeWork, PrefillWork, SchedulerOutput
 
     verifies = tuple(PrefillWork(f"v{i}", (1, 2, 3, 4), 40, (1,) * 3, None) for i in range(3))
     decodes = tuple(DecodeWork(f"d{i}", 5, 20, (2,) * 2, None) for i in range(2))
-    for device in ("cpu", "xla"):
-        plan = BucketPlan.from_config(config(tmp_path, device=device, speculative=SpeculativeConfig(),
-                                             prefill_buckets=(64, 128), max_prefill_seqs=2))
-        calls = plan.model_calls(SchedulerOutput(decodes=decodes, verifies=verifies))
-        assert [type(call) for call in calls] == [VerifyCall, VerifyCall, DecodeCall]
-        assert sorted(len(call.pack) for call in calls[:2]) == [1, 2]
+    plan = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(), prefill_buckets=(64, 128),
+                                         max_prefill_seqs=2))
+    calls = plan.model_calls(SchedulerOutput(decodes=decodes, verifies=verifies))
+    assert [type(call) for call in calls] == [VerifyCall, VerifyCall, DecodeCall]
+    assert [len(call.pack) for call in calls[:-1]] == [2, 1]
+    # At exact sizes one call takes every verify and the decodes (it reads the weights once).
+    plan = BucketPlan.from_config(config(tmp_path, device="cpu", speculative=SpeculativeConfig(),
+                                         prefill_buckets=(64, 128), max_prefill_seqs=2))
+    calls = plan.model_calls(SchedulerOutput(decodes=decodes, verifies=verifies))
+    assert [type(call) for call in calls] == [MixedCall]
+    assert calls[0].prefill.pack == verifies and calls[0].decode.work == decodes
 
 
 def test_prefills_pack_longest_first_into_the_first_pack_with_room():

@@ -53,6 +53,7 @@ def test_metrics_count_drafts_and_accepted_tokens(served):
     drafts, accepted = (metrics[f"tpu_executor:spec_decode_num_{name}_total"] for name in ("drafts", "accepted_tokens"))
     assert drafts > 0 and accepted > 0
     assert metrics["tpu_executor:spec_decode_num_draft_tokens_total"] >= accepted
-    per_position = {k: v for k, v in metrics.items() if k.startswith("tpu_executor:spec_decode_num_accepted_tokens_per")}
+    per_position = {k: v for k, v in metrics.items()
+                    if k.startswith("tpu_executor:spec_decode_num_accepted_tokens_per")}
     assert 'tpu_executor:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in per_position
     assert sum(per_position.values()) == accepted
