@@ -6,9 +6,9 @@ followed its most recent earlier occurrence with room for a full draft: text tha
 edits what came before (code edits, quoting, summaries) drafts itself. Each ``n`` is one
 vectorised comparison over the sequence, no Python loop over its tokens.
 
-Only greedy requests without logits processing speculate: their verified tokens are the
-target's argmax, exactly what decoding one token at a time picks. Every other request decodes
-as without speculation.
+Requests with logits processing (penalties, bias, masks, grammars) do not speculate: the
+processed logits at a draft position depend on the drafts before it. They decode beside the
+others, as without speculation.
 """
 from __future__ import annotations
 
@@ -31,8 +31,7 @@ class NgramDrafter:
         return limit is None or num_running <= limit
 
     def propose(self, request: Request, max_drafts: int) -> Tuple[int, ...]:
-        sampling = request.sampling
-        if sampling.temperature != 0 or sampling.processing is not None:
+        if request.sampling.processing is not None:
             return ()
         config = self.config
         return ngram_drafts(request.all_token_ids, min(max_drafts, config.num_speculative_tokens),

@@ -49,7 +49,7 @@ from tpu_executor.worker.launched_step import LaunchedCall, LaunchedStep
 from tpu_executor.worker.model_steps import ModelSteps
 from tpu_executor.worker.prompt_logprobs import groups, owed_positions, padding_group, prompt_logprobs_step
 from tpu_executor.worker.sampling_runner import SampleSteps, SamplingRunner
-from tpu_executor.worker.verify import LaunchedVerify, verify_rows, verify_step
+from tpu_executor.worker.verify import LaunchedVerify, verify_positions, verify_rows, verify_step
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,9 @@ class ModelRunner:
         return LaunchedStep(calls, self.timer)
 
     def _prefill_host_inputs(self, pack: Sequence[PrefillWork], graph: PrefillGraph) -> Dict[str, torch.Tensor]:
-        return prefill_inputs(pack, graph.num_tokens, graph.keys, self.plan.max_prefill_seqs, self.block_size)
+        # At exact sizes one call takes every verify of a step, however many.
+        max_seqs = max(len(pack), self.plan.max_prefill_seqs) if self.plan.exact_sizes else self.plan.max_prefill_seqs
+        return prefill_inputs(pack, graph.num_tokens, graph.keys, max_seqs, self.block_size)
 
     def _decode_host_inputs(self, work: Sequence[DecodeWork], graph: DecodeGraph) -> Dict[str, torch.Tensor]:
         self.decode_batch.update(work)
@@ -209,12 +211,12 @@ class ModelRunner:
 
     def _launch_verify(self, call: VerifyCall) -> LaunchedVerify:
         """The target's tokens at every position of a pack of verifies (speculative decoding)."""
-        graph, width = call.graph, self.plan.logprob_widths[-1]
-        if self.plan.exact_sizes:  # eager: the model and the LM head over the rows in one call
+        graph = call.graph
+        if self.plan.exact_sizes:  # eager: the model, the LM head and the sampler over the rows in one call
             with self.timer.phase("inputs"):
-                inputs = self._prefill_host_inputs(call.pack, graph)
-                inputs["rows"] = verify_rows(call.pack, graph.num_tokens)
-            out = self._run_fn(self.steps.verify, inputs, "prefill", num_logprobs=width, kv_caches=self.kv_caches)
+                inputs = {**self._prefill_host_inputs(call.pack, graph), **self._verify_inputs(call, graph.num_tokens)}
+            out = self._run_fn(self.steps.verify, inputs, "prefill", kv_caches=self.kv_caches,
+                               **self._verify_static(call))
             return LaunchedVerify(call.pack, out)
         with self.guard.watch(f"verify bucket tokens={graph.num_tokens} keys={graph.keys}"):
             _, hidden = self._prefill_logits(call.pack, graph, self.kv_caches)
@@ -223,10 +225,21 @@ class ModelRunner:
     def _verify_hidden(self, call: VerifyCall, hidden: torch.Tensor, num_rows: int) -> LaunchedVerify:
         """The verify graph over a verify pack's ``hidden`` states (``num_rows`` rows)."""
         with self.timer.phase("inputs"):
-            rows = verify_rows(call.pack, num_rows)
-        out = self._run_fn(self._verify_fn, {"rows": rows}, "prefill", hidden=hidden,
-                           num_logprobs=self.plan.logprob_widths[-1])
+            inputs = self._verify_inputs(call, num_rows)
+        out = self._run_fn(self._verify_fn, inputs, "prefill", hidden=hidden, **self._verify_static(call))
         return LaunchedVerify(call.pack, out)
+
+    @staticmethod
+    def _verify_inputs(call: Optional[VerifyCall], num_rows: int) -> Dict[str, torch.Tensor]:
+        """A verify's rows of the pack's hidden states and their sampler inputs (no call: padding)."""
+        pack = call.pack if call is not None else ()
+        return {"rows": verify_rows(pack, num_rows), **sampling_tensors(verify_positions(pack), num_rows)}
+
+    def _verify_static(self, call: Optional[VerifyCall]) -> Dict[str, object]:
+        """The verify graph's constants: the log-prob width, and whether every row is greedy
+        (compiled paths keep one graph per bucket: greedy rows take the argmax there too)."""
+        greedy = self.plan.exact_sizes and call is not None and all(w.sampling.temperature == 0 for w in call.pack)
+        return dict(num_logprobs=self.plan.logprob_widths[-1], all_greedy=greedy)
 
     def _launch_decode(self, call: DecodeCall) -> LaunchedCall:
         graph = call.graph
@@ -359,8 +372,8 @@ class ModelRunner:
 
     def _dummy_verify(self, graph: VerifyGraph) -> torch.Tensor:
         hidden = torch.zeros(graph.num_tokens, self.model.config.hidden_size).to(self.device)
-        return self._run_fn(self._verify_fn, {"rows": verify_rows([], graph.num_rows)}, "prefill", hidden=hidden,
-                            num_logprobs=self.plan.logprob_widths[-1])[0]
+        return self._run_fn(self._verify_fn, self._verify_inputs(None, graph.num_rows), "prefill", hidden=hidden,
+                            **self._verify_static(None))[0]
 
     def _dummy_decode(self, graph: DecodeGraph) -> torch.Tensor:
         return self._decode_logits([DecodeWork("warmup", 0, 0, (NULL_BLOCK,), SamplingMeta.greedy())], graph)

@@ -26,13 +26,13 @@ class ModelSteps:
         return self.model.compute_logits(hidden[logits_indices]), hidden
 
     def verify(self, input_ids, positions, slot_mapping, context_slots, key_positions, key_segments,
-               query_segments, logits_indices, rows, num_logprobs, kv_caches):
+               query_segments, logits_indices, rows, kv_caches, **sampling):
         """A verify pack in one call (eager only; compiled paths run the prefill graph, then the
-        verify graph over its hidden states): the target's greedy token at each of ``rows``."""
+        verify graph over its hidden states): the target's token at each of ``rows``."""
         del logits_indices  # every position of the pack is read through ``rows``
         prefill = PrefillMetadata(context_slots, key_positions, key_segments, query_segments)
         hidden = self.model(input_ids, kv_caches, AttentionMetadata(positions, slot_mapping, prefill=prefill))
-        return verify_step(self.model, hidden, rows, num_logprobs)
+        return verify_step(self.model, hidden, rows, **sampling)
 
     def decode(self, input_ids, feed_slots, feed_tokens, positions, slot_mapping, block_tables,
                context_lens, kv_caches):

@@ -39,6 +39,9 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> t
     token_ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     bits = _mix32(key[:, None] ^ ((token_ids * 0x9E3779B1) & _MASK32)[None, :])
     uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # The top 24-bit value plus a half rounds to 1.0 in fp32, whose noise is +inf: added to a
+    # filtered-out token's -inf it made NaN, which argmax picks (about once in 30,000 rows).
+    uniform = torch.clamp(uniform, max=1.0 - 2.0 ** -24)
     return -torch.log(-torch.log(uniform))
 
 

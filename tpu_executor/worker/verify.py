@@ -1,12 +1,17 @@
-"""Greedy verification of draft tokens (speculative decoding), on the device.
+"""Verification of draft tokens (speculative decoding), on the device.
 
 A verify pack is a prefill call over each request's last token and its drafts, reading the
-earlier context from the pages; position ``i`` of a request's run gives the target's token
-after the last token and the first ``i`` drafts. The verify graph (one per prefill token
-bucket) takes the pack's hidden states at those positions through the LM head and returns the
-target's greedy token at each, its log-prob and the top log-probs, as the sampler would for a
-greedy row. The host then accepts the longest run of drafts equal to the target's tokens, and
-the target's token after it (``accepted_rows``): the tokens one-at-a-time decoding gives.
+earlier context from the pages; position ``i`` of a request's run is where the target picks its
+token after the last token and the first ``i`` drafts. The verify graph (one per prefill token
+bucket) takes the pack's hidden states at those positions through the LM head and the sampler,
+each position a row with its request's sampling parameters and its own seeding step, so a
+position draws exactly the token decoding one at a time would draw there. The host accepts the
+longest run of drafts equal to those tokens, then the token after it (``accepted_rows``).
+
+For a drafter whose draft is one token with certainty (n-gram), this is rejection sampling: a
+draft ``x`` is accepted with probability ``p(x) = min(1, p(x) / q(x))``, and on rejection the
+token drawn is distributed as ``p`` without ``x``, renormalised, which is ``max(0, p - q)``
+renormalised. Greedy rows accept the drafts equal to the argmax.
 """
 from __future__ import annotations
 
@@ -14,29 +19,29 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
-from tpu_executor.core.step import PrefillWork, SampledTokens
+from tpu_executor.core.step import PrefillWork, SampledTokens, SamplingMeta
+from tpu_executor.worker.sampler import SamplerOutput, sample
 
 
-class VerifyOutput(NamedTuple):
-    """The verify graph's outputs per position: greedy token, its log-prob, top ids and log-probs."""
+class VerifyPosition(NamedTuple):
+    """One verified position as the sampler's inputs see a work item: its request's sampling
+    row and the position of the token it picks (its seeding step)."""
 
-    token_ids: torch.Tensor
-    token_logprobs: torch.Tensor
-    top_ids: Optional[torch.Tensor]
-    top_logprobs: Optional[torch.Tensor]
+    sampling: SamplingMeta
+    sampled_position: int
 
 
-def verify_step(model, hidden: torch.Tensor, rows: torch.Tensor, num_logprobs: int) -> VerifyOutput:
-    """The target's greedy token at ``rows`` of ``hidden`` (runs compiled; ``num_logprobs``
-    top log-probs, none when 0)."""
-    logits = model.compute_logits(hidden.index_select(0, rows)).float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    token_ids = torch.argmax(logits, dim=-1)
-    token_logprobs = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-    if num_logprobs == 0:
-        return VerifyOutput(token_ids, token_logprobs, None, None)
-    top_logprobs, top_ids = torch.topk(logprobs, num_logprobs, dim=-1)
-    return VerifyOutput(token_ids, token_logprobs, top_ids, top_logprobs)
+def verify_positions(pack: Sequence[PrefillWork]) -> List[VerifyPosition]:
+    """Every position of every verify of ``pack``, in order."""
+    return [VerifyPosition(work.sampling, work.start_pos + i + 1) for work in pack for i in range(len(work.token_ids))]
+
+
+def verify_step(model, hidden: torch.Tensor, rows: torch.Tensor, num_logprobs: int, all_greedy: bool,
+                **sampling) -> SamplerOutput:
+    """The token the sampler picks at ``rows`` of ``hidden``, with their log-probs (runs
+    compiled; ``sampling``: the rows' sampler inputs, ``worker/inputs.py``)."""
+    logits = model.compute_logits(hidden.index_select(0, rows))
+    return sample(logits, num_logprobs=num_logprobs, all_greedy=all_greedy, **sampling)
 
 
 def verify_rows(pack: Sequence[PrefillWork], num_rows: int) -> torch.Tensor:
@@ -52,7 +57,7 @@ class LaunchedVerify(NamedTuple):
     """A launched verify call: its pack and the verify graph's device outputs."""
 
     pack: Sequence[PrefillWork]
-    out: VerifyOutput
+    out: SamplerOutput
 
     def collect(self) -> SampledTokens:
         """Each request's accepted drafts and the target's token after them, a row each

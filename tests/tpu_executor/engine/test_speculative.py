@@ -67,6 +67,23 @@ def test_greedy_tokens_and_logprobs_equal_on_repeating_text(engines):
                 assert abs(step_have[token] - value) < 1e-4
 
 
+def test_more_verifies_in_a_step_than_a_prefill_pack_holds(checkpoints):
+    """The native path runs every verify of a step in one call, beyond max_prefill_seqs."""
+    options = tiny_engine_options(device="cpu", max_prefill_seqs=2)
+    plain = LLM(model=checkpoints["llama"], **options)
+    speculative = LLM(model=checkpoints["llama"], speculative_config=NGRAM, **options)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        want = [o.outputs[0].token_ids for o in plain.generate(repeating_prompts(8), params, use_tqdm=False)]
+        got = speculative.generate(repeating_prompts(8), params, use_tqdm=False)
+        assert [o.error for o in got] == [None] * 8
+        assert [o.outputs[0].token_ids for o in got] == want
+        assert speculative.stats().spec_decode.num_drafts > 0
+    finally:
+        plain.shutdown()
+        speculative.shutdown()
+
+
 @pytest.mark.parametrize("max_tokens", range(1, 30))
 def test_max_tokens_anywhere_in_an_accepted_run(engines, max_tokens):
     plain, speculative = engines
