@@ -35,6 +35,9 @@ from tpu_executor.core.request import Request, RequestStatus
 from tpu_executor.core.speculative import Drafter, SpecCounts
 from tpu_executor.core.step import PENDING_TOKEN, DecodeWork, PrefillWork, SampledTokens, SchedulerOutput
 
+# The most steps a request whose drafts keep failing decodes before it drafts again.
+MAX_DRAFT_WAIT = 16
+
 # NamedTuple's own constructor is a Python function (~0.5 us); tuple.__new__ builds the same
 # record at a third of that, which counts at hundreds of decodes per step.
 _new_decode_work = tuple.__new__
@@ -121,11 +124,14 @@ class Scheduler:
                 continue  # its in-flight token is its last
             request_id = request.request_id
             if drafter is not None and not in_flight and spare_tokens > 0:
-                work = self._verify(request, num_tokens, drafter, spare_tokens)
-                if work is not None:
-                    verifies.append(work)
-                    spare_tokens -= len(work.token_ids) - 1
-                    continue
+                if request.draft_wait:
+                    request.draft_wait -= 1
+                else:
+                    work = self._verify(request, num_tokens, drafter, spare_tokens)
+                    if work is not None:
+                        verifies.append(work)
+                        spare_tokens -= len(work.token_ids) - 1
+                        continue
             table = table_if_room(request_id, num_tokens)
             if table is None:
                 if not self._allocate_or_preempt(request, num_tokens):
@@ -254,7 +260,7 @@ class Scheduler:
         dropped, finished = [], []
         kv_cache = self.kv_cache
         running = RequestStatus.RUNNING  # looked up once: reading an enum class attribute is slow
-        verified = self._count_verified(sampled.request_ids) if self._verifying else None
+        verified = self._count_verified(sampled.request_ids, requests) if self._verifying else None
         previous = None  # a verify's accepted tokens are consecutive rows of one request
         for row, (request_id, token_id) in enumerate(zip(sampled.request_ids, sampled.token_ids)):
             request = requests.get(request_id)
@@ -284,15 +290,22 @@ class Scheduler:
             sampled = sampled.rows(sorted(set(range(len(sampled))).difference(dropped)))
         return sampled, finished
 
-    def _count_verified(self, request_ids: List[str]) -> List[str]:
+    def _count_verified(self, request_ids: List[str], requests: Dict[str, Request]) -> List[str]:
         """Count the drafts of the verifies among ``request_ids`` and how many were accepted
-        (a verify gives its accepted drafts and one token of the target's); their ids."""
+        (a verify gives its accepted drafts and one token of the target's); their ids. A request
+        whose drafts all failed waits before it drafts again, twice as long after each miss in a
+        row (up to ``MAX_DRAFT_WAIT`` steps): where its text does not repeat, a verify costs
+        more than the decode it replaces."""
         rows: Dict[str, int] = {}
         for request_id in request_ids:
             if request_id in self._verifying:
                 rows[request_id] = rows.get(request_id, 0) + 1
         for request_id, count in rows.items():
             self.spec.add(self._verifying.pop(request_id), count - 1)
+            request = requests.get(request_id)
+            if request is not None:
+                request.draft_misses = 0 if count > 1 else request.draft_misses + 1
+                request.draft_wait = min(1 << request.draft_misses, MAX_DRAFT_WAIT + 1) - 1
         return list(rows)
 
     def _release_rejected_blocks(self, request_ids: List[str], requests: Dict[str, Request]) -> None:

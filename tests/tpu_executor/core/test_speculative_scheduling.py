@@ -119,3 +119,32 @@ def test_spec_counts_per_position():
     assert (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens) == (3, 11, 5)
     assert counts.accepted_per_position == [2, 2, 1]
     assert counts.mean_accepted_length == pytest.approx(1 + 5 / 3)
+
+
+def test_a_request_whose_drafts_keep_failing_drafts_less_often():
+    """After a verify that accepts nothing, a request decodes 1, 3, 7, 15, then 16 steps before
+    it drafts again; an accepted draft ends the wait."""
+    class LateDrafter:
+        """Wrong until the request has 20 outputs, right after."""
+
+        def active(self, num_running):
+            return True
+
+        def propose(self, request, max_drafts):
+            right = model_token(request.all_token_ids)
+            return (right if len(request.output_token_ids) >= 20 else (right + 1) % 97,)
+
+    scheduler, kv = make_scheduler(num_blocks=200)
+    scheduler.drafter = LateDrafter()
+    request = make_request("r", 8, 60)
+    table = {"r": request}
+    scheduler.add(request)
+    verify_steps = []
+    for step in range(40):
+        out = scheduler.schedule()
+        if out.verifies:
+            verify_steps.append(step)
+        scheduler.update(step_tokens(out, table), table)
+    # step 0 is the prompt; misses at 1, 3, 7, 15 (waits of 1, 3, 7); the verify at step 31
+    # (after a wait of 15) holds, and from then on the request verifies every step
+    assert verify_steps == [1, 3, 7, 15, 31, 32, 33, 34, 35, 36, 37, 38, 39]

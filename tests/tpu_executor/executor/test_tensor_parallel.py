@@ -102,10 +102,14 @@ def test_core_process_drives_the_ray_workers(cluster, checkpoints, references, p
 
 
 def test_native_path_at_tp4_matches_transformers(cluster, checkpoints, references, prompts):
-    """Gemma's two KV heads each replicated on two of the four ranks."""
-    llm = LLM(checkpoints["gemma"], device="cpu", tensor_parallel_size=4, **tensor_parallel_options())
+    """Gemma's two KV heads each replicated on two of the four ranks; with n-gram speculative
+    decoding, whose verifies every rank runs (the LM head's logits all-gathered)."""
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    llm = LLM(checkpoints["gemma"], device="cpu", tensor_parallel_size=4, speculative_config=speculative,
+              **tensor_parallel_options())
     try:
         assert greedy_tokens(llm, prompts, NEW_TOKENS) == references["gemma"]
+        assert llm.engine.stats().spec_decode.num_drafts > 0
     finally:
         llm.shutdown()
 
