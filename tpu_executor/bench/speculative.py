@@ -71,7 +71,7 @@ def chat_prompts(tokenizer, workload: str, count: int) -> List[List[int]]:
 
 
 def engine(path: str, device: str, max_batch: int, speculative: Dict = None):
-    from tpu_executor import LLM
+    from tpu_executor.entrypoints.llm import LLM
 
     options = dict(device=device, max_model_len=512, max_num_seqs=max_batch, enable_prefix_caching=False,
                    prefill_buckets=(64, 128, 256, 512), decode_buckets=tuple(sorted({1, 8, max_batch})),
@@ -81,7 +81,7 @@ def engine(path: str, device: str, max_batch: int, speculative: Dict = None):
 
 def timed_rate(llm, prompts: List[List[int]], output_len: int) -> float:
     """Output tok/s of one generate call over ``prompts`` (after one untimed call)."""
-    from tpu_executor import SamplingParams
+    from tpu_executor.core.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]

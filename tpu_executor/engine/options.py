@@ -12,7 +12,7 @@ import logging
 import typing
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from tpu_executor.core.buckets import BUCKET_FIELDS, LIMIT_FIELDS, read_bucket_file
+from tpu_executor.core.bucket_file import BUCKET_FIELDS, LIMIT_FIELDS, read_bucket_file
 from tpu_executor.core.config import (
     OPTION_SECTIONS,
     CacheConfig,

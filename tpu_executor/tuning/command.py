@@ -22,7 +22,7 @@ import json
 from dataclasses import asdict
 from typing import Dict, List, Optional
 
-from tpu_executor.core.buckets import write_bucket_file
+from tpu_executor.core.bucket_file import write_bucket_file
 from tpu_executor.engine.options import (
     HelpFormatter,
     add_engine_arguments,

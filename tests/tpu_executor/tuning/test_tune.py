@@ -9,7 +9,8 @@ import textwrap
 import pytest
 
 from tpu_executor.cli import main
-from tpu_executor.core.buckets import BucketPlan, DecodeGraph, PrefillGraph, read_bucket_file
+from tpu_executor.core.bucket_file import read_bucket_file
+from tpu_executor.core.buckets import BucketPlan, DecodeGraph, PrefillGraph
 from tpu_executor.engine.llm_engine import LLMEngine
 from tpu_executor.engine.options import build_engine_config
 from tpu_executor.tools.published_models import model_directory
