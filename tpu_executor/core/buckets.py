@@ -110,11 +110,13 @@ class PromptLogprobsGraph:
 
 @dataclass(frozen=True)
 class VerifyGraph:
-    """The target's greedy choice at ``num_rows`` positions of a prefill call's ``num_tokens``
-    hidden states: a verify pack's last tokens and drafts (``worker/verify.py``)."""
+    """The target's choice at ``num_rows`` positions of a prefill call's ``num_tokens`` hidden
+    states: a verify pack's last tokens and drafts through the LM head and the sampler
+    (``worker/verify.py``); ``all_greedy`` skips the sampler's sort and noise, as its graphs do."""
 
     num_tokens: int
     num_rows: int
+    all_greedy: bool = True
 
 
 Graph = Union[PrefillGraph, DecodeGraph, SamplerGraph, HistoryGraph, PromptLogprobsGraph, VerifyGraph]
@@ -272,12 +274,15 @@ class BucketPlan:
     def long_form_buckets(self) -> Tuple[int, ...]:
         """The token buckets that also run over context widths wider than themselves: the
         largest, then the largest at most a quarter of the one before. A few tokens over a long
-        context pad their tokens at most ~4x, and the graph count stays small."""
+        context pad their tokens at most ~4x, and the graph count stays small. With speculation,
+        also the smallest that holds a verify pack: its few tokens read whole contexts every step."""
         chosen = [self.prefill_token_buckets[-1]]
         for bucket in reversed(self.prefill_token_buckets):
             if bucket * 4 <= chosen[-1]:
                 chosen.append(bucket)
-        return tuple(reversed(chosen))
+        if self.verify_rows:
+            chosen.append(pick_bucket(self.prefill_token_buckets, min(self.verify_rows, chosen[0])))
+        return tuple(sorted(set(chosen)))
 
     def key_widths(self, num_tokens: int) -> Tuple[int, ...]:
         """The key widths of token bucket ``num_tokens``: the short form's, then, for the
@@ -348,9 +353,9 @@ class BucketPlan:
         """The prompt log-probs graph over a prefill call of ``num_tokens`` (its bucket)."""
         return PromptLogprobsGraph(num_tokens, min(PROMPT_LOGPROB_ROWS, num_tokens))
 
-    def verify_graph(self, num_tokens: int) -> VerifyGraph:
+    def verify_graph(self, num_tokens: int, all_greedy: bool) -> VerifyGraph:
         """The verify graph over a prefill call of ``num_tokens`` (its bucket)."""
-        return VerifyGraph(num_tokens, self.verify_rows)
+        return VerifyGraph(num_tokens, self.verify_rows, all_greedy)
 
     def history_graph(self, num_tokens: int) -> HistoryGraph:
         """The graph that fills processing slots from histories of up to ``num_tokens`` tokens."""
@@ -380,7 +385,8 @@ class BucketPlan:
                    for n in self.logprob_widths for g in (True, False)]
         history = [HistoryGraph(t) for t in self.history_token_buckets]
         prompt = [self.prompt_logprobs_graph(t) for t in self.prefill_token_buckets]
-        verify = [self.verify_graph(t) for t in self.prefill_token_buckets] if self.verify_rows else []
+        verify = [self.verify_graph(t, g) for t in self.prefill_token_buckets for g in (True, False)
+                  if self.verify_rows]
         return [*prefill, *decode, *sampler, *history, *prompt, *verify]
 
 
@@ -395,7 +401,7 @@ def graph_label(graph: Graph) -> str:
     if isinstance(graph, HistoryGraph):
         return f"processing state tokens={graph.num_tokens}"
     if isinstance(graph, VerifyGraph):
-        return f"verify tokens={graph.num_tokens} rows={graph.num_rows}"
+        return f"verify tokens={graph.num_tokens} rows={graph.num_rows} greedy={graph.all_greedy}"
     return (f"sampler rows={graph.num_rows} logprobs={graph.num_logprobs} greedy={graph.all_greedy} "
             f"processing={graph.processing}")
 

@@ -235,11 +235,12 @@ class ModelRunner:
         pack = call.pack if call is not None else ()
         return {"rows": verify_rows(pack, num_rows), **sampling_tensors(verify_positions(pack), num_rows)}
 
-    def _verify_static(self, call: Optional[VerifyCall]) -> Dict[str, object]:
+    def _verify_static(self, call: Optional[VerifyCall], all_greedy: bool = True) -> Dict[str, object]:
         """The verify graph's constants: the log-prob width, and whether every row is greedy
-        (compiled paths keep one graph per bucket: greedy rows take the argmax there too)."""
-        greedy = self.plan.exact_sizes and call is not None and all(w.sampling.temperature == 0 for w in call.pack)
-        return dict(num_logprobs=self.plan.logprob_widths[-1], all_greedy=greedy)
+        (no call: warm-up's, for a graph that is ``all_greedy`` or not)."""
+        if call is not None:
+            all_greedy = all(w.sampling.temperature == 0 for w in call.pack)
+        return dict(num_logprobs=self.plan.logprob_widths[-1], all_greedy=all_greedy)
 
     def _launch_decode(self, call: DecodeCall) -> LaunchedCall:
         graph = call.graph
@@ -373,7 +374,7 @@ class ModelRunner:
     def _dummy_verify(self, graph: VerifyGraph) -> torch.Tensor:
         hidden = torch.zeros(graph.num_tokens, self.model.config.hidden_size).to(self.device)
         return self._run_fn(self._verify_fn, self._verify_inputs(None, graph.num_rows), "prefill", hidden=hidden,
-                            **self._verify_static(None))[0]
+                            **self._verify_static(None, graph.all_greedy))[0]
 
     def _dummy_decode(self, graph: DecodeGraph) -> torch.Tensor:
         return self._decode_logits([DecodeWork("warmup", 0, 0, (NULL_BLOCK,), SamplingMeta.greedy())], graph)

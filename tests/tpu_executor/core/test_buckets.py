@@ -138,7 +138,7 @@ def test_graph_list_covers_every_combination_once(tmp_path):
     assert [g for g in graphs if isinstance(g, HistoryGraph)] == [HistoryGraph(256), HistoryGraph(320)]
 
 
-def test_speculation_adds_a_verify_graph_per_prefill_token_bucket(tmp_path):
+def test_speculation_adds_two_verify_graphs_per_prefill_token_bucket(tmp_path):
     from tpu_executor.core.speculative import SpeculativeConfig
 
     options = dict(prefill_buckets=(32, 128), decode_buckets=(2, 8), decode_context_buckets=(128,), max_prefill_seqs=8)
@@ -146,9 +146,18 @@ def test_speculation_adds_a_verify_graph_per_prefill_token_bucket(tmp_path):
     speculative = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(num_speculative_tokens=3),
                                                 **options))
     added = [g for g in speculative.graphs() if g not in plain.graphs()]
-    # a pack holds up to 8 sequences' last token and 3 drafts: 32 positions
-    assert added == [VerifyGraph(32, 32), VerifyGraph(128, 32)]
-    assert "speculative verify 2 graphs" in speculative.describe()
+    # a pack holds up to 8 sequences' last token and 3 drafts: 32 positions; greedy or not
+    assert added == [VerifyGraph(32, 32, True), VerifyGraph(32, 32, False), VerifyGraph(128, 32, True),
+                     VerifyGraph(128, 32, False)]
+    assert "speculative verify 4 graphs" in speculative.describe()
+    # Where no long form holds a verify pack's few tokens, its bucket gets the context widths.
+    options = dict(max_model_len=512, prefill_buckets=(64, 128, 256, 512), max_prefill_seqs=8)
+    plain = BucketPlan.from_config(config(tmp_path, **options))
+    speculative = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(num_speculative_tokens=4),
+                                                **options))
+    assert plain.long_form_buckets() == (128, 512) and speculative.long_form_buckets() == (64, 128, 512)
+    assert plain.prefill_graph(5, 250) == PrefillGraph(128, 512)  # a verify of 5 tokens over 250 keys
+    assert speculative.prefill_graph(5, 250) == PrefillGraph(64, 512)
 
 
 def test_verifies_run_as_packs_of_their_own(tmp_path):
