@@ -141,16 +141,9 @@ class PrefillCall:
 
 
 @dataclass(frozen=True)
-class VerifyCall:
+class VerifyCall(PrefillCall):
     """A pack of verifies (speculative decoding): a prefill call over each request's last token
     and drafts, whose every position the verify graph reads."""
-
-    pack: Tuple[PrefillWork, ...]
-    graph: PrefillGraph
-
-    def count_into(self, padding: PaddingStats) -> None:
-        padding.prefill_tokens_real += sum(len(w.token_ids) for w in self.pack)
-        padding.prefill_tokens_padded += self.graph.num_tokens
 
 
 @dataclass(frozen=True)
@@ -173,7 +166,7 @@ class MixedCall:
     """A prefill or verify pack and the decode batch in one model call (eager devices only):
     the pack's tokens first, then one token per decode row."""
 
-    prefill: Union[PrefillCall, VerifyCall]
+    prefill: PrefillCall  # or a VerifyCall
     decode: DecodeCall
 
     def count_into(self, padding: PaddingStats) -> None:
@@ -181,7 +174,7 @@ class MixedCall:
         self.decode.count_into(padding)
 
 
-ModelCall = Union[PrefillCall, DecodeCall, MixedCall, VerifyCall]
+ModelCall = Union[PrefillCall, DecodeCall, MixedCall]
 
 
 def context_keys(work: PrefillWork, block_size: int) -> int:

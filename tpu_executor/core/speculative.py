@@ -2,9 +2,10 @@
 
 A running sequence may carry up to ``num_speculative_tokens`` draft tokens into a step. The
 target model computes the sequence's last token and its drafts in one verify call (a prefill
-over them, reading the earlier context from the pages) and the greedy verifier accepts the
-longest run of drafts equal to the target's own choices, then adds the target's next token: a
-step gives 1 to k + 1 tokens, exactly the tokens decoding one at a time would have given.
+over them, reading the earlier context from the pages); each position draws its token as the
+sampler would, and the verifier accepts the longest run of drafts equal to the drawn tokens,
+then the token drawn after it: a step gives 1 to k + 1 tokens, exactly the tokens decoding one
+at a time would have given.
 The drafter runs in the engine core (``engine/drafter.py``), the verifier in the worker
 (``worker/verify.py``); the scheduler budgets the drafts' slots and blocks.
 """

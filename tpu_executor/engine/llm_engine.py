@@ -288,8 +288,6 @@ class LLMEngine:
         stopped = []
         tops = tokens.top_logprobs if tokens.top_logprobs is not None else itertools.repeat(None)
         ids = tokens.request_ids
-        # A verify gives a sample several rows; only its last row's token can be what the core ended it on.
-        last_rows = {sample_id: row for row, sample_id in enumerate(ids)} if len(set(ids)) < len(ids) else None
         for row, (sample_id, token_id, logprob, top) in enumerate(zip(ids, tokens.token_ids, tokens.logprobs, tops)):
             sample = streams.get(sample_id)
             if sample is None or sample.finish_reason is not None:
@@ -299,7 +297,9 @@ class LLMEngine:
                 sample.cumulative_logprob += logprob
                 sample.logprobs.append({token_id: logprob, **(top or {})})
             new_text = add_token(sample.detok, token_id)
-            ended = finished.get(sample_id) if last_rows is None or last_rows[sample_id] == row else None
+            ended = finished.get(sample_id)
+            if ended is not None and row + 1 < len(ids) and ids[row + 1] == sample_id:
+                ended = None  # a verify's rows are consecutive: only the last one's token ended it
             if new_text and sample.detok.stops and self._stop_string_ends(sample, new_text, ended):
                 stopped.append(sample_id)
             elif sample.final_only:

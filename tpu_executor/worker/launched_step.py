@@ -3,12 +3,12 @@
 later on XLA)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
 
 from tpu_executor.core.step import ModelRunnerOutput, SampledTokens
 from tpu_executor.worker.prompt_logprobs import read_back
 from tpu_executor.worker.sampler import SamplerOutput
-from tpu_executor.worker.verify import LaunchedVerify
+from tpu_executor.worker.verify import accepted_rows
 
 if TYPE_CHECKING:
     import torch
@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 class LaunchedCall(NamedTuple):
     """One sampler call of a launched step: its work items, the request of each row (None: a
     row that gives no token), whether any asked for log-probs, the sampler's device outputs,
-    the rows that give a token (None: every work item's row), and the prompt log-probs the
-    call's prefill launched (device outputs and their owners)."""
+    the rows that give a token (None: every work item's row), the prompt log-probs the call's
+    prefill launched (device outputs and their owners), and for a verify call its pack (its
+    rows are every position of the pack; the accepted ones are kept, known once read back)."""
 
     work: Sequence
     request_ids: Sequence[Optional[str]]
@@ -26,12 +27,13 @@ class LaunchedCall(NamedTuple):
     out: SamplerOutput
     kept_rows: Optional[List[int]]
     prompt: Sequence = ()
+    verified: Sequence = ()
 
 
 class LaunchedStep:
     """A step handed to the device; ``collect()`` reads its tokens back (waiting for the device)."""
 
-    def __init__(self, calls: List[Union[LaunchedCall, LaunchedVerify]], timer):
+    def __init__(self, calls: List[LaunchedCall], timer):
         self.calls = calls
         self.timer = timer
 
@@ -40,16 +42,13 @@ class LaunchedStep:
         prompt log-probs its prefills gave."""
         parts, prompt = [], []
         for call in self.calls:
-            if isinstance(call, LaunchedVerify):
-                with self.timer.phase("transfer"):
-                    parts.append(call.collect())
-                continue
             with self.timer.phase("transfer"):
                 host = _read_back(call.out)
                 prompt.extend(call.prompt)
             with self.timer.phase("output"):
                 sampled = _sampled_tokens(call, host)
-                parts.append(sampled if call.kept_rows is None else sampled.rows(call.kept_rows))
+                kept = accepted_rows(call.verified, host[0]) if call.verified else call.kept_rows
+                parts.append(sampled if kept is None else sampled.rows(kept))
         with self.timer.phase("transfer"):
             prompt_logprobs = read_back(prompt) if prompt else ()
         return ModelRunnerOutput(SampledTokens.concat(parts), prompt_logprobs=prompt_logprobs)

@@ -49,7 +49,7 @@ from tpu_executor.worker.launched_step import LaunchedCall, LaunchedStep
 from tpu_executor.worker.model_steps import ModelSteps
 from tpu_executor.worker.prompt_logprobs import groups, owed_positions, padding_group, prompt_logprobs_step
 from tpu_executor.worker.sampling_runner import SampleSteps, SamplingRunner
-from tpu_executor.worker.verify import LaunchedVerify, verify_positions, verify_rows, verify_step
+from tpu_executor.worker.verify import verify_positions, verify_rows, verify_step
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ class ModelRunner:
                                               num_logprobs=width), owners))
         return launched
 
-    def _launch_verify(self, call: VerifyCall) -> LaunchedVerify:
+    def _launch_verify(self, call: VerifyCall) -> LaunchedCall:
         """The target's tokens at every position of a pack of verifies (speculative decoding)."""
         graph = call.graph
         if self.plan.exact_sizes:  # eager: the model, the LM head and the sampler over the rows in one call
@@ -217,17 +217,24 @@ class ModelRunner:
                 inputs = {**self._prefill_host_inputs(call.pack, graph), **self._verify_inputs(call, graph.num_tokens)}
             out = self._run_fn(self.steps.verify, inputs, "prefill", kv_caches=self.kv_caches,
                                **self._verify_static(call))
-            return LaunchedVerify(call.pack, out)
+            return self._launched_verify(call, out)
         with self.guard.watch(f"verify bucket tokens={graph.num_tokens} keys={graph.keys}"):
             _, hidden = self._prefill_logits(call.pack, graph, self.kv_caches)
             return self._verify_hidden(call, hidden, self.plan.verify_rows)
 
-    def _verify_hidden(self, call: VerifyCall, hidden: torch.Tensor, num_rows: int) -> LaunchedVerify:
+    def _verify_hidden(self, call: VerifyCall, hidden: torch.Tensor, num_rows: int) -> LaunchedCall:
         """The verify graph over a verify pack's ``hidden`` states (``num_rows`` rows)."""
         with self.timer.phase("inputs"):
             inputs = self._verify_inputs(call, num_rows)
         out = self._run_fn(self._verify_fn, inputs, "prefill", hidden=hidden, **self._verify_static(call))
-        return LaunchedVerify(call.pack, out)
+        return self._launched_verify(call, out)
+
+    @staticmethod
+    def _launched_verify(call: VerifyCall, out) -> LaunchedCall:
+        """A verify's handles: a row per position of its pack, the accepted ones kept at collection."""
+        request_ids = [w.request_id for w in call.pack for _ in w.token_ids]
+        returns_logprobs = any(w.sampling.num_logprobs >= 0 for w in call.pack)
+        return LaunchedCall(verify_positions(call.pack), request_ids, returns_logprobs, out, None, verified=call.pack)
 
     @staticmethod
     def _verify_inputs(call: Optional[VerifyCall], num_rows: int) -> Dict[str, torch.Tensor]:

@@ -20,8 +20,8 @@ class ModelSteps:
     def prefill(self, input_ids, positions, slot_mapping, context_slots, key_positions,
                 key_segments, query_segments, logits_indices, kv_caches):
         """The logits of each packed prompt's last token, and the pack's hidden states."""
-        prefill = PrefillMetadata(context_slots, key_positions, key_segments, query_segments)
-        hidden = self.model(input_ids, kv_caches, AttentionMetadata(positions, slot_mapping, prefill=prefill))
+        hidden = self._packed_hidden(input_ids, positions, slot_mapping, context_slots, key_positions,
+                                     key_segments, query_segments, kv_caches)
         # The hidden states stay on the device for prompt log-probs (read only when asked for).
         return self.model.compute_logits(hidden[logits_indices]), hidden
 
@@ -30,9 +30,15 @@ class ModelSteps:
         """A verify pack in one call (eager only; compiled paths run the prefill graph, then the
         verify graph over its hidden states): the target's token at each of ``rows``."""
         del logits_indices  # every position of the pack is read through ``rows``
-        prefill = PrefillMetadata(context_slots, key_positions, key_segments, query_segments)
-        hidden = self.model(input_ids, kv_caches, AttentionMetadata(positions, slot_mapping, prefill=prefill))
+        hidden = self._packed_hidden(input_ids, positions, slot_mapping, context_slots, key_positions,
+                                     key_segments, query_segments, kv_caches)
         return verify_step(self.model, hidden, rows, **sampling)
+
+    def _packed_hidden(self, input_ids, positions, slot_mapping, context_slots, key_positions, key_segments,
+                       query_segments, kv_caches):
+        """The model over a packed prefill row: its hidden states."""
+        prefill = PrefillMetadata(context_slots, key_positions, key_segments, query_segments)
+        return self.model(input_ids, kv_caches, AttentionMetadata(positions, slot_mapping, prefill=prefill))
 
     def decode(self, input_ids, feed_slots, feed_tokens, positions, slot_mapping, block_tables,
                context_lens, kv_caches):

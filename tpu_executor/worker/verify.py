@@ -15,11 +15,11 @@ renormalised. Greedy rows accept the drafts equal to the argmax.
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Sequence
 
 import torch
 
-from tpu_executor.core.step import PrefillWork, SampledTokens, SamplingMeta
+from tpu_executor.core.step import PrefillWork, SamplingMeta
 from tpu_executor.worker.sampler import SamplerOutput, sample
 
 
@@ -53,37 +53,16 @@ def verify_rows(pack: Sequence[PrefillWork], num_rows: int) -> torch.Tensor:
     return rows
 
 
-class LaunchedVerify(NamedTuple):
-    """A launched verify call: its pack and the verify graph's device outputs."""
-
-    pack: Sequence[PrefillWork]
-    out: SamplerOutput
-
-    def collect(self) -> SampledTokens:
-        """Each request's accepted drafts and the target's token after them, a row each
-        (waits for the device)."""
-        host = [None if t is None else t.cpu().tolist() for t in self.out]
-        return accepted_rows(self.pack, *host)
-
-
-def accepted_rows(pack: Sequence[PrefillWork], token_ids: List[int], logprobs: List[float],
-                  top_ids: Optional[List[List[int]]], top_logprobs: Optional[List[List[float]]]) -> SampledTokens:
-    """The rows a verified pack gives, from the target's tokens at each of its positions."""
-    result = SampledTokens(top_logprobs=None if top_ids is None else [])
-    offset = 0
+def accepted_rows(pack: Sequence[PrefillWork], token_ids: List[int]) -> List[int]:
+    """The rows a verified pack keeps, of its positions' drawn ``token_ids``: each request's
+    accepted drafts, then the token drawn after them."""
+    kept, offset = [], 0
     for work in pack:
         drafts = work.token_ids[1:]
         count = accepted_length(drafts, token_ids[offset:offset + len(drafts)])
-        wanted = work.sampling.num_logprobs
-        for row in range(offset, offset + count + 1):
-            result.request_ids.append(work.request_id)
-            result.token_ids.append(token_ids[row])
-            result.logprobs.append(logprobs[row])
-            if result.top_logprobs is not None:
-                result.top_logprobs.append(None if wanted < 0 else dict(zip(top_ids[row][:wanted],
-                                                                            top_logprobs[row][:wanted])))
+        kept.extend(range(offset, offset + count + 1))
         offset += len(work.token_ids)
-    return result
+    return kept
 
 
 def accepted_length(drafts: Sequence[int], target_ids: Sequence[int]) -> int:
