@@ -293,8 +293,11 @@ class EngineConfig:
             overlap = self.device.device != "cpu" and self.speculative is None
             object.__setattr__(self, "scheduler", replace(self.scheduler, async_scheduling=overlap))
         _require(self.speculative is None or not self.scheduler.async_scheduling,
-                 "async_scheduling cannot be on with speculative decoding: the n-gram drafter needs each "
+                 "async_scheduling cannot be on with speculative decoding: the drafters need each "
                  "step's accepted tokens before the next step (leave async_scheduling unset)")
+        _require(self.speculative is None or self.speculative.method != "draft_model" or not self.device.compiles,
+                 f"speculative_config method 'draft_model' runs on the native path (device 'cpu' or 'cuda'), "
+                 f"not device {self.device.device!r}; use method 'ngram' there")
         block = self.cache.block_size
         bad = [b for b in self.compile.prefill_buckets if b % block]
         _require(not bad, f"prefill_buckets {bad} are not multiples of block_size {block}")

@@ -53,6 +53,8 @@ class Request:
     prompt_logprobs_from: int = 1  # the first prompt token whose log-prob is still owed
     draft_misses: int = 0  # verifies in a row that accepted no draft (speculative decoding)
     draft_wait: int = 0  # steps it decodes before it drafts again
+    drafts: Tuple[int, ...] = ()  # a draft model's drafts, made when it had ``drafted_at`` tokens
+    drafted_at: int = -1
     stop_reason: Optional[object] = None  # the stop token id that finished it (not the EOS)
     error: Optional[str] = None
     _token_ids: List[int] = field(default_factory=list, init=False, repr=False)

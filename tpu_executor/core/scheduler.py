@@ -27,7 +27,8 @@ until the token is back (the prefill must include it).
 from __future__ import annotations
 
 from collections import deque
-from typing import Collection, Deque, Dict, List, Optional, Tuple
+from types import MappingProxyType
+from typing import Collection, Deque, Dict, List, Mapping, Optional, Tuple
 
 from tpu_executor.core.config import SchedulerConfig
 from tpu_executor.core.kv_cache_manager import KVCacheManager
@@ -248,10 +249,12 @@ class Scheduler:
             prefills.append(self._chunk(request, num_new))
         return prefills
 
-    def update(self, sampled: SampledTokens, requests: Dict[str, Request]) -> Tuple[SampledTokens, List[Request]]:
+    def update(self, sampled: SampledTokens, requests: Dict[str, Request],
+               drafts: Mapping[str, Tuple[int, ...]] = MappingProxyType({})) -> Tuple[SampledTokens, List[Request]]:
         """Record each sampled token and finish the requests it ends: a stop token (EOS unless
         ignored, or one of ``stop_token_ids``), ``max_tokens`` or the end of the context. As in
-        vLLM, the scheduler checks these; stop strings need text and are the engine's.
+        vLLM, the scheduler checks these; stop strings need text and are the engine's. A draft
+        model's ``drafts`` are kept with their requests for the next step.
 
         Returns the rows recorded, in order (the token of a request aborted or finished by the
         token before it is discarded; a request preempted while its token was in flight keeps
@@ -286,6 +289,10 @@ class Scheduler:
                 finished.append(request)
         if verified:
             self._release_rejected_blocks(verified, requests)
+        for request_id, request_drafts in drafts.items():
+            request = requests.get(request_id)
+            if request is not None:
+                request.drafts, request.drafted_at = request_drafts, request.num_tokens
         if dropped:
             sampled = sampled.rows(sorted(set(range(len(sampled))).difference(dropped)))
         return sampled, finished

@@ -6,8 +6,10 @@ over them, reading the earlier context from the pages); each position draws its 
 sampler would, and the verifier accepts the longest run of drafts equal to the drawn tokens,
 then the token drawn after it: a step gives 1 to k + 1 tokens, exactly the tokens decoding one
 at a time would have given.
-The drafter runs in the engine core (``engine/drafter.py``), the verifier in the worker
-(``worker/verify.py``); the scheduler budgets the drafts' slots and blocks.
+Drafts come from prompt lookup in the engine core (``ngram``: ``engine/drafter.py``) or from a
+smaller model with the same vocabulary in the worker (``draft_model``: ``worker/draft_model.py``,
+the native path); the verifier runs in the worker (``worker/verify.py``); the scheduler budgets
+the drafts' slots and blocks.
 """
 from __future__ import annotations
 
@@ -18,31 +20,29 @@ from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Protocol, Tuple,
 if TYPE_CHECKING:
     from tpu_executor.core.request import Request
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # vLLM's methods that this engine does not run yet: named so the error says so.
-LATER_METHODS = ("draft_model", "eagle3", "eagle", "medusa", "mtp")
+LATER_METHODS = ("eagle3", "eagle", "medusa", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's ``speculative_config``: the method, the draft tokens per step, the n-gram sizes,
-    and the running batch above which no sequence speculates (``disable_by_batch_size``:
-    verifying drafts costs more than the steps it saves once the batch is large enough that
-    one decode step is no longer cheap)."""
+    """vLLM's ``speculative_config``: the method, the draft tokens per step, the n-gram sizes
+    (``ngram``), the draft checkpoint (``draft_model``: a directory, its vocabulary the
+    target's), and the running batch above which no sequence speculates
+    (``disable_by_batch_size``: verifying drafts costs more than the steps it saves once the
+    batch is large enough that one decode step is no longer cheap)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: Optional[int] = None
+    model: Optional[str] = None
 
     def __post_init__(self):
-        if self.method in LATER_METHODS:
-            raise ValueError(f"speculative_config method {self.method!r} is not supported by this engine; "
-                             f"use one of {METHODS}")
-        if self.method not in METHODS:
-            raise ValueError(f"unknown speculative_config method {self.method!r}; use one of {METHODS}")
+        _check_method(self.method)
         k = self.num_speculative_tokens
         if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config num_speculative_tokens must be an integer from 1 to "
@@ -51,6 +51,11 @@ class SpeculativeConfig:
         if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
             raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, "
                              f"got {low!r} and {high!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config method 'draft_model' needs \"model\": the draft checkpoint's "
+                             "directory")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"speculative_config \"model\" is for method 'draft_model', not {self.method!r}")
         limit = self.disable_by_batch_size
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer, got {limit!r}")
@@ -70,7 +75,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
         if "method" not in value:
             raise ValueError("speculative_config needs a method, e.g. {\"method\": \"ngram\"}")
-        cls(method=value["method"])  # an unsupported method is the error to report, before its keys
+        _check_method(value["method"])  # an unsupported method is the error to report, before its keys
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -80,8 +85,16 @@ class SpeculativeConfig:
     def describe(self) -> str:
         """The config as the start-up report prints it."""
         limit = "" if self.disable_by_batch_size is None else f", off above {self.disable_by_batch_size} running"
-        return (f"{self.method}, {self.num_speculative_tokens} draft tokens, n-grams of "
-                f"{self.prompt_lookup_min}-{self.prompt_lookup_max}{limit}")
+        source = (f"draft model {self.model}" if self.method == "draft_model" else
+                  f"n-grams of {self.prompt_lookup_min}-{self.prompt_lookup_max}")
+        return f"{self.method}, {self.num_speculative_tokens} draft tokens, {source}{limit}"
+
+
+def _check_method(method: object) -> None:
+    if method in LATER_METHODS:
+        raise ValueError(f"speculative_config method {method!r} is not supported by this engine; use one of {METHODS}")
+    if method not in METHODS:
+        raise ValueError(f"unknown speculative_config method {method!r}; use one of {METHODS}")
 
 
 class Drafter(Protocol):

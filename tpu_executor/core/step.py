@@ -189,6 +189,9 @@ class ModelRunnerOutput:
     sampled: SampledTokens = field(default_factory=SampledTokens)
     error: Optional[str] = None
     prompt_logprobs: Tuple[PromptLogprobs, ...] = ()
+    # Speculative decoding with a draft model: per request, the drafts that follow its tokens
+    # once this step's are recorded (the next step verifies them).
+    drafts: Mapping[str, Tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass

@@ -250,7 +250,7 @@ class EngineCore:
             self._fail(scheduled.request_ids, output.error, finished)
             return None
         with self.timer.phase("output"):
-            tokens, ended = self.scheduler.update(output.sampled, self._requests)
+            tokens, ended = self.scheduler.update(output.sampled, self._requests, output.drafts)
             for request in ended:
                 finished[request.request_id] = Finished(request.status.finish_reason, request.stop_reason)
                 self._forget(request.request_id)

@@ -1,4 +1,8 @@
-"""The n-gram drafter of speculative decoding (prompt lookup), on the host.
+"""The drafters of speculative decoding, as the scheduler asks them for drafts: the n-gram
+drafter (prompt lookup, on the host) and the draft model's (its drafts come with each step's
+output from the worker, ``worker/draft_model.py``).
+
+The n-gram drafter:
 
 For a request it looks for the sequence's last ``n`` tokens earlier in its prompt and outputs,
 ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``, and drafts the tokens that
@@ -20,8 +24,8 @@ from tpu_executor.core.request import Request
 from tpu_executor.core.speculative import SpeculativeConfig
 
 
-class NgramDrafter:
-    """Drafts by prompt lookup for the scheduler (``core.speculative.Drafter``)."""
+class _BatchLimit:
+    """Speculation is off above ``disable_by_batch_size`` running sequences."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -29,6 +33,20 @@ class NgramDrafter:
     def active(self, num_running: int) -> bool:
         limit = self.config.disable_by_batch_size
         return limit is None or num_running <= limit
+
+
+class ModelDrafter(_BatchLimit):
+    """The draft model's drafts for the scheduler (``core.speculative.Drafter``): those the
+    worker made after the request's latest token (``Request.drafts``), if any."""
+
+    def propose(self, request: Request, max_drafts: int) -> Tuple[int, ...]:
+        if request.sampling.processing is not None or request.drafted_at != request.num_tokens:
+            return ()
+        return request.drafts[:max_drafts]
+
+
+class NgramDrafter(_BatchLimit):
+    """Drafts by prompt lookup for the scheduler (``core.speculative.Drafter``)."""
 
     def propose(self, request: Request, max_drafts: int) -> Tuple[int, ...]:
         if request.sampling.processing is not None:
@@ -58,6 +76,8 @@ def ngram_drafts(token_ids: Sequence[int], max_drafts: int, min_n: int, max_n: i
     return ()
 
 
-def make_drafter(config: Optional[SpeculativeConfig]) -> Optional[NgramDrafter]:
+def make_drafter(config: Optional[SpeculativeConfig]) -> Optional[_BatchLimit]:
     """The drafter of ``config``'s method, None without speculation."""
-    return None if config is None else NgramDrafter(config)
+    if config is None:
+        return None
+    return ModelDrafter(config) if config.method == "draft_model" else NgramDrafter(config)

@@ -20,6 +20,7 @@ from tpu_executor.core.config import EngineConfig, tpu_attached
 from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerStats
 from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup
 from tpu_executor.worker.distributed import GlooGroup, RankPlacement, XlaGroup, tpu_topology_env
+from tpu_executor.worker.draft_model import DraftModelRunner, check_draft_checkpoint
 from tpu_executor.worker.launched_step import LaunchedStep
 from tpu_executor.worker.model_loader import load_model, pack_for_cpu, use_xla_cpu_forms
 from tpu_executor.worker.model_runner import ModelRunner
@@ -48,6 +49,7 @@ class Worker:
         self.weight_bytes = 0
         self.kv_cache_bytes = 0
         self.runner: Optional[ModelRunner] = None
+        self.drafter = None  # the draft model's DraftModelRunner (speculative method draft_model)
         self.jax = None  # the JAX path's JaxRuntime (device, mesh, torchax environment)
         self.aot_job = None  # the JAX path's executables compiled ahead of time, when found
         self._launched: Deque[LaunchedStep] = collections.deque()  # launched, not yet collected
@@ -197,19 +199,31 @@ class Worker:
     # ---- model and cache ----------------------------------------------------------------
     def load_model(self) -> int:
         """Load the checkpoint onto the device; returns the model's vocabulary size."""
-        model_config = self.config.model
-        model = load_model(model_config.model, self.dtype, self.tp, model_config.quantization)
+        model_config, speculative = self.config.model, self.config.speculative
+        draft_path = speculative.model if speculative is not None and speculative.method == "draft_model" else None
+        if draft_path is not None:
+            check_draft_checkpoint(model_config.model, draft_path)
+        model = self._placed(load_model(model_config.model, self.dtype, self.tp, model_config.quantization))
+        with self.device_context():
+            self.model = model
+            self.runner = self._new_runner()
+        if draft_path is not None:
+            self.drafter = DraftModelRunner(self.config, self._placed(load_model(draft_path, self.dtype, self.tp)),
+                                            self.device)
+        return self.model.config.vocab_size
+
+    def _placed(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` (loaded on the host) on the device, in the device's matmul forms; its bytes
+        counted in ``weight_bytes``."""
         # CPU-only matmul forms, chosen on the host before the weights move (models/layers/cpu_matmul.py).
         if self.device.type == "cpu":
             pack_for_cpu(model)
         elif self.device.type == "xla" and not self.on_tpu:
             use_xla_cpu_forms(model)
         tensors = itertools.chain(model.parameters(), model.buffers())
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.weight_bytes += sum(t.numel() * t.element_size() for t in tensors)
         with self.device_context():
-            self.model = self.jax.place_model(model) if self.jax is not None else model.to(self.device)
-            self.runner = self._new_runner()
-        return self.model.config.vocab_size
+            return self.jax.place_model(model) if self.jax is not None else model.to(self.device)
 
     def _new_runner(self) -> ModelRunner:
         if self.jax is not None:
@@ -217,8 +231,11 @@ class Worker:
         return self.runner_class(self.config, self.model, self.device)
 
     def cache_block_bytes(self) -> int:
-        """Bytes of one KV block across all layers (K and V)."""
-        model = self.model
+        """Bytes of one KV block across all layers (K and V), the draft model's block included."""
+        bytes_of = self._model_block_bytes
+        return bytes_of(self.model) + (bytes_of(self.drafter.model) if self.drafter is not None else 0)
+
+    def _model_block_bytes(self, model: torch.nn.Module) -> int:
         per_layer = model.num_kv_heads * self.config.cache.block_size * model.head_dim
         return 2 * model.num_layers * per_layer * torch.tensor([], dtype=self.dtype).element_size()
 
@@ -260,18 +277,22 @@ class Worker:
             free, total = torch.cuda.mem_get_info(self.device)
             activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
             return int(free - total * (1.0 - cache.memory_utilization)) - activations
-        return cache.memory_budget_bytes - self.weight_bytes
+        scratch = self.drafter.num_scratch_blocks * self._model_block_bytes(self.drafter.model) if self.drafter else 0
+        return cache.memory_budget_bytes - self.weight_bytes - scratch
 
-    def _allocate_cache(self, num_blocks: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        shape = (self.model.num_kv_heads, num_blocks, self.config.cache.block_size, self.model.head_dim)
+    def _allocate_cache(self, num_blocks: int, model: Optional[torch.nn.Module] = None
+                        ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed K/V pages of ``num_blocks`` blocks for ``model`` (the target by default)."""
+        model = self.model if model is None else model
+        shape = (model.num_kv_heads, num_blocks, self.config.cache.block_size, model.head_dim)
         if self.jax is not None:
             # Split over the heads when they divide evenly over the chips, else replicated.
-            heads = 0 if self.model.num_kv_heads % self.jax.ranks == 0 else None
+            heads = 0 if model.num_kv_heads % self.jax.ranks == 0 else None
             return [(self.jax.zeros(shape, self.dtype, heads), self.jax.zeros(shape, self.dtype, heads))
-                    for _ in range(self.model.num_layers)]
+                    for _ in range(model.num_layers)]
         caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                    torch.zeros(shape, dtype=self.dtype, device=self.device))
-                  for _ in range(self.model.num_layers)]
+                  for _ in range(model.num_layers)]
         if self.device.type == "xla":
             import torch_xla
 
@@ -288,6 +309,9 @@ class Worker:
                 self.config = dataclasses.replace(self.config, max_model_len=max_model_len)
                 self.runner = self._new_runner()
             self.runner.bind_kv_caches(self._allocate_cache(num_blocks))
+            if self.drafter is not None:
+                draft_blocks = num_blocks + self.drafter.num_scratch_blocks
+                self.drafter.bind_kv_caches(self._allocate_cache(draft_blocks, self.drafter.model), num_blocks)
         self.kv_cache_bytes = num_blocks * self.cache_block_bytes()
 
     def warmup(self, show_progress: bool = True, graphs: Optional[List[Graph]] = None) -> None:
@@ -319,7 +343,7 @@ class Worker:
         try:
             launched = self.start_step(step)
             if not self.runner.collects_late:
-                return launched.collect()
+                return self._drafted(step, launched.collect())
         except Exception as err:  # noqa: BLE001 - the engine fails this step's requests
             return self._failed(err)
         self._launched.append(launched)
@@ -338,6 +362,14 @@ class Worker:
         """Run one step to the end: launch it and collect its tokens."""
         output = self.launch_step(step)
         return output if output is not None else self.collect_step()
+
+    def _drafted(self, step: SchedulerOutput, output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """``output`` with the draft model's drafts for the next step (none without one, or
+        when the step failed)."""
+        if self.drafter is None or output.error is not None:
+            return output
+        with self.device_context():
+            return dataclasses.replace(output, drafts=self.drafter.draft(step, output.sampled))
 
     def _failed(self, err: Exception) -> ModelRunnerOutput:
         logger.exception("rank %d: step failed", self.rank)
