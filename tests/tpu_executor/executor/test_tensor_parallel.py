@@ -102,14 +102,18 @@ def test_core_process_drives_the_ray_workers(cluster, checkpoints, references, p
 
 
 def test_native_path_at_tp4_matches_transformers(cluster, checkpoints, references, prompts):
-    """Gemma's two KV heads each replicated on two of the four ranks; with n-gram speculative
-    decoding, whose verifies every rank runs (the LM head's logits all-gathered)."""
-    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    llm = LLM(checkpoints["gemma"], device="cpu", tensor_parallel_size=4, speculative_config=speculative,
+    """Gemma's two KV heads each replicated on two of the four ranks; with speculative decoding
+    by a draft model (the target itself), which splits over the ranks as the target does:
+    every rank runs the draft's steps and the verifies (the LM head's logits all-gathered),
+    and every draft holds."""
+    target = checkpoints["gemma"]
+    speculative = {"method": "draft_model", "model": target, "num_speculative_tokens": 3}
+    llm = LLM(target, device="cpu", tensor_parallel_size=4, speculative_config=speculative,
               **tensor_parallel_options())
     try:
         assert greedy_tokens(llm, prompts, NEW_TOKENS) == references["gemma"]
-        assert llm.engine.stats().spec_decode.num_drafts > 0
+        counts = llm.engine.stats().spec_decode
+        assert counts.num_drafts > 0 and counts.num_accepted_tokens == counts.num_draft_tokens
     finally:
         llm.shutdown()
 
