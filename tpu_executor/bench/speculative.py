@@ -1,5 +1,6 @@
-"""``tpu-executor bench speculative``: output tokens per second with and without n-gram
-speculative decoding, side by side in one run, on a text-copying and a free-generation workload.
+"""``tpu-executor bench speculative``: output tokens per second with and without speculative
+decoding (n-gram drafts, or with ``--draft-layers N`` a draft model made of the target's first N
+layers), side by side in one run, on a text-copying and a free-generation workload.
 
 Workloads (chat prompts through the model's template, greedy, EOS ignored, prefix caching off
 in both engines): ``copy`` asks the model to rewrite a short generated program with one name
@@ -12,13 +13,16 @@ their ratio, the acceptance rate (accepted / drafted tokens) and the mean accept
 
     tpu-executor bench speculative                                  # SmolLM2, native path
     tpu-executor bench speculative --devices cpu jax --batch-sizes 1 8 64
+    tpu-executor bench speculative --draft-layers 8 --batch-sizes 1 8   # draft model (native path)
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from tpu_executor.bench.hardware import cpu_description
 from tpu_executor.bench.throughput import MODELS, model_path
@@ -30,7 +34,7 @@ TOPICS = ("a lighthouse keeper", "a lost key", "the first day of school", "a rob
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("speculative", help="tok/s with and without n-gram speculative decoding",
+    parser = subparsers.add_parser("speculative", help="tok/s with and without speculative decoding",
                                    description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--model", default="smollm2", help=f"one of {', '.join(MODELS)}, or a checkpoint directory")
     parser.add_argument("--devices", nargs="+", default=["cpu"], help="cpu (native path), xla or jax")
@@ -38,6 +42,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="speculate with a draft model of the target's first N layers instead of n-grams")
     parser.set_defaults(run=run)
     return parser
 
@@ -92,10 +98,17 @@ def timed_rate(llm, prompts: List[List[int]], output_len: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
 
 
-def measure(path: str, device: str, args: argparse.Namespace, prompts: Dict[str, List[List[int]]]) -> List[Dict]:
+def speculative_config(args: argparse.Namespace, draft_dir: Optional[str]) -> Dict:
+    """The speculative engine's config: n-grams, or the draft model in ``draft_dir``."""
+    if draft_dir is None:
+        return {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
+    return {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": args.num_speculative_tokens}
+
+
+def measure(path: str, device: str, args: argparse.Namespace, prompts: Dict[str, List[List[int]]],
+            speculative: Dict) -> List[Dict]:
     """Rows of (workload, batch, plain and speculative tok/s, acceptance) for one device."""
     max_batch = max(args.batch_sizes)
-    speculative = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
     rows = []
     plain, spec = engine(path, device, max_batch), engine(path, device, max_batch, speculative)
     try:
@@ -127,10 +140,19 @@ def run(args: argparse.Namespace) -> None:
     path = model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = {w: chat_prompts(tokenizer, w, max(args.batch_sizes)) for w in args.workloads}
-    print(f"{cpu_description()}; {args.model}, {args.output_len} tokens out, greedy, "
-          f"{args.num_speculative_tokens} draft tokens", flush=True)
-    rows = [row for device in args.devices for row in measure(path, device, args, prompts)]
-    print("\n| device | workload | batch | plain tok/s | n-gram tok/s | speed-up | acceptance | mean accepted length |")
+    with tempfile.TemporaryDirectory() as tmp:
+        draft_dir = None
+        if args.draft_layers is not None:
+            from tpu_executor.tools.layer_draft import write_layer_draft
+
+            draft_dir = write_layer_draft(path, os.path.join(tmp, "draft"), args.draft_layers)
+        method = "n-gram" if draft_dir is None else f"{args.draft_layers}-layer draft model"
+        print(f"{cpu_description()}; {args.model}, {args.output_len} tokens out, greedy, {method}, "
+              f"{args.num_speculative_tokens} draft tokens", flush=True)
+        speculative = speculative_config(args, draft_dir)
+        rows = [row for device in args.devices for row in measure(path, device, args, prompts, speculative)]
+    print(f"\n| device | workload | batch | plain tok/s | {method} tok/s | speed-up | acceptance "
+          "| mean accepted length |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['device']} | {r['workload']} | {r['batch']} | {r['plain']:.1f} | {r['spec']:.1f} | "

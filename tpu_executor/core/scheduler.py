@@ -89,26 +89,32 @@ class Scheduler:
         """The next step's work: decodes of running requests first, then prefills (chunks of
         running prompts, then new requests) in what is left of the token budget."""
         preemptions = self.num_preemptions
-        decodes, verifies, prefilling = self._schedule_decodes()
+        drafter = self.drafter if self.drafter is not None and self.drafter.active(len(self.running)) else None
+        decodes, verifies, prefilling, drafting = self._schedule_decodes(drafter)
         budget = self.config.max_num_batched_tokens - len(decodes) - sum(len(w.token_ids) for w in verifies)
         chunks = self._schedule_chunks(prefilling, budget, decodes, verifies)
         budget -= sum(len(work.token_ids) for work in chunks)
         prefills: List[PrefillWork] = []
         if self.num_preemptions == preemptions:  # blocks are short: admit nobody (as vLLM)
             prefills = self._schedule_prefills(budget, bool(decodes or verifies or chunks))
-        return SchedulerOutput(prefills=tuple(chunks + prefills), decodes=tuple(decodes), verifies=tuple(verifies))
+        if drafter is not None:
+            drafting.extend(w.request_id for w in chunks + prefills if w.is_last_chunk)
+        return SchedulerOutput(prefills=tuple(chunks + prefills), decodes=tuple(decodes), verifies=tuple(verifies),
+                               drafting=tuple(drafting))
 
-    def _schedule_decodes(self) -> Tuple[List[DecodeWork], List[PrefillWork], List[Request]]:
+    def _schedule_decodes(self, drafter: Optional[Drafter]
+                          ) -> Tuple[List[DecodeWork], List[PrefillWork], List[Request], List[str]]:
         """A decode for every running request that has finished its prefill, or a verify of
-        its drafts; also the ones still prefilling, in admission order (this is the step's one
-        pass over them all)."""
+        its drafts (``drafter``: None when no sequence speculates); also the ones still
+        prefilling, in admission order (this is the step's one pass over them all), and the ids
+        of those that may verify drafts in the next step."""
         # Runs over every running request on every step: attributes are read directly rather
         # than through the request's properties, and a request whose blocks have room costs
         # one call into the KV-cache manager.
         decodes: List[DecodeWork] = []
         verifies: List[PrefillWork] = []
         prefilling: List[Request] = []
-        drafter = self.drafter if self.drafter is not None and self.drafter.active(len(self.running)) else None
+        drafting: List[str] = []
         # Drafts are extra tokens of the budget, beyond a slot per running sequence.
         spare_tokens = self.config.max_num_batched_tokens - len(self.running)
         table_if_room, block_table = self.kv_cache.table_if_room, self.kv_cache.block_table
@@ -131,8 +137,11 @@ class Scheduler:
                     work = self._verify(request, num_tokens, drafter, spare_tokens)
                     if work is not None:
                         verifies.append(work)
+                        drafting.append(request_id)
                         spare_tokens -= len(work.token_ids) - 1
                         continue
+                if not request.draft_wait:
+                    drafting.append(request_id)
             table = table_if_room(request_id, num_tokens)
             if table is None:
                 if not self._allocate_or_preempt(request, num_tokens):
@@ -142,7 +151,7 @@ class Scheduler:
             work = (request_id, token_id, num_tokens - 1, table, request.sampling)
             decodes.append(_new_decode_work(DecodeWork, work))
             request.num_in_flight = in_flight + 1
-        return decodes, verifies, prefilling
+        return decodes, verifies, prefilling, drafting
 
     def _verify(self, request: Request, num_tokens: int, drafter: Drafter, spare_tokens: int) -> Optional[PrefillWork]:
         """A verify of the request's drafts (its last token and the drafts, as a prefill from

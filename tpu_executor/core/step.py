@@ -116,6 +116,8 @@ class SchedulerOutput:
     # last token's position; the worker gives back the accepted drafts and the target's next
     # token (several rows of one request, in order).
     verifies: Tuple[PrefillWork, ...] = ()
+    # The requests that may verify drafts in the next step (a draft model drafts for those only).
+    drafting: Tuple[str, ...] = ()
 
     @property
     def is_empty(self) -> bool:

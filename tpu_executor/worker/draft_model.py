@@ -60,14 +60,17 @@ class DraftModelRunner:
 
     @torch.no_grad()
     def draft(self, step: SchedulerOutput, sampled: SampledTokens) -> Drafts:
-        """The drafts that follow each request's tokens once ``sampled`` (the step's tokens)
-        are recorded; requests whose logits are processed get none (they never speculate)."""
+        """The drafts that follow the tokens of each request of ``step.drafting`` once
+        ``sampled`` (the step's tokens) are recorded; requests whose logits are processed get
+        none (they never speculate). Every request's tokens enter the draft's cache."""
         pack = self._catch_up_pack(step, _tokens_by_request(sampled))
         inputs = prefill_inputs(pack, sum(len(w.token_ids) for w in pack),
                                 sum(-(-w.num_context_tokens // self.block_size) * self.block_size for w in pack),
                                 len(pack), self.block_size)
         logits, _ = self.steps.prefill(**to_device(inputs, self.device), kv_caches=self.kv_caches)
-        rows = [i for i, w in enumerate(pack) if w.is_last_chunk and w.sampling.processing is None]
+        wanted = set(step.drafting)
+        rows = [i for i, w in enumerate(pack)
+                if w.is_last_chunk and w.request_id in wanted and w.sampling.processing is None]
         if not rows:
             return {}
         tokens = logits[torch.tensor(rows, device=logits.device)].argmax(-1)

@@ -117,3 +117,21 @@ def test_a_draft_that_does_not_share_the_targets_tokens_is_refused(checkpoints, 
 def test_bad_draft_model_configs_name_the_problem(checkpoints, config, device, message):
     with pytest.raises(ValueError, match=message):
         LLM(model=checkpoints["llama"], speculative_config=config, **tiny_engine_options(device=device))
+
+
+def test_a_layer_draft_keeps_the_first_layers_and_the_tokenizer(checkpoints, tmp_path):
+    from safetensors import safe_open
+
+    from tpu_executor.tools.layer_draft import write_layer_draft
+    from tpu_executor.worker.draft_model import check_draft_checkpoint
+    from tpu_executor.worker.model_loader import load_hf_config
+
+    target = checkpoints["llama"]
+    draft = write_layer_draft(target, str(tmp_path / "draft"), 1)
+    assert load_hf_config(draft).num_hidden_layers == 1
+    with safe_open(f"{draft}/model.safetensors", "pt") as weights:
+        names = set(weights.keys())
+    assert any(".layers.0." in n for n in names) and not any(".layers.1." in n for n in names)
+    check_draft_checkpoint(target, draft)  # the same vocabulary and tokenizer
+    with pytest.raises(ValueError, match="num_layers must be from 1 to 1"):
+        write_layer_draft(target, str(tmp_path / "bad"), 2)
