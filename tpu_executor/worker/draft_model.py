@@ -67,13 +67,16 @@ class DraftModelRunner:
         inputs = prefill_inputs(pack, sum(len(w.token_ids) for w in pack),
                                 sum(-(-w.num_context_tokens // self.block_size) * self.block_size for w in pack),
                                 len(pack), self.block_size)
-        logits, _ = self.steps.prefill(**to_device(inputs, self.device), kv_caches=self.kv_caches)
         wanted = set(step.drafting)
         rows = [i for i, w in enumerate(pack)
                 if w.is_last_chunk and w.request_id in wanted and w.sampling.processing is None]
+        # The LM head runs over the drafting rows only (its vocabulary-wide matmul is much of a
+        # small draft model's cost).
+        inputs["logits_indices"] = inputs["logits_indices"][rows]
+        logits, _ = self.steps.prefill(**to_device(inputs, self.device), kv_caches=self.kv_caches)
         if not rows:
             return {}
-        tokens = logits[torch.tensor(rows, device=logits.device)].argmax(-1)
+        tokens = logits.argmax(-1)
         drafted = [tokens]
         positions = np.array([pack[i].num_context_tokens for i in rows], dtype=np.int64)
         tables = _padded_tables([pack[i].block_ids for i in rows])
