@@ -139,12 +139,17 @@ def test_a_request_whose_drafts_keep_failing_drafts_less_often():
     request = make_request("r", 8, 60)
     table = {"r": request}
     scheduler.add(request)
-    verify_steps = []
+    verify_steps, drafting_steps = [], []
     for step in range(40):
         out = scheduler.schedule()
         if out.verifies:
             verify_steps.append(step)
+        if "r" in out.drafting:
+            drafting_steps.append(step)
         scheduler.update(step_tokens(out, table), table)
     # step 0 is the prompt; misses at 1, 3, 7, 15 (waits of 1, 3, 7); the verify at step 31
     # (after a wait of 15) holds, and from then on the request verifies every step
     assert verify_steps == [1, 3, 7, 15, 31, 32, 33, 34, 35, 36, 37, 38, 39]
+    # A draft model drafts after the steps before a verify, and after a verify (its outcome
+    # decides the wait): not while the request waits out its misses.
+    assert drafting_steps == sorted({s - 1 for s in verify_steps} | set(verify_steps))
