@@ -20,6 +20,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
+from tpu_executor.core.buckets import context_keys
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.step import PrefillWork, SampledTokens, SchedulerOutput
@@ -65,7 +66,7 @@ class DraftModelRunner:
         none (they never speculate). Every request's tokens enter the draft's cache."""
         pack = self._catch_up_pack(step, _tokens_by_request(sampled))
         inputs = prefill_inputs(pack, sum(len(w.token_ids) for w in pack),
-                                sum(-(-w.num_context_tokens // self.block_size) * self.block_size for w in pack),
+                                sum(context_keys(w, self.block_size) for w in pack),
                                 len(pack), self.block_size)
         wanted = set(step.drafting)
         rows = [i for i, w in enumerate(pack)
