@@ -90,24 +90,26 @@ class Scheduler:
         running prompts, then new requests) in what is left of the token budget."""
         preemptions = self.num_preemptions
         drafter = self.drafter if self.drafter is not None and self.drafter.active(len(self.running)) else None
-        decodes, verifies, prefilling, drafting = self._schedule_decodes(drafter)
+        # Only a drafter in the worker reads the names (they go to every worker each step).
+        names_drafting = drafter is not None and drafter.drafts_in_worker
+        decodes, verifies, prefilling, drafting = self._schedule_decodes(drafter, names_drafting)
         budget = self.config.max_num_batched_tokens - len(decodes) - sum(len(w.token_ids) for w in verifies)
         chunks = self._schedule_chunks(prefilling, budget, decodes, verifies)
         budget -= sum(len(work.token_ids) for work in chunks)
         prefills: List[PrefillWork] = []
         if self.num_preemptions == preemptions:  # blocks are short: admit nobody (as vLLM)
             prefills = self._schedule_prefills(budget, bool(decodes or verifies or chunks))
-        if drafter is not None:
+        if names_drafting:
             drafting.extend(w.request_id for w in chunks + prefills if w.is_last_chunk)
         return SchedulerOutput(prefills=tuple(chunks + prefills), decodes=tuple(decodes), verifies=tuple(verifies),
                                drafting=tuple(drafting))
 
-    def _schedule_decodes(self, drafter: Optional[Drafter]
+    def _schedule_decodes(self, drafter: Optional[Drafter], names_drafting: bool
                           ) -> Tuple[List[DecodeWork], List[PrefillWork], List[Request], List[str]]:
         """A decode for every running request that has finished its prefill, or a verify of
         its drafts (``drafter``: None when no sequence speculates); also the ones still
-        prefilling, in admission order (this is the step's one pass over them all), and the ids
-        of those that may verify drafts in the next step."""
+        prefilling, in admission order (this is the step's one pass over them all), and (when
+        ``names_drafting``) the ids of those that may verify drafts in the next step."""
         # Runs over every running request on every step: attributes are read directly rather
         # than through the request's properties, and a request whose blocks have room costs
         # one call into the KV-cache manager.
@@ -137,10 +139,11 @@ class Scheduler:
                     work = self._verify(request, num_tokens, drafter, spare_tokens)
                     if work is not None:
                         verifies.append(work)
-                        drafting.append(request_id)
+                        if names_drafting:
+                            drafting.append(request_id)
                         spare_tokens -= len(work.token_ids) - 1
                         continue
-                if not request.draft_wait:
+                if names_drafting and not request.draft_wait:
                     drafting.append(request_id)
             table = table_if_room(request_id, num_tokens)
             if table is None:

@@ -98,7 +98,11 @@ def _check_method(method: object) -> None:
 
 
 class Drafter(Protocol):
-    """What the scheduler asks of a drafter (``engine/drafter.py``)."""
+    """What the scheduler asks of a drafter (``engine/drafter.py``). ``drafts_in_worker``: its
+    drafts come from the worker after each step, for the requests the step names
+    (``SchedulerOutput.drafting``)."""
+
+    drafts_in_worker: bool
 
     def active(self, num_running: int) -> bool:
         """Whether sequences speculate in a step with ``num_running`` running sequences."""

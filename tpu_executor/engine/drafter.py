@@ -39,6 +39,8 @@ class ModelDrafter(_BatchLimit):
     """The draft model's drafts for the scheduler (``core.speculative.Drafter``): those the
     worker made after the request's latest token (``Request.drafts``), if any."""
 
+    drafts_in_worker = True
+
     def propose(self, request: Request, max_drafts: int) -> Tuple[int, ...]:
         if request.sampling.processing is not None or request.drafted_at != request.num_tokens:
             return ()
@@ -47,6 +49,8 @@ class ModelDrafter(_BatchLimit):
 
 class NgramDrafter(_BatchLimit):
     """Drafts by prompt lookup for the scheduler (``core.speculative.Drafter``)."""
+
+    drafts_in_worker = False
 
     def propose(self, request: Request, max_drafts: int) -> Tuple[int, ...]:
         if request.sampling.processing is not None:

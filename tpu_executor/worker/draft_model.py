@@ -15,6 +15,7 @@ whatever the draft model proposes, the outputs are the target's.
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
@@ -134,8 +135,6 @@ def _padded_tables(tables: Sequence[Tuple[int, ...]]) -> np.ndarray:
 def check_draft_checkpoint(target_path: str, draft_path: str) -> None:
     """Refuse a draft checkpoint whose tokens are not the target's: another vocabulary size,
     or (where both ship a ``tokenizer.json``) another vocabulary."""
-    import os
-
     from tokenizers import Tokenizer
 
     from tpu_executor.worker.model_loader import load_hf_config

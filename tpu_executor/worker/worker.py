@@ -200,7 +200,7 @@ class Worker:
     def load_model(self) -> int:
         """Load the checkpoint onto the device; returns the model's vocabulary size."""
         model_config, speculative = self.config.model, self.config.speculative
-        draft_path = speculative.model if speculative is not None and speculative.method == "draft_model" else None
+        draft_path = speculative.model if speculative is not None else None  # set for draft_model only
         if draft_path is not None:
             check_draft_checkpoint(model_config.model, draft_path)
         model = self._placed(load_model(model_config.model, self.dtype, self.tp, model_config.quantization))

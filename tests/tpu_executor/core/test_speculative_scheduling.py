@@ -19,6 +19,8 @@ def model_token(tokens):
 class HalfRightDrafter:
     """Drafts the model's true next tokens, with one of them wrong now and then."""
 
+    drafts_in_worker = False
+
     def __init__(self, seed: int, limit: int = 100):
         self.rng, self.limit = random.Random(seed), limit
 
@@ -125,7 +127,10 @@ def test_a_request_whose_drafts_keep_failing_drafts_less_often():
     """After a verify that accepts nothing, a request decodes 1, 3, 7, 15, then 16 steps before
     it drafts again; an accepted draft ends the wait."""
     class LateDrafter:
-        """Wrong until the request has 20 outputs, right after."""
+        """Wrong until the request has 20 outputs, right after (drafted in the worker, as a
+        draft model's: the scheduler names the requests to draft for)."""
+
+        drafts_in_worker = True
 
         def active(self, num_running):
             return True

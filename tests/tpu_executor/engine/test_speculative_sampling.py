@@ -20,6 +20,8 @@ TOP_K = 4
 class GuessingDrafter:
     """Drafts random tokens among a few candidates: mostly wrong, sometimes right."""
 
+    drafts_in_worker = False
+
     def __init__(self, candidates, seed=0):
         self.candidates, self.rng = list(candidates), random.Random(seed)
 
