@@ -1,6 +1,7 @@
 """``tpu-executor bench speculative``: output tokens per second with and without speculative
-decoding (n-gram drafts, or with ``--draft-layers N`` a draft model made of the target's first N
-layers), side by side in one run, on a text-copying and a free-generation workload.
+decoding (n-gram drafts; with ``--draft-layers N`` a draft model made of the target's first N
+layers; with ``--eagle3-head DIR`` an EAGLE-3 head, ``random`` for a random one), side by side
+in one run, on a text-copying and a free-generation workload.
 
 Workloads (chat prompts through the model's template, greedy, EOS ignored, prefix caching off
 in both engines): ``copy`` asks the model to rewrite a short generated program with one name
@@ -14,6 +15,7 @@ their ratio, the acceptance rate (accepted / drafted tokens) and the mean accept
     tpu-executor bench speculative                                  # SmolLM2, native path
     tpu-executor bench speculative --devices cpu jax --batch-sizes 1 8 64
     tpu-executor bench speculative --draft-layers 8 --batch-sizes 1 8   # draft model (native path)
+    tpu-executor bench speculative --eagle3-head random --batch-sizes 1 8   # a random head's cost
 """
 from __future__ import annotations
 
@@ -22,13 +24,14 @@ import os
 import random
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Tuple
 
 from tpu_executor.bench.hardware import cpu_description
 from tpu_executor.bench.throughput import MODELS, model_path
 from tpu_executor.engine.options import HelpFormatter
 
 WORKLOADS = ("copy", "free")
+PUBLISHED_DRAFT_VOCAB = 32000  # the draft vocabulary of the published Llama-3 EAGLE-3 heads
 TOPICS = ("a lighthouse keeper", "a lost key", "the first day of school", "a robot learning to cook", "a storm at sea",
           "an old map", "a quiet library", "a train that never stops", "a garden in winter", "a forgotten song")
 
@@ -44,6 +47,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="speculate with a draft model of the target's first N layers instead of n-grams")
+    parser.add_argument("--eagle3-head", default=None,
+                        help="speculate with the EAGLE-3 head in this directory instead of n-grams ('random': "
+                             "a random head for the target, drafts that fail: what a head costs)")
     parser.set_defaults(run=run)
     return parser
 
@@ -98,11 +104,26 @@ def timed_rate(llm, prompts: List[List[int]], output_len: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
 
 
-def speculative_config(args: argparse.Namespace, draft_dir: Optional[str]) -> Dict:
-    """The speculative engine's config: n-grams, or the draft model in ``draft_dir``."""
-    if draft_dir is None:
-        return {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
-    return {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": args.num_speculative_tokens}
+def drafter(args: argparse.Namespace, path: str, tmp: str) -> Tuple[str, Dict]:
+    """(the drafter's name, the speculative engine's config): n-grams, a layer draft of the
+    target written to ``tmp``, or an EAGLE-3 head (a random one written to ``tmp``)."""
+    k = args.num_speculative_tokens
+    if args.eagle3_head is not None:
+        head = args.eagle3_head
+        if head == "random":
+            from tpu_executor.tools.eagle3_head import write_random_eagle3_head
+            from tpu_executor.worker.model_loader import load_hf_config
+
+            vocab = load_hf_config(path).vocab_size
+            head = write_random_eagle3_head(path, os.path.join(tmp, "head"), min(vocab, PUBLISHED_DRAFT_VOCAB))
+        return "EAGLE-3 head", {"method": "eagle3", "model": head, "num_speculative_tokens": k}
+    if args.draft_layers is not None:
+        from tpu_executor.tools.layer_draft import write_layer_draft
+
+        draft = write_layer_draft(path, os.path.join(tmp, "draft"), args.draft_layers)
+        return f"{args.draft_layers}-layer draft model", {"method": "draft_model", "model": draft,
+                                                          "num_speculative_tokens": k}
+    return "n-gram", {"method": "ngram", "num_speculative_tokens": k}
 
 
 def measure(path: str, device: str, args: argparse.Namespace, prompts: Dict[str, List[List[int]]],
@@ -141,15 +162,9 @@ def run(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = {w: chat_prompts(tokenizer, w, max(args.batch_sizes)) for w in args.workloads}
     with tempfile.TemporaryDirectory() as tmp:
-        draft_dir = None
-        if args.draft_layers is not None:
-            from tpu_executor.tools.layer_draft import write_layer_draft
-
-            draft_dir = write_layer_draft(path, os.path.join(tmp, "draft"), args.draft_layers)
-        method = "n-gram" if draft_dir is None else f"{args.draft_layers}-layer draft model"
+        method, speculative = drafter(args, path, tmp)
         print(f"{cpu_description()}; {args.model}, {args.output_len} tokens out, greedy, {method}, "
               f"{args.num_speculative_tokens} draft tokens", flush=True)
-        speculative = speculative_config(args, draft_dir)
         rows = [row for device in args.devices for row in measure(path, device, args, prompts, speculative)]
     print(f"\n| device | workload | batch | plain tok/s | {method} tok/s | speed-up | acceptance "
           "| mean accepted length |")

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Optional, Tuple
 
-from tpu_executor.core.speculative import SpeculativeConfig
+from tpu_executor.core.speculative import MODEL_METHODS, SpeculativeConfig
 
 # "xla": compiled graphs through torch_xla; any other torch device runs the native eager path.
 DEVICE_PATTERN = re.compile(r"^(xla|jax|cpu|cuda(:\d+)?)$")
@@ -295,8 +295,9 @@ class EngineConfig:
         _require(self.speculative is None or not self.scheduler.async_scheduling,
                  "async_scheduling cannot be on with speculative decoding: the drafters need each "
                  "step's accepted tokens before the next step (leave async_scheduling unset)")
-        _require(self.speculative is None or self.speculative.method != "draft_model" or not self.device.compiles,
-                 f"speculative_config method 'draft_model' runs on the native path (device 'cpu' or 'cuda'), "
+        method = self.speculative.method if self.speculative is not None else None
+        _require(method not in MODEL_METHODS or not self.device.compiles,
+                 f"speculative_config method {method!r} runs on the native path (device 'cpu' or 'cuda'), "
                  f"not device {self.device.device!r}; use method 'ngram' there")
         block = self.cache.block_size
         bad = [b for b in self.compile.prefill_buckets if b % block]

@@ -213,7 +213,8 @@ class Scheduler:
         history = tuple(tokens) if is_last and request.sampling.processing is not None else None
         work = PrefillWork(request.request_id, tuple(tokens[start:start + num_new]), start,
                            self.kv_cache.block_table(request.request_id), request.sampling, is_last, history,
-                           prompt_logprob_targets(request, start, start + num_new))
+                           prompt_logprob_targets(request, start, start + num_new),
+                           None if is_last else tokens[start + num_new])
         if is_last:
             request.num_in_flight += 1  # the prompt's sampled token
         return work

@@ -6,9 +6,10 @@ over them, reading the earlier context from the pages); each position draws its 
 sampler would, and the verifier accepts the longest run of drafts equal to the drawn tokens,
 then the token drawn after it: a step gives 1 to k + 1 tokens, exactly the tokens decoding one
 at a time would have given.
-Drafts come from prompt lookup in the engine core (``ngram``: ``engine/drafter.py``) or from a
-smaller model with the same vocabulary in the worker (``draft_model``: ``worker/draft_model.py``,
-the native path); the verifier runs in the worker (``worker/verify.py``); the scheduler budgets
+Drafts come from prompt lookup in the engine core (``ngram``: ``engine/drafter.py``), or in the
+worker (the native path) from a smaller model with the same vocabulary (``draft_model``:
+``worker/draft_model.py``) or an EAGLE-3 head over the target's hidden states (``eagle3``:
+``worker/eagle3.py``); the verifier runs in the worker (``worker/verify.py``); the scheduler budgets
 the drafts' slots and blocks.
 """
 from __future__ import annotations
@@ -20,9 +21,11 @@ from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Protocol, Tuple,
 if TYPE_CHECKING:
     from tpu_executor.core.request import Request
 
-METHODS = ("ngram", "draft_model")
-# vLLM's methods that this engine does not run yet: named so the error says so.
-LATER_METHODS = ("eagle3", "eagle", "medusa", "mtp")
+METHODS = ("ngram", "draft_model", "eagle3")
+# The methods whose drafts come from a checkpoint (``model``), run in the worker.
+MODEL_METHODS = ("draft_model", "eagle3")
+# vLLM's methods that this engine does not run: named so the error says so.
+LATER_METHODS = ("eagle", "medusa", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -30,9 +33,9 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpeculativeConfig:
     """vLLM's ``speculative_config``: the method, the draft tokens per step, the n-gram sizes
     (``ngram``), the draft checkpoint (``draft_model``: a directory, its vocabulary the
-    target's), and the running batch above which no sequence speculates
-    (``disable_by_batch_size``: verifying drafts costs more than the steps it saves once the
-    batch is large enough that one decode step is no longer cheap)."""
+    target's; ``eagle3``: an EAGLE-3 head trained for the target), and the running batch above
+    which no sequence speculates (``disable_by_batch_size``: verifying drafts costs more than
+    the steps it saves once the batch is large enough that one decode step is no longer cheap)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -51,11 +54,11 @@ class SpeculativeConfig:
         if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
             raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, "
                              f"got {low!r} and {high!r}")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config method 'draft_model' needs \"model\": the draft checkpoint's "
+        if self.method in MODEL_METHODS and not self.model:
+            raise ValueError(f"speculative_config method {self.method!r} needs \"model\": the draft checkpoint's "
                              "directory")
-        if self.method != "draft_model" and self.model is not None:
-            raise ValueError(f"speculative_config \"model\" is for method 'draft_model', not {self.method!r}")
+        if self.method not in MODEL_METHODS and self.model is not None:
+            raise ValueError(f"speculative_config \"model\" is for methods {MODEL_METHODS}, not {self.method!r}")
         limit = self.disable_by_batch_size
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer, got {limit!r}")
@@ -85,8 +88,8 @@ class SpeculativeConfig:
     def describe(self) -> str:
         """The config as the start-up report prints it."""
         limit = "" if self.disable_by_batch_size is None else f", off above {self.disable_by_batch_size} running"
-        source = (f"draft model {self.model}" if self.method == "draft_model" else
-                  f"n-grams of {self.prompt_lookup_min}-{self.prompt_lookup_max}")
+        source = {"draft_model": f"draft model {self.model}", "eagle3": f"EAGLE-3 head {self.model}"}.get(
+            self.method, f"n-grams of {self.prompt_lookup_min}-{self.prompt_lookup_max}")
         return f"{self.method}, {self.num_speculative_tokens} draft tokens, {source}{limit}"
 
 

@@ -73,6 +73,9 @@ class PrefillWork(NamedTuple):
     # A request owed prompt log-probs: per token of the chunk, the prompt token after it whose
     # log-prob that position gives (-1: none owed there).
     prompt_logprob_targets: Optional[Tuple[int, ...]] = None
+    # A chunk that does not end its prompt: the prompt token after it (an EAGLE head's input at
+    # the chunk's last position).
+    next_token_id: Optional[int] = None
 
     @property
     def num_context_tokens(self) -> int:

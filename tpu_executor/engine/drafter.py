@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from tpu_executor.core.request import Request
-from tpu_executor.core.speculative import SpeculativeConfig
+from tpu_executor.core.speculative import MODEL_METHODS, SpeculativeConfig
 
 
 class _BatchLimit:
@@ -84,4 +84,4 @@ def make_drafter(config: Optional[SpeculativeConfig]) -> Optional[_BatchLimit]:
     """The drafter of ``config``'s method, None without speculation."""
     if config is None:
         return None
-    return ModelDrafter(config) if config.method == "draft_model" else NgramDrafter(config)
+    return ModelDrafter(config) if config.method in MODEL_METHODS else NgramDrafter(config)

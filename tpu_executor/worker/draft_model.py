@@ -15,8 +15,9 @@ whatever the draft model proposes, the outputs are the target's.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Dict, List, Sequence, Tuple
+from typing import ContextManager, Dict, List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -32,9 +33,21 @@ from tpu_executor.worker.token_feed import NO_FEED
 Drafts = Dict[str, Tuple[int, ...]]
 
 
-class DraftModelRunner:
-    """Runs the draft model beside the target's runner: ``draft`` gives each request that got
-    tokens in a step its next ``num_speculative_tokens`` drafts."""
+class StepText(NamedTuple):
+    """A request's tokens from ``start``: ``computed`` by the target in the step (those that
+    stay in its text), then the step's ``new`` ones."""
+
+    work: object  # the step's PrefillWork or DecodeWork of the request
+    start: int
+    computed: Tuple[int, ...]
+    new: Tuple[int, ...]
+
+
+class PagedDrafter:
+    """What the drafters in the worker share: a model with its own KV cache in the target's
+    block layout, scratch blocks past the shared ones for draft positions, and the greedy
+    decode steps that make drafts 2 to k. ``draft`` gives each request of ``step.drafting``
+    its next ``num_speculative_tokens`` drafts once the step's tokens are known."""
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device):
         self.model = model
@@ -44,10 +57,8 @@ class DraftModelRunner:
         # A row's drafts reach at most num_drafts positions past its blocks.
         self.scratch_per_row = -(-self.num_drafts // self.block_size)
         self.max_rows = config.scheduler.max_num_seqs
-        self.steps = ModelSteps(model)
         self.kv_caches: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.first_scratch = 0
-        self._no_feed = torch.zeros(1, dtype=torch.int64, device=device)
 
     @property
     def num_scratch_blocks(self) -> int:
@@ -60,59 +71,90 @@ class DraftModelRunner:
         self.kv_caches = kv_caches
         self.first_scratch = num_shared_blocks
 
+    def capture(self) -> ContextManager:
+        """Entered around the target's step: what the drafter reads of the target's call."""
+        return contextlib.nullcontext()
+
+    def draft(self, step: SchedulerOutput, sampled: SampledTokens) -> Drafts:
+        raise NotImplementedError
+
+    def _step_texts(self, step: SchedulerOutput, sampled: SampledTokens) -> List[StepText]:
+        """Per request of the step, its text from the first position the target computed:
+        what the target computed that stays (a prompt chunk, a decode's input token, a
+        verify's input token: its accepted drafts are among the new tokens), then the new ones."""
+        new_tokens = _tokens_by_request(sampled)
+        firsts = [(w, w.token_ids, w.start_pos) for w in step.prefills]
+        firsts += [(w, (w.token_id,), w.position) for w in step.decodes]
+        firsts += [(w, w.token_ids[:1], w.start_pos) for w in step.verifies]
+        return [StepText(w, start, tuple(computed), tuple(new_tokens.get(w.request_id, ())))
+                for w, computed, start in firsts]
+
+    def _row_work(self, row: int, work, tokens: Tuple[int, ...], start: int, drafts: bool) -> PrefillWork:
+        """Row ``row`` of the catch-up pack: ``tokens`` at ``start``, over the request's blocks and
+        the row's scratch blocks; ``drafts`` (as ``is_last_chunk``): the row's last position drafts."""
+        first = self.first_scratch + row * self.scratch_per_row
+        blocks = tuple(work.block_ids) + tuple(range(first, first + self.scratch_per_row))
+        return PrefillWork(work.request_id, tokens, start, blocks, work.sampling, drafts)
+
+    def _drafting_rows(self, step: SchedulerOutput, pack: Sequence[PrefillWork]) -> List[int]:
+        """The pack's rows that draft: those of ``step.drafting`` with a new token and no
+        logits processing (those never speculate)."""
+        wanted = set(step.drafting)
+        return [i for i, w in enumerate(pack)
+                if w.is_last_chunk and w.request_id in wanted and w.sampling.processing is None]
+
+    def _decode_metadata(self, positions: np.ndarray, tables: np.ndarray) -> Dict[str, torch.Tensor]:
+        """A decode step's attention inputs on the device: the rows' ``positions`` in ``tables``."""
+        rows = np.arange(len(positions))
+        slots = tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
+        host = {"positions": positions, "slot_mapping": slots, "block_tables": tables, "context_lens": positions + 1}
+        return to_device({name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in host.items()}, self.device)
+
+    def _draft_steps(self, first: torch.Tensor, pack: Sequence[PrefillWork], rows: List[int], step_fn) -> Drafts:
+        """Drafts 2 to k after each row's ``first`` draft: ``step_fn(tokens, metadata)`` gives
+        the tokens after ``tokens`` at the positions that follow the rows' pack works."""
+        drafted = [first]
+        positions = np.array([pack[i].num_context_tokens for i in rows], dtype=np.int64)
+        tables = _padded_tables([pack[i].block_ids for i in rows])
+        for _ in range(self.num_drafts - 1):
+            drafted.append(step_fn(drafted[-1], self._decode_metadata(positions, tables)))
+            positions = positions + 1
+        ids = torch.stack(drafted, dim=1).cpu().tolist()
+        return {pack[i].request_id: tuple(row) for i, row in zip(rows, ids)}
+
+
+class DraftModelRunner(PagedDrafter):
+    """Runs the draft model beside the target's runner (``draft_model``)."""
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device):
+        super().__init__(config, model, device)
+        self.steps = ModelSteps(model)
+        self._no_feed = torch.zeros(1, dtype=torch.int64, device=device)
+
     @torch.no_grad()
     def draft(self, step: SchedulerOutput, sampled: SampledTokens) -> Drafts:
         """The drafts that follow the tokens of each request of ``step.drafting`` once
-        ``sampled`` (the step's tokens) are recorded; requests whose logits are processed get
-        none (they never speculate). Every request's tokens enter the draft's cache."""
-        pack = self._catch_up_pack(step, _tokens_by_request(sampled))
+        ``sampled`` (the step's tokens) are recorded. Every request's tokens enter the draft's
+        cache; a request drafts from its last one."""
+        pack = [self._row_work(row, text.work, text.computed + text.new, text.start, bool(text.new))
+                for row, text in enumerate(self._step_texts(step, sampled))]
         inputs = prefill_inputs(pack, sum(len(w.token_ids) for w in pack),
                                 sum(context_keys(w, self.block_size) for w in pack),
                                 len(pack), self.block_size)
-        wanted = set(step.drafting)
-        rows = [i for i, w in enumerate(pack)
-                if w.is_last_chunk and w.request_id in wanted and w.sampling.processing is None]
+        rows = self._drafting_rows(step, pack)
         # The LM head runs over the drafting rows only (its vocabulary-wide matmul is much of a
         # small draft model's cost).
         inputs["logits_indices"] = inputs["logits_indices"][rows]
         logits, _ = self.steps.prefill(**to_device(inputs, self.device), kv_caches=self.kv_caches)
         if not rows:
             return {}
-        tokens = logits.argmax(-1)
-        drafted = [tokens]
-        positions = np.array([pack[i].num_context_tokens for i in rows], dtype=np.int64)
-        tables = _padded_tables([pack[i].block_ids for i in rows])
-        for _ in range(self.num_drafts - 1):
-            tokens = self._decode(tokens, positions, tables)
-            drafted.append(tokens)
-            positions = positions + 1
-        ids = torch.stack(drafted, dim=1).cpu().tolist()
-        return {pack[i].request_id: tuple(row) for i, row in zip(rows, ids)}
+        return self._draft_steps(logits.argmax(-1), pack, rows, self._decode)
 
-    def _catch_up_pack(self, step: SchedulerOutput, new_tokens: Dict[str, List[int]]) -> List[PrefillWork]:
-        """Per request of the step, the tokens of its text the draft has no K/V for: what the
-        target computed that stays (a prompt chunk, a decode's or a verify's input token),
-        then the step's new tokens. ``is_last_chunk``: the request drafts from its last one."""
-        firsts = [(w, w.token_ids, w.start_pos) for w in step.prefills]
-        firsts += [(w, (w.token_id,), w.position) for w in step.decodes]
-        firsts += [(w, w.token_ids[:1], w.start_pos) for w in step.verifies]
-        pack = []
-        for row, (work, computed, start) in enumerate(firsts):
-            new = new_tokens.get(work.request_id, ())
-            scratch = range(self.first_scratch + row * self.scratch_per_row,
-                            self.first_scratch + (row + 1) * self.scratch_per_row)
-            pack.append(PrefillWork(work.request_id, tuple(computed) + tuple(new), start,
-                                    tuple(work.block_ids) + tuple(scratch), work.sampling, bool(new)))
-        return pack
-
-    def _decode(self, tokens: torch.Tensor, positions: np.ndarray, tables: np.ndarray) -> torch.Tensor:
-        """One greedy draft step: the rows' ``tokens`` at ``positions``; the next tokens."""
-        rows = np.arange(len(positions))
-        slots = tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
-        host = {"feed_slots": np.full(len(positions), NO_FEED, dtype=np.int64), "positions": positions,
-                "slot_mapping": slots, "block_tables": tables, "context_lens": positions + 1}
-        inputs = to_device({name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in host.items()}, self.device)
-        logits = self.steps.decode(input_ids=tokens, feed_tokens=self._no_feed, kv_caches=self.kv_caches, **inputs)
+    def _decode(self, tokens: torch.Tensor, metadata: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """One greedy draft step: the tokens after ``tokens``."""
+        no_feed = torch.full_like(tokens, NO_FEED)
+        logits = self.steps.decode(input_ids=tokens, feed_slots=no_feed, feed_tokens=self._no_feed,
+                                   kv_caches=self.kv_caches, **metadata)
         return logits.argmax(-1)
 
 

@@ -78,6 +78,20 @@ def iterate_tensors(files: List[str]) -> Iterator[Tuple[str, torch.Tensor]]:
             raise CheckpointError(f"weight file {file} is corrupt or unreadable: {err}") from err
 
 
+def tensor_names(files: List[str]) -> List[str]:
+    """The names of the shards' tensors (read from their headers); corrupt files raise CheckpointError."""
+    from safetensors import SafetensorError, safe_open
+
+    names = []
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as shard:
+                names.extend(shard.keys())
+        except (SafetensorError, OSError, RuntimeError) as err:
+            raise CheckpointError(f"weight file {file} is corrupt or unreadable: {err}") from err
+    return names
+
+
 def load_weights(model: torch.nn.Module, files: List[str]) -> None:
     """Load the checkpoint into ``model``: every parameter (every shard of a packed one) must
     come from it exactly once.
@@ -151,6 +165,30 @@ def load_model(path: str, dtype: torch.dtype, tp: Optional[TensorParallelGroup] 
     if quantization == "int8":
         quantize_int8(model)
     return model
+
+
+def load_eagle3_head(path: str, target: torch.nn.Module, dtype: torch.dtype,
+                     tp: Optional[TensorParallelGroup] = None) -> torch.nn.Module:
+    """The EAGLE-3 head at ``path`` for one rank of ``tp`` over the loaded ``target`` (whose
+    embedding it shares unless it carries one), refused where its shapes do not fit the target."""
+    from tpu_executor.models.eagle3 import ARCHITECTURE, Eagle3Head
+
+    hf_config = load_hf_config(path)
+    if ARCHITECTURE not in (getattr(hf_config, "architectures", None) or ()):
+        raise CheckpointError(f"{path!r} is not an EAGLE-3 head: its config.json names architectures "
+                              f"{hf_config.architectures}, not [{ARCHITECTURE!r}]")
+    target_hidden = target.config.hidden_size
+    head_input = getattr(hf_config, "target_hidden_size", None) or hf_config.hidden_size
+    files = safetensors_files(path)
+    own_embedding = any("embed_tokens" in name for name in tensor_names(files))
+    if head_input != target_hidden or (hf_config.hidden_size != target_hidden and not own_embedding):
+        raise CheckpointError(f"the EAGLE-3 head {path!r} takes hidden states of size {head_input} and "
+                              f"embeddings of size {hf_config.hidden_size}, but the target's hidden size is "
+                              f"{target_hidden}: it was trained for another model")
+    with torch.device("cpu"):
+        head = Eagle3Head(hf_config, target, tp, own_embedding)
+    load_weights(head, files)
+    return head.to(dtype).eval()
 
 
 def build_model_shapes(path: str, dtype: torch.dtype, quantization: Optional[str] = None) -> torch.nn.Module:

@@ -20,9 +20,10 @@ from tpu_executor.core.config import EngineConfig, tpu_attached
 from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerStats
 from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup
 from tpu_executor.worker.distributed import GlooGroup, RankPlacement, XlaGroup, tpu_topology_env
-from tpu_executor.worker.draft_model import DraftModelRunner, check_draft_checkpoint
+from tpu_executor.worker.draft_model import DraftModelRunner, PagedDrafter, check_draft_checkpoint
+from tpu_executor.worker.eagle3 import Eagle3Runner
 from tpu_executor.worker.launched_step import LaunchedStep
-from tpu_executor.worker.model_loader import load_model, pack_for_cpu, use_xla_cpu_forms
+from tpu_executor.worker.model_loader import load_eagle3_head, load_model, pack_for_cpu, use_xla_cpu_forms
 from tpu_executor.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class Worker:
         self.weight_bytes = 0
         self.kv_cache_bytes = 0
         self.runner: Optional[ModelRunner] = None
-        self.drafter = None  # the draft model's DraftModelRunner (speculative method draft_model)
+        self.drafter: Optional[PagedDrafter] = None  # the draft model's or EAGLE-3 head's runner
         self.jax = None  # the JAX path's JaxRuntime (device, mesh, torchax environment)
         self.aot_job = None  # the JAX path's executables compiled ahead of time, when found
         self._launched: Deque[LaunchedStep] = collections.deque()  # launched, not yet collected
@@ -200,7 +201,7 @@ class Worker:
     def load_model(self) -> int:
         """Load the checkpoint onto the device; returns the model's vocabulary size."""
         model_config, speculative = self.config.model, self.config.speculative
-        draft_path = speculative.model if speculative is not None else None  # set for draft_model only
+        draft_path = speculative.model if speculative is not None else None  # set for the model methods only
         if draft_path is not None:
             check_draft_checkpoint(model_config.model, draft_path)
         model = self._placed(load_model(model_config.model, self.dtype, self.tp, model_config.quantization))
@@ -208,9 +209,16 @@ class Worker:
             self.model = model
             self.runner = self._new_runner()
         if draft_path is not None:
-            self.drafter = DraftModelRunner(self.config, self._placed(load_model(draft_path, self.dtype, self.tp)),
-                                            self.device)
+            self.drafter = self._load_drafter(speculative.method, draft_path)
         return self.model.config.vocab_size
+
+    def _load_drafter(self, method: str, path: str) -> PagedDrafter:
+        """The runner of the draft checkpoint at ``path``: a draft model, or an EAGLE-3 head
+        over the (loaded) target."""
+        if method == "eagle3":
+            head = self._placed(load_eagle3_head(path, self.model, self.dtype, self.tp))
+            return Eagle3Runner(self.config, head, self.model, self.device)
+        return DraftModelRunner(self.config, self._placed(load_model(path, self.dtype, self.tp)), self.device)
 
     def _placed(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` (loaded on the host) on the device, in the device's matmul forms; its bytes
@@ -331,7 +339,8 @@ class Worker:
     # ---- serving ------------------------------------------------------------------------
     def start_step(self, step: SchedulerOutput) -> LaunchedStep:
         """Hand one step to the device; its exceptions propagate."""
-        with self.device_context():
+        capture = self.drafter.capture() if self.drafter is not None else contextlib.nullcontext()
+        with self.device_context(), capture:
             return self.runner.launch(step)
 
     def launch_step(self, step: SchedulerOutput) -> Optional[ModelRunnerOutput]:

@@ -134,8 +134,9 @@ def test_no_drafts_above_disable_by_batch_size(checkpoints):
 
 
 @pytest.mark.parametrize("value, message", [
-    ({"method": "eagle3", "model": "x"}, "method 'eagle3' is not supported"),
+    ({"method": "eagle", "model": "x"}, "method 'eagle' is not supported"),
     ({"method": "medusa"}, "not supported"),
+    ({"method": "eagle3"}, "method 'eagle3' needs \"model\""),
     ({"method": "lookahead"}, "unknown speculative_config method 'lookahead'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer from 1 to 16"),
     ({"method": "ngram", "num_speculative_tokens": 17}, "from 1 to 16"),
