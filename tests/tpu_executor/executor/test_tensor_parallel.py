@@ -118,6 +118,23 @@ def test_native_path_at_tp4_matches_transformers(cluster, checkpoints, reference
         llm.shutdown()
 
 
+def test_native_path_eagle3_head_at_tp2_matches_transformers(cluster, checkpoints, references, prompts, tmp_path):
+    """An EAGLE-3 head split over two ranks as the target (its attention's heads, its LM head's
+    vocabulary): every rank drafts from its own capture of the target's hidden states."""
+    from tpu_executor.tools.eagle3_head import write_random_eagle3_head
+
+    target = checkpoints["llama"]
+    head = write_random_eagle3_head(target, str(tmp_path / "head"), draft_vocab_size=300)
+    speculative = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+    llm = LLM(target, device="cpu", tensor_parallel_size=2, speculative_config=speculative,
+              **tensor_parallel_options())
+    try:
+        assert greedy_tokens(llm, prompts, NEW_TOKENS) == references["llama"]
+        assert llm.engine.stats().spec_decode.num_drafts > 0
+    finally:
+        llm.shutdown()
+
+
 def test_launch_script_checks_the_cluster_then_generates(cluster, checkpoints, capsys):
     from scripts import launch
 
