@@ -108,18 +108,7 @@ class PromptLogprobsGraph:
     num_rows: int
 
 
-@dataclass(frozen=True)
-class VerifyGraph:
-    """The target's choice at ``num_rows`` positions of a prefill call's ``num_tokens`` hidden
-    states: a verify pack's last tokens and drafts through the LM head and the sampler
-    (``worker/verify.py``); ``all_greedy`` skips the sampler's sort and noise, as its graphs do."""
-
-    num_tokens: int
-    num_rows: int
-    all_greedy: bool = True
-
-
-Graph = Union[PrefillGraph, DecodeGraph, SamplerGraph, HistoryGraph, PromptLogprobsGraph, VerifyGraph]
+Graph = Union[PrefillGraph, DecodeGraph, SamplerGraph, HistoryGraph, PromptLogprobsGraph]
 
 
 @dataclass(frozen=True)
@@ -142,8 +131,26 @@ class PrefillCall:
 
 @dataclass(frozen=True)
 class VerifyCall(PrefillCall):
-    """A pack of verifies (speculative decoding): a prefill call over each request's last token
-    and drafts, whose every position the verify graph reads."""
+    """A pack of verifies (speculative decoding) at exact sizes (eager devices): a prefill call
+    over each request's last token and drafts, every position through the LM head and sampler."""
+
+
+@dataclass(frozen=True)
+class DecodeVerifyCall:
+    """Verifies (speculative decoding) on bucketed paths, decode-shaped: each of a sequence's
+    last token and drafts is a row of a decode graph over the sequence's block table, its
+    context one key longer than the row before (a layer writes every row's K/V before any row
+    attends); the sampler graph of the rows' bucket picks each position's token."""
+
+    pack: Tuple[PrefillWork, ...]
+    needed_blocks: Tuple[int, ...]  # per row
+    graph: DecodeGraph
+
+    def count_into(self, padding: PaddingStats) -> None:
+        padding.decode_rows_real += len(self.needed_blocks)
+        padding.decode_rows_padded += self.graph.num_rows
+        padding.decode_context_blocks_real += sum(self.needed_blocks)
+        padding.decode_context_blocks_padded += len(self.needed_blocks) * self.graph.context_blocks
 
 
 @dataclass(frozen=True)
@@ -174,7 +181,7 @@ class MixedCall:
         self.decode.count_into(padding)
 
 
-ModelCall = Union[PrefillCall, DecodeCall, MixedCall]
+ModelCall = Union[PrefillCall, DecodeCall, MixedCall, DecodeVerifyCall]
 
 
 def context_keys(work: PrefillWork, block_size: int) -> int:
@@ -228,9 +235,6 @@ class BucketPlan:
     # the wait ends in the timeout that the executor reports as ranks out of step
     # (executor/test_tensor_parallel.py).
     exact_sizes: bool = False
-    # Speculative decoding: the positions one verify call reads (a pack's last tokens and
-    # drafts); 0 without speculation (no verify graphs).
-    verify_rows: int = 0
 
     @classmethod
     def from_config(cls, config: "EngineConfig") -> "BucketPlan":
@@ -245,9 +249,7 @@ class BucketPlan:
                    logprob_widths=tuple(sorted({0, compile_cfg.max_logprobs})),
                    history_token_buckets=geometric_fill(effective_buckets((HISTORY_BUCKET,), config.max_model_len)),
                    max_prefill_seqs=compile_cfg.max_prefill_seqs, block_size=block_size,
-                   exact_sizes=not config.device.compiles and config.parallel.tensor_parallel_size == 1,
-                   verify_rows=0 if config.speculative is None else
-                   compile_cfg.max_prefill_seqs * (config.speculative.num_speculative_tokens + 1))
+                   exact_sizes=not config.device.compiles and config.parallel.tensor_parallel_size == 1)
 
     @property
     def max_prefill_tokens(self) -> int:
@@ -267,14 +269,11 @@ class BucketPlan:
     def long_form_buckets(self) -> Tuple[int, ...]:
         """The token buckets that also run over context widths wider than themselves: the
         largest, then the largest at most a quarter of the one before. A few tokens over a long
-        context pad their tokens at most ~4x, and the graph count stays small. With speculation,
-        also the smallest that holds a verify pack: its few tokens read whole contexts every step."""
+        context pad their tokens at most ~4x, and the graph count stays small."""
         chosen = [self.prefill_token_buckets[-1]]
         for bucket in reversed(self.prefill_token_buckets):
             if bucket * 4 <= chosen[-1]:
                 chosen.append(bucket)
-        if self.verify_rows:
-            chosen.append(pick_bucket(self.prefill_token_buckets, min(self.verify_rows, chosen[0])))
         return tuple(sorted(set(chosen)))
 
     def key_widths(self, num_tokens: int) -> Tuple[int, ...]:
@@ -322,14 +321,29 @@ class BucketPlan:
         calls: List[ModelCall] = []
         for pack in self._packs(step.prefills):
             calls.append(PrefillCall(tuple(pack), self.pack_graph(pack)))
-        # At exact sizes every verify runs in one call: a call reads all the weights once.
-        for pack in ([step.verifies] if self.exact_sizes and step.verifies else self._packs(step.verifies)):
-            calls.append(VerifyCall(tuple(pack), self.pack_graph(pack)))
+        if self.exact_sizes and step.verifies:  # one call for every verify: it reads the weights once
+            calls.append(VerifyCall(tuple(step.verifies), self.pack_graph(step.verifies)))
+        elif step.verifies:
+            calls.extend(self._decode_verify_calls(step.verifies))
         if step.decodes:
             needed = tuple(w.position // self.block_size + 1 for w in step.decodes)
             calls.append(DecodeCall(step.decodes, needed, self.decode_graph(len(needed), max(needed))))
         if self.exact_sizes and step.decodes and len(calls) > 1:
             calls[-2:] = [MixedCall(calls[-2], calls[-1])]
+        return calls
+
+    def _decode_verify_calls(self, verifies: Sequence[PrefillWork]) -> List[DecodeVerifyCall]:
+        """Decode-shaped calls over the verifies, as many sequences to a call as the largest
+        row bucket holds (a sequence's rows stay in one call)."""
+        calls, pack, needed = [], [], []
+        for work in verifies:
+            rows = [(work.start_pos + i) // self.block_size + 1 for i in range(len(work.token_ids))]
+            if pack and len(needed) + len(rows) > self.decode_row_buckets[-1]:
+                calls.append(DecodeVerifyCall(tuple(pack), tuple(needed), self.decode_graph(len(needed), max(needed))))
+                pack, needed = [], []
+            pack.append(work)
+            needed.extend(rows)
+        calls.append(DecodeVerifyCall(tuple(pack), tuple(needed), self.decode_graph(len(needed), max(needed))))
         return calls
 
     def _packs(self, works: Sequence[PrefillWork]) -> List[List[PrefillWork]]:
@@ -345,10 +359,6 @@ class BucketPlan:
     def prompt_logprobs_graph(self, num_tokens: int) -> PromptLogprobsGraph:
         """The prompt log-probs graph over a prefill call of ``num_tokens`` (its bucket)."""
         return PromptLogprobsGraph(num_tokens, min(PROMPT_LOGPROB_ROWS, num_tokens))
-
-    def verify_graph(self, num_tokens: int, all_greedy: bool) -> VerifyGraph:
-        """The verify graph over a prefill call of ``num_tokens`` (its bucket)."""
-        return VerifyGraph(num_tokens, self.verify_rows, all_greedy)
 
     def history_graph(self, num_tokens: int) -> HistoryGraph:
         """The graph that fills processing slots from histories of up to ``num_tokens`` tokens."""
@@ -367,8 +377,7 @@ class BucketPlan:
         return (f"prefill {tokens} tokens ({count(PrefillGraph)} with the long-context forms); "
                 f"decode {rows} rows x {widths} context tokens ({count(DecodeGraph)}); sampler {count(SamplerGraph)}, "
                 f"half of them with logits processing; processing state {count(HistoryGraph)}; "
-                f"prompt log-probs {count(PromptLogprobsGraph)}"
-                + (f"; speculative verify {count(VerifyGraph)}" if self.verify_rows else ""))
+                f"prompt log-probs {count(PromptLogprobsGraph)}")
 
     def graphs(self) -> List[Graph]:
         """Every graph the runner compiles at warm-up, model steps first."""
@@ -378,9 +387,7 @@ class BucketPlan:
                    for n in self.logprob_widths for g in (True, False)]
         history = [HistoryGraph(t) for t in self.history_token_buckets]
         prompt = [self.prompt_logprobs_graph(t) for t in self.prefill_token_buckets]
-        verify = [self.verify_graph(t, g) for t in self.prefill_token_buckets for g in (True, False)
-                  if self.verify_rows]
-        return [*prefill, *decode, *sampler, *history, *prompt, *verify]
+        return [*prefill, *decode, *sampler, *history, *prompt]
 
 
 def graph_label(graph: Graph) -> str:
@@ -393,8 +400,6 @@ def graph_label(graph: Graph) -> str:
         return f"prompt log-probs tokens={graph.num_tokens}"
     if isinstance(graph, HistoryGraph):
         return f"processing state tokens={graph.num_tokens}"
-    if isinstance(graph, VerifyGraph):
-        return f"verify tokens={graph.num_tokens} rows={graph.num_rows} greedy={graph.all_greedy}"
     return (f"sampler rows={graph.num_rows} logprobs={graph.num_logprobs} greedy={graph.all_greedy} "
             f"processing={graph.processing}")
 

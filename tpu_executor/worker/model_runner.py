@@ -28,13 +28,13 @@ from tpu_executor.core.buckets import (
     BucketPlan,
     DecodeCall,
     DecodeGraph,
+    DecodeVerifyCall,
     Graph,
     MixedCall,
     PrefillCall,
     PrefillGraph,
     PromptLogprobsGraph,
     VerifyCall,
-    VerifyGraph,
     graph_label,
 )
 from tpu_executor.core.config import EngineConfig
@@ -49,7 +49,7 @@ from tpu_executor.worker.launched_step import LaunchedCall, LaunchedStep
 from tpu_executor.worker.model_steps import ModelSteps
 from tpu_executor.worker.prompt_logprobs import groups, owed_positions, padding_group, prompt_logprobs_step
 from tpu_executor.worker.sampling_runner import SampleSteps, SamplingRunner
-from tpu_executor.worker.verify import verify_positions, verify_rows, verify_step
+from tpu_executor.worker.verify import verify_decode_inputs, verify_positions, verify_rows, verify_step
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class ModelRunner:
         self._decode_fn = self._compile(self.steps.decode, compiled, one_graph)
         self._mixed_fn = self.steps.mixed  # eager devices only
         self._prompt_logprobs_fn = self._compile(partial(prompt_logprobs_step, model), compiled, one_graph)
-        self._verify_fn = self._compile(partial(verify_step, model), compiled, one_graph)
+        self._verify_fn = partial(verify_step, model)  # eager devices only
 
     @property
     def timer(self):
@@ -137,6 +137,8 @@ class ModelRunner:
                     calls.extend(self._launch_mixed(call))
                 elif isinstance(call, VerifyCall):
                     calls.append(self._launch_verify(call))
+                elif isinstance(call, DecodeVerifyCall):
+                    calls.append(self._launch_decode_verify(call))
                 else:
                     calls.append(self._launch_prefill(call) if isinstance(call, PrefillCall)
                                  else self._launch_decode(call))
@@ -210,20 +212,16 @@ class ModelRunner:
         return launched
 
     def _launch_verify(self, call: VerifyCall) -> LaunchedCall:
-        """The target's tokens at every position of a pack of verifies (speculative decoding)."""
-        graph = call.graph
-        if self.plan.exact_sizes:  # eager: the model, the LM head and the sampler over the rows in one call
-            with self.timer.phase("inputs"):
-                inputs = {**self._prefill_host_inputs(call.pack, graph), **self._verify_inputs(call, graph.num_tokens)}
-            out = self._run_fn(self.steps.verify, inputs, "prefill", kv_caches=self.kv_caches,
-                               **self._verify_static(call))
-            return self._launched_verify(call, out)
-        with self.guard.watch(f"verify bucket tokens={graph.num_tokens} keys={graph.keys}"):
-            _, hidden = self._prefill_logits(call.pack, graph, self.kv_caches)
-            return self._verify_hidden(call, hidden, self.plan.verify_rows)
+        """The target's tokens at every position of a pack of verifies (speculative decoding),
+        eager: the model, the LM head and the sampler over the rows in one call."""
+        with self.timer.phase("inputs"):
+            inputs = {**self._prefill_host_inputs(call.pack, call.graph),
+                      **self._verify_inputs(call, call.graph.num_tokens)}
+        out = self._run_fn(self.steps.verify, inputs, "prefill", kv_caches=self.kv_caches, **self._verify_static(call))
+        return self._launched_verify(call, out)
 
     def _verify_hidden(self, call: VerifyCall, hidden: torch.Tensor, num_rows: int) -> LaunchedCall:
-        """The verify graph over a verify pack's ``hidden`` states (``num_rows`` rows)."""
+        """The LM head and the sampler over a verify pack's ``hidden`` states (``num_rows`` rows)."""
         with self.timer.phase("inputs"):
             inputs = self._verify_inputs(call, num_rows)
         out = self._run_fn(self._verify_fn, inputs, "prefill", hidden=hidden, **self._verify_static(call))
@@ -237,17 +235,33 @@ class ModelRunner:
         return LaunchedCall(verify_positions(call.pack), request_ids, returns_logprobs, out, None, verified=call.pack)
 
     @staticmethod
-    def _verify_inputs(call: Optional[VerifyCall], num_rows: int) -> Dict[str, torch.Tensor]:
-        """A verify's rows of the pack's hidden states and their sampler inputs (no call: padding)."""
-        pack = call.pack if call is not None else ()
-        return {"rows": verify_rows(pack, num_rows), **sampling_tensors(verify_positions(pack), num_rows)}
+    def _verify_inputs(call: VerifyCall, num_rows: int) -> Dict[str, torch.Tensor]:
+        """A verify's rows of the pack's hidden states and their sampler inputs."""
+        return {"rows": verify_rows(call.pack, num_rows), **sampling_tensors(verify_positions(call.pack), num_rows)}
 
-    def _verify_static(self, call: Optional[VerifyCall], all_greedy: bool = True) -> Dict[str, object]:
-        """The verify graph's constants: the log-prob width, and whether every row is greedy
-        (no call: warm-up's, for a graph that is ``all_greedy`` or not)."""
-        if call is not None:
-            all_greedy = all(w.sampling.temperature == 0 for w in call.pack)
-        return dict(num_logprobs=self.plan.logprob_widths[-1], all_greedy=all_greedy)
+    def _verify_static(self, call: VerifyCall) -> Dict[str, object]:
+        """The verify's constants: the log-prob width, and whether every row is greedy."""
+        return dict(num_logprobs=self.plan.logprob_widths[-1],
+                    all_greedy=all(w.sampling.temperature == 0 for w in call.pack))
+
+    def _launch_decode_verify(self, call: DecodeVerifyCall) -> LaunchedCall:
+        """Verifies as rows of a decode graph, then the sampler graph of its rows: only graphs
+        that decoding compiles at warm-up."""
+        graph, pack = call.graph, call.pack
+        with self.guard.watch(f"decode bucket rows={graph.num_rows} blocks={graph.context_blocks} (verify)"):
+            with self.timer.phase("inputs"):
+                inputs = verify_decode_inputs(pack, graph.num_rows, graph.context_blocks, self.block_size)
+            logits = self._run_fn(self._decode_fn, inputs, "decode", feed_tokens=self.sampling.feed.read_tokens,
+                                  kv_caches=self.kv_caches)
+            positions = verify_positions(pack)
+            with self.timer.phase("inputs"):
+                sampling = sampling_tensors(positions, graph.num_rows)
+            launched = self.sampling.sample(
+                positions, [w.request_id for w in pack for _ in w.token_ids],
+                any(w.sampling.num_logprobs >= 0 for w in pack), logits, sampling,
+                wants_logprobs=any(w.sampling.num_logprobs > 0 for w in pack),
+                all_greedy=all(w.sampling.temperature == 0 for w in pack))
+        return launched._replace(verified=pack)
 
     def _launch_decode(self, call: DecodeCall) -> LaunchedCall:
         graph = call.graph
@@ -365,8 +379,7 @@ class ModelRunner:
     def _run_dummy(self, graph: Graph) -> None:
         """Run ``graph`` once on padding-only inputs (writes go to the null block)."""
         run = {PrefillGraph: self._dummy_prefill, PromptLogprobsGraph: self._dummy_prompt_logprobs,
-               DecodeGraph: self._dummy_decode, VerifyGraph: self._dummy_verify}.get(type(graph),
-                                                                                 self.sampling.run_dummy)
+               DecodeGraph: self._dummy_decode}.get(type(graph), self.sampling.run_dummy)
         self._wait(run(graph))
 
     def _dummy_prefill(self, graph: PrefillGraph) -> torch.Tensor:
@@ -377,11 +390,6 @@ class ModelRunner:
         hidden = torch.zeros(graph.num_tokens, self.model.config.hidden_size).to(self.device)
         return self._run_fn(self._prompt_logprobs_fn, padding_group(graph.num_rows), "prefill", hidden=hidden,
                             num_logprobs=max(1, self.config.compile.max_logprobs))[0]
-
-    def _dummy_verify(self, graph: VerifyGraph) -> torch.Tensor:
-        hidden = torch.zeros(graph.num_tokens, self.model.config.hidden_size).to(self.device)
-        return self._run_fn(self._verify_fn, self._verify_inputs(None, graph.num_rows), "prefill", hidden=hidden,
-                            **self._verify_static(None, graph.all_greedy))[0]
 
     def _dummy_decode(self, graph: DecodeGraph) -> torch.Tensor:
         return self._decode_logits([DecodeWork("warmup", 0, 0, (NULL_BLOCK,), SamplingMeta.greedy())], graph)

@@ -1,11 +1,13 @@
 """Verification of draft tokens (speculative decoding), on the device.
 
-A verify pack is a prefill call over each request's last token and its drafts, reading the
-earlier context from the pages; position ``i`` of a request's run is where the target picks its
-token after the last token and the first ``i`` drafts. The verify graph (one per prefill token
-bucket) takes the pack's hidden states at those positions through the LM head and the sampler,
-each position a row with its request's sampling parameters and its own seeding step, so a
-position draws exactly the token decoding one at a time would draw there. The host accepts the
+Position ``i`` of a request's verify is where the target picks its token after the last token
+and the first ``i`` drafts. On the bucketed paths each position is a row of a decode graph over
+the request's block table, its context ending at its own position (a layer writes every row's
+K/V before any row attends), and the sampler graph of the decode rows picks the tokens. At
+exact sizes (the native path) a verify pack is one prefill call over every request's last token
+and drafts, its positions through the LM head and the sampler. Either way each position is a
+row with its request's sampling parameters and its own seeding step, so a position draws
+exactly the token decoding one at a time would draw there. The host accepts the
 longest run of drafts equal to those tokens, then the token after it (``accepted_rows``).
 
 For a drafter whose draft is one token with certainty (n-gram), this is rejection sampling: a
@@ -15,12 +17,15 @@ renormalised. Greedy rows accept the drafts equal to the argmax.
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Sequence
+from typing import Dict, List, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
+from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.step import PrefillWork, SamplingMeta
 from tpu_executor.worker.sampler import SamplerOutput, sample
+from tpu_executor.worker.token_feed import NO_FEED
 
 
 class VerifyPosition(NamedTuple):
@@ -51,6 +56,29 @@ def verify_rows(pack: Sequence[PrefillWork], num_rows: int) -> torch.Tensor:
     rows = torch.zeros(num_rows, dtype=torch.int64)
     rows[:count] = torch.arange(count)
     return rows
+
+
+def verify_decode_inputs(pack: Sequence[PrefillWork], num_rows: int, context_blocks: int,
+                         block_size: int) -> Dict[str, torch.Tensor]:
+    """A decode call's inputs for a pack of verifies: a row per position of each verify, over
+    its request's block table, its context ending at its own position; padded to ``num_rows``
+    rows (reading the null block) and ``context_blocks`` table entries."""
+    input_ids = np.zeros(num_rows, dtype=np.int64)
+    positions = np.zeros(num_rows, dtype=np.int64)
+    tables = np.full((num_rows, context_blocks), NULL_BLOCK, dtype=np.int64)
+    row = 0
+    for work in pack:
+        num, blocks = len(work.token_ids), work.block_ids[:context_blocks]
+        input_ids[row:row + num] = work.token_ids
+        positions[row:row + num] = np.arange(work.start_pos, work.start_pos + num)
+        tables[row:row + num, :len(blocks)] = blocks
+        row += num
+    slots = np.full(num_rows, NULL_BLOCK * block_size, dtype=np.int64)
+    real = positions[:row]
+    slots[:row] = tables[np.arange(row), real // block_size] * block_size + real % block_size
+    arrays = {"input_ids": input_ids, "feed_slots": np.full(num_rows, NO_FEED, dtype=np.int64),
+              "positions": positions, "slot_mapping": slots, "block_tables": tables, "context_lens": positions + 1}
+    return {name: torch.from_numpy(array) for name, array in arrays.items()}
 
 
 def accepted_rows(pack: Sequence[PrefillWork], token_ids: List[int]) -> List[int]:

@@ -8,13 +8,12 @@ from tpu_executor.core.buckets import (
     BucketPlan,
     DecodeCall,
     DecodeGraph,
+    DecodeVerifyCall,
     HistoryGraph,
     MixedCall,
     PrefillCall,
     PrefillGraph,
     SamplerGraph,
-    VerifyCall,
-    VerifyGraph,
     pick_bucket,
 )
 from tpu_executor.core.config import (
@@ -138,42 +137,36 @@ def test_graph_list_covers_every_combination_once(tmp_path):
     assert [g for g in graphs if isinstance(g, HistoryGraph)] == [HistoryGraph(256), HistoryGraph(320)]
 
 
-def test_speculation_adds_two_verify_graphs_per_prefill_token_bucket(tmp_path):
+def test_speculation_adds_no_graph(tmp_path):
+    """Verifies run on the decode and sampler graphs that decoding compiles anyway."""
     from tpu_executor.core.speculative import SpeculativeConfig
 
     options = dict(prefill_buckets=(32, 128), decode_buckets=(2, 8), decode_context_buckets=(128,), max_prefill_seqs=8)
     plain = BucketPlan.from_config(config(tmp_path, **options))
     speculative = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(num_speculative_tokens=3),
                                                 **options))
-    added = [g for g in speculative.graphs() if g not in plain.graphs()]
-    # a pack holds up to 8 sequences' last token and 3 drafts: 32 positions; greedy or not
-    assert added == [VerifyGraph(32, 32, True), VerifyGraph(32, 32, False), VerifyGraph(128, 32, True),
-                     VerifyGraph(128, 32, False)]
-    assert "speculative verify 4 graphs" in speculative.describe()
-    # Where no long form holds a verify pack's few tokens, its bucket gets the context widths.
-    options = dict(max_model_len=512, prefill_buckets=(64, 128, 256, 512), max_prefill_seqs=8)
-    plain = BucketPlan.from_config(config(tmp_path, **options))
-    speculative = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(num_speculative_tokens=4),
-                                                **options))
-    assert plain.long_form_buckets() == (128, 512) and speculative.long_form_buckets() == (64, 128, 512)
-    assert plain.prefill_graph(5, 250) == PrefillGraph(128, 512)  # a verify of 5 tokens over 250 keys
-    assert speculative.prefill_graph(5, 250) == PrefillGraph(64, 512)
+    assert speculative.graphs() == plain.graphs() and speculative.describe() == plain.describe()
 
 
-def test_verifies_run_as_packs_of_their_own(tmp_path):
+def test_verifies_run_as_decode_rows_of_their_own(tmp_path):
     from tpu_executor.core.speculative import SpeculativeConfig
     from tpu_executor.core.step import DecodeWork, PrefillWork, SchedulerOutput
 
-    verifies = tuple(PrefillWork(f"v{i}", (1, 2, 3, 4), 40, (1,) * 3, None) for i in range(3))
+    verifies = tuple(PrefillWork(f"v{i}", (1, 2, 3, 4), 46, (1,) * 4, None) for i in range(7))
     decodes = tuple(DecodeWork(f"d{i}", 5, 20, (2,) * 2, None) for i in range(2))
-    plan = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(), prefill_buckets=(64, 128),
-                                         max_prefill_seqs=2))
+    plan = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(num_speculative_tokens=3),
+                                         decode_buckets=(2, 8)))
     calls = plan.model_calls(SchedulerOutput(decodes=decodes, verifies=verifies))
-    assert [type(call) for call in calls] == [VerifyCall, VerifyCall, DecodeCall]
-    assert [len(call.pack) for call in calls[:-1]] == [2, 1]
+    # Decode-shaped: 4 rows a verify, 24 rows (max_num_seqs) the largest bucket, a sequence's
+    # rows in one call.
+    assert [type(call) for call in calls] == [DecodeVerifyCall, DecodeVerifyCall, DecodeCall]
+    assert [len(call.pack) for call in calls[:-1]] == [6, 1]
+    # Positions 46-49 read 3 pages, then 4 (position 48 starts the fourth).
+    assert calls[1].needed_blocks == (3, 3, 4, 4)
+    assert [call.graph for call in calls[:-1]] == [plan.decode_graph(24, 4), plan.decode_graph(4, 4)]
     # At exact sizes one call takes every verify and the decodes (it reads the weights once).
     plan = BucketPlan.from_config(config(tmp_path, device="cpu", speculative=SpeculativeConfig(),
-                                         prefill_buckets=(64, 128), max_prefill_seqs=2))
+                                         prefill_buckets=(64, 128)))
     calls = plan.model_calls(SchedulerOutput(decodes=decodes, verifies=verifies))
     assert [type(call) for call in calls] == [MixedCall]
     assert calls[0].prefill.pack == verifies and calls[0].decode.work == decodes

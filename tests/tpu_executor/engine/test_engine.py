@@ -63,7 +63,7 @@ def test_zero_recompilation_over_200_random_requests(llm):
 
 
 def test_speculation_changes_no_output_and_compiles_nothing_after_warmup(checkpoints, llm):
-    """N-gram drafts verified by the prefill graphs and the verify graphs: 200 random requests
+    """N-gram drafts verified as rows of the decode graphs: 200 random requests
     mixing speculation with every sampling feature give what the engine without it gives."""
     speculative = LLM(model=checkpoints["llama"], device=device_of(llm),
                       speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
