@@ -27,8 +27,8 @@ class ModelSteps:
 
     def verify(self, input_ids, positions, slot_mapping, context_slots, key_positions, key_segments,
                query_segments, logits_indices, rows, kv_caches, **sampling):
-        """A verify pack in one call (eager only; compiled paths run the prefill graph, then the
-        verify graph over its hidden states): the target's token at each of ``rows``."""
+        """A verify pack in one call (eager, at exact sizes; the bucketed paths run verifies as
+        decode rows): the target's token at each of ``rows``."""
         del logits_indices  # every position of the pack is read through ``rows``
         hidden = self._packed_hidden(input_ids, positions, slot_mapping, context_slots, key_positions,
                                      key_segments, query_segments, kv_caches)
