@@ -147,10 +147,7 @@ class DecodeVerifyCall:
     graph: DecodeGraph
 
     def count_into(self, padding: PaddingStats) -> None:
-        padding.decode_rows_real += len(self.needed_blocks)
-        padding.decode_rows_padded += self.graph.num_rows
-        padding.decode_context_blocks_real += sum(self.needed_blocks)
-        padding.decode_context_blocks_padded += len(self.needed_blocks) * self.graph.context_blocks
+        count_decode_rows(padding, self.needed_blocks, self.graph)
 
 
 @dataclass(frozen=True)
@@ -162,10 +159,16 @@ class DecodeCall:
     graph: DecodeGraph
 
     def count_into(self, padding: PaddingStats) -> None:
-        padding.decode_rows_real += len(self.work)
-        padding.decode_rows_padded += self.graph.num_rows
-        padding.decode_context_blocks_real += sum(self.needed_blocks)
-        padding.decode_context_blocks_padded += len(self.work) * self.graph.context_blocks
+        count_decode_rows(padding, self.needed_blocks, self.graph)
+
+
+def count_decode_rows(padding: PaddingStats, needed_blocks: Sequence[int], graph: DecodeGraph) -> None:
+    """Count a decode-graph call's real and padded rows and context blocks (one row per entry
+    of ``needed_blocks``, the pages it reads) into ``padding``."""
+    padding.decode_rows_real += len(needed_blocks)
+    padding.decode_rows_padded += graph.num_rows
+    padding.decode_context_blocks_real += sum(needed_blocks)
+    padding.decode_context_blocks_padded += len(needed_blocks) * graph.context_blocks
 
 
 @dataclass(frozen=True)
