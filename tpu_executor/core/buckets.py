@@ -152,11 +152,14 @@ class DecodeVerifyCall:
 
 @dataclass(frozen=True)
 class DecodeCall:
-    """The decode call of a step: its rows, the context blocks each row needs, its graph."""
+    """The decode call of a step: its rows, the context blocks each row needs, its graph. On
+    the bucketed paths the verifies that fit follow the decode rows, decode-shaped (as in
+    ``DecodeVerifyCall``): the step reads the weights once."""
 
     work: Tuple[DecodeWork, ...]
-    needed_blocks: Tuple[int, ...]
+    needed_blocks: Tuple[int, ...]  # per row, the verifies' rows after the decodes'
     graph: DecodeGraph
+    verifies: Tuple[PrefillWork, ...] = ()
 
     def count_into(self, padding: PaddingStats) -> None:
         count_decode_rows(padding, self.needed_blocks, self.graph)
@@ -185,6 +188,17 @@ class MixedCall:
 
 
 ModelCall = Union[PrefillCall, DecodeCall, MixedCall, DecodeVerifyCall]
+
+
+def _split_by_rows(verifies: Sequence[PrefillWork], max_rows: int) -> Tuple[Sequence[PrefillWork],
+                                                                             Sequence[PrefillWork]]:
+    """(the leading verifies whose rows, one per position, fit in ``max_rows``; the rest)."""
+    rows = 0
+    for count, work in enumerate(verifies):
+        rows += len(work.token_ids)
+        if rows > max_rows:
+            return verifies[:count], verifies[count:]
+    return verifies, ()
 
 
 def context_keys(work: PrefillWork, block_size: int) -> int:
@@ -324,13 +338,17 @@ class BucketPlan:
         calls: List[ModelCall] = []
         for pack in self._packs(step.prefills):
             calls.append(PrefillCall(tuple(pack), self.pack_graph(pack)))
+        merged: Sequence[PrefillWork] = ()
         if self.exact_sizes and step.verifies:  # one call for every verify: it reads the weights once
             calls.append(VerifyCall(tuple(step.verifies), self.pack_graph(step.verifies)))
         elif step.verifies:
-            calls.extend(self._decode_verify_calls(step.verifies))
+            room = self.decode_row_buckets[-1] - len(step.decodes) if step.decodes else 0
+            merged, rest = _split_by_rows(step.verifies, room)
+            calls.extend(self._decode_verify_calls(rest))
         if step.decodes:
-            needed = tuple(w.position // self.block_size + 1 for w in step.decodes)
-            calls.append(DecodeCall(step.decodes, needed, self.decode_graph(len(needed), max(needed))))
+            needed = tuple(w.position // self.block_size + 1 for w in step.decodes) + \
+                self._verify_blocks(merged)
+            calls.append(DecodeCall(step.decodes, needed, self.decode_graph(len(needed), max(needed)), tuple(merged)))
         if self.exact_sizes and step.decodes and len(calls) > 1:
             calls[-2:] = [MixedCall(calls[-2], calls[-1])]
         return calls
@@ -338,16 +356,18 @@ class BucketPlan:
     def _decode_verify_calls(self, verifies: Sequence[PrefillWork]) -> List[DecodeVerifyCall]:
         """Decode-shaped calls over the verifies, as many sequences to a call as the largest
         row bucket holds (a sequence's rows stay in one call)."""
-        calls, pack, needed = [], [], []
-        for work in verifies:
-            rows = [(work.start_pos + i) // self.block_size + 1 for i in range(len(work.token_ids))]
-            if pack and len(needed) + len(rows) > self.decode_row_buckets[-1]:
-                calls.append(DecodeVerifyCall(tuple(pack), tuple(needed), self.decode_graph(len(needed), max(needed))))
-                pack, needed = [], []
-            pack.append(work)
-            needed.extend(rows)
-        calls.append(DecodeVerifyCall(tuple(pack), tuple(needed), self.decode_graph(len(needed), max(needed))))
+        calls = []
+        while verifies:
+            pack, verifies = _split_by_rows(verifies, self.decode_row_buckets[-1])
+            if not pack:  # the config keeps k + 1 within max_num_seqs
+                raise ValueError(f"a verify of {len(verifies[0].token_ids)} rows exceeds the largest decode bucket")
+            needed = self._verify_blocks(pack)
+            calls.append(DecodeVerifyCall(tuple(pack), needed, self.decode_graph(len(needed), max(needed))))
         return calls
+
+    def _verify_blocks(self, verifies: Sequence[PrefillWork]) -> Tuple[int, ...]:
+        """The pages each decode-shaped row of ``verifies`` reads."""
+        return tuple((w.start_pos + i) // self.block_size + 1 for w in verifies for i in range(len(w.token_ids)))
 
     def _packs(self, works: Sequence[PrefillWork]) -> List[List[PrefillWork]]:
         # One key short of the widest: room for the padding key.

@@ -18,8 +18,9 @@ class LaunchedCall(NamedTuple):
     """One sampler call of a launched step: its work items, the request of each row (None: a
     row that gives no token), whether any asked for log-probs, the sampler's device outputs,
     the rows that give a token (None: every work item's row), the prompt log-probs the call's
-    prefill launched (device outputs and their owners), and for a verify call its pack (its
-    rows are every position of the pack; the accepted ones are kept, known once read back)."""
+    prefill launched (device outputs and their owners), and for a call that verifies its pack
+    (its rows, from ``verified_from`` on, are every position of the pack; the accepted ones are
+    kept, known once read back)."""
 
     work: Sequence
     request_ids: Sequence[Optional[str]]
@@ -28,6 +29,7 @@ class LaunchedCall(NamedTuple):
     kept_rows: Optional[List[int]]
     prompt: Sequence = ()
     verified: Sequence = ()
+    verified_from: int = 0
 
 
 class LaunchedStep:
@@ -47,11 +49,17 @@ class LaunchedStep:
                 prompt.extend(call.prompt)
             with self.timer.phase("output"):
                 sampled = _sampled_tokens(call, host)
-                kept = accepted_rows(call.verified, host[0]) if call.verified else call.kept_rows
+                kept = _verified_rows(call, host[0]) if call.verified else call.kept_rows
                 parts.append(sampled if kept is None else sampled.rows(kept))
         with self.timer.phase("transfer"):
             prompt_logprobs = read_back(prompt) if prompt else ()
         return ModelRunnerOutput(SampledTokens.concat(parts), prompt_logprobs=prompt_logprobs)
+
+
+def _verified_rows(call: LaunchedCall, token_ids: list) -> List[int]:
+    """The rows a call that verifies keeps: those before its verifies, then the accepted ones."""
+    first = call.verified_from
+    return list(range(first)) + [first + row for row in accepted_rows(call.verified, token_ids[first:])]
 
 
 def _read_back(out: SamplerOutput) -> Tuple[list, list, Optional[list], Optional[list]]:

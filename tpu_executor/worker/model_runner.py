@@ -247,26 +247,41 @@ class ModelRunner:
     def _launch_decode_verify(self, call: DecodeVerifyCall) -> LaunchedCall:
         """Verifies as rows of a decode graph, then the sampler graph of its rows: only graphs
         that decoding compiles at warm-up."""
-        graph, pack = call.graph, call.pack
+        graph = call.graph
         with self.guard.watch(f"decode bucket rows={graph.num_rows} blocks={graph.context_blocks} (verify)"):
-            with self.timer.phase("inputs"):
-                inputs = verify_decode_inputs(pack, graph.num_rows, graph.context_blocks, self.block_size)
-            logits = self._run_fn(self._decode_fn, inputs, "decode", feed_tokens=self.sampling.feed.read_tokens,
-                                  kv_caches=self.kv_caches)
-            positions = verify_positions(pack)
-            with self.timer.phase("inputs"):
-                sampling = sampling_tensors(positions, graph.num_rows)
-            launched = self.sampling.sample(
-                positions, [w.request_id for w in pack for _ in w.token_ids],
-                any(w.sampling.num_logprobs >= 0 for w in pack), logits, sampling,
-                wants_logprobs=any(w.sampling.num_logprobs > 0 for w in pack),
-                all_greedy=all(w.sampling.temperature == 0 for w in pack))
-        return launched._replace(verified=pack)
+            return self._decode_rows_and_verifies(graph, (), call.pack)
 
     def _launch_decode(self, call: DecodeCall) -> LaunchedCall:
         graph = call.graph
         with self.guard.watch(f"decode bucket rows={graph.num_rows} blocks={graph.context_blocks}"):
+            if call.verifies:
+                return self._decode_rows_and_verifies(graph, call.work, call.verifies)
             return self._sample_decode(call, self._decode_logits(call.work, graph))
+
+    def _decode_rows_and_verifies(self, graph: DecodeGraph, work: Sequence[DecodeWork],
+                                  pack: Sequence[PrefillWork]) -> LaunchedCall:
+        """The decode rows of ``work``, then a row per position of the verifies of ``pack``, in
+        one decode graph and one sampler graph: the weights are read once for both."""
+        batch, num_decodes, positions = self.decode_batch, len(work), verify_positions(pack)
+        with self.timer.phase("inputs"):
+            inputs = verify_decode_inputs(pack, graph.num_rows - num_decodes, graph.context_blocks, self.block_size)
+            sampling = sampling_tensors(positions, graph.num_rows - num_decodes)
+            if work:
+                batch.update(work)
+                rows = batch.inputs(num_decodes, graph.context_blocks, self.block_size,
+                                    self.sampling.feed.pending_slots)
+                inputs = {name: torch.cat([rows[name], inputs[name]]) for name in rows}
+                sampling = {name: torch.cat([t, sampling[name]]) for name, t in batch.sampling(num_decodes).items()}
+        logits = self._run_fn(self._decode_fn, inputs, "decode", feed_tokens=self.sampling.feed.read_tokens,
+                              kv_caches=self.kv_caches)
+        decoded = bool(work)
+        launched = self.sampling.sample(
+            list(work) + positions, list(batch.request_ids if decoded else ()) +
+            [w.request_id for w in pack for _ in w.token_ids],
+            (decoded and batch.returns_logprobs) or any(w.sampling.num_logprobs >= 0 for w in pack), logits, sampling,
+            wants_logprobs=(decoded and batch.wants_logprobs) or any(w.sampling.num_logprobs > 0 for w in pack),
+            all_greedy=(not decoded or batch.all_greedy) and all(w.sampling.temperature == 0 for w in pack))
+        return launched._replace(verified=pack, verified_from=num_decodes)
 
     def _sample_decode(self, call: DecodeCall, logits: torch.Tensor) -> LaunchedCall:
         """Launch the sampler over the decode rows' ``logits``."""

@@ -157,13 +157,18 @@ def test_verifies_run_as_decode_rows_of_their_own(tmp_path):
     plan = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(num_speculative_tokens=3),
                                          decode_buckets=(2, 8)))
     calls = plan.model_calls(SchedulerOutput(decodes=decodes, verifies=verifies))
-    # Decode-shaped: 4 rows a verify, 24 rows (max_num_seqs) the largest bucket, a sequence's
-    # rows in one call.
-    assert [type(call) for call in calls] == [DecodeVerifyCall, DecodeVerifyCall, DecodeCall]
-    assert [len(call.pack) for call in calls[:-1]] == [6, 1]
+    # Decode-shaped, 4 rows a verify: 5 follow the 2 decode rows in the decode call (24 rows,
+    # max_num_seqs, the largest bucket), the other 2 get a call of their own; a sequence's rows
+    # stay in one call.
+    assert [type(call) for call in calls] == [DecodeVerifyCall, DecodeCall]
+    assert calls[0].pack == verifies[5:] and calls[1].verifies == verifies[:5]
+    assert calls[1].work == decodes
     # Positions 46-49 read 3 pages, then 4 (position 48 starts the fourth).
-    assert calls[1].needed_blocks == (3, 3, 4, 4)
-    assert [call.graph for call in calls[:-1]] == [plan.decode_graph(24, 4), plan.decode_graph(4, 4)]
+    assert calls[0].needed_blocks == (3, 3, 4, 4) * 2
+    assert calls[1].needed_blocks == (2, 2) + (3, 3, 4, 4) * 5
+    assert [call.graph for call in calls] == [plan.decode_graph(8, 4), plan.decode_graph(22, 4)]
+    verify_only = plan.model_calls(SchedulerOutput(verifies=verifies))
+    assert [len(call.pack) for call in verify_only] == [6, 1]
     # At exact sizes one call takes every verify and the decodes (it reads the weights once).
     plan = BucketPlan.from_config(config(tmp_path, device="cpu", speculative=SpeculativeConfig(),
                                          prefill_buckets=(64, 128)))
