@@ -136,25 +136,13 @@ class VerifyCall(PrefillCall):
 
 
 @dataclass(frozen=True)
-class DecodeVerifyCall:
-    """Verifies (speculative decoding) on bucketed paths, decode-shaped: each of a sequence's
-    last token and drafts is a row of a decode graph over the sequence's block table, its
-    context one key longer than the row before (a layer writes every row's K/V before any row
-    attends); the sampler graph of the rows' bucket picks each position's token."""
-
-    pack: Tuple[PrefillWork, ...]
-    needed_blocks: Tuple[int, ...]  # per row
-    graph: DecodeGraph
-
-    def count_into(self, padding: PaddingStats) -> None:
-        count_decode_rows(padding, self.needed_blocks, self.graph)
-
-
-@dataclass(frozen=True)
 class DecodeCall:
     """The decode call of a step: its rows, the context blocks each row needs, its graph. On
-    the bucketed paths the verifies that fit follow the decode rows, decode-shaped (as in
-    ``DecodeVerifyCall``): the step reads the weights once."""
+    the bucketed paths the step's verifies (speculative decoding) follow the decode rows,
+    decode-shaped: each of a sequence's last token and drafts is a row over the sequence's
+    block table, its context one key longer than the row before (a layer writes every row's
+    K/V before any row attends), and the sampler graph of the rows picks each position's
+    token. The step reads the weights once, and verifying adds no graph of its own."""
 
     work: Tuple[DecodeWork, ...]
     needed_blocks: Tuple[int, ...]  # per row, the verifies' rows after the decodes'
@@ -162,16 +150,10 @@ class DecodeCall:
     verifies: Tuple[PrefillWork, ...] = ()
 
     def count_into(self, padding: PaddingStats) -> None:
-        count_decode_rows(padding, self.needed_blocks, self.graph)
-
-
-def count_decode_rows(padding: PaddingStats, needed_blocks: Sequence[int], graph: DecodeGraph) -> None:
-    """Count a decode-graph call's real and padded rows and context blocks (one row per entry
-    of ``needed_blocks``, the pages it reads) into ``padding``."""
-    padding.decode_rows_real += len(needed_blocks)
-    padding.decode_rows_padded += graph.num_rows
-    padding.decode_context_blocks_real += sum(needed_blocks)
-    padding.decode_context_blocks_padded += len(needed_blocks) * graph.context_blocks
+        padding.decode_rows_real += len(self.needed_blocks)
+        padding.decode_rows_padded += self.graph.num_rows
+        padding.decode_context_blocks_real += sum(self.needed_blocks)
+        padding.decode_context_blocks_padded += len(self.needed_blocks) * self.graph.context_blocks
 
 
 @dataclass(frozen=True)
@@ -187,18 +169,7 @@ class MixedCall:
         self.decode.count_into(padding)
 
 
-ModelCall = Union[PrefillCall, DecodeCall, MixedCall, DecodeVerifyCall]
-
-
-def _split_by_rows(verifies: Sequence[PrefillWork], max_rows: int) -> Tuple[Sequence[PrefillWork],
-                                                                             Sequence[PrefillWork]]:
-    """(the leading verifies whose rows, one per position, fit in ``max_rows``; the rest)."""
-    rows = 0
-    for count, work in enumerate(verifies):
-        rows += len(work.token_ids)
-        if rows > max_rows:
-            return verifies[:count], verifies[count:]
-    return verifies, ()
+ModelCall = Union[PrefillCall, DecodeCall, MixedCall]
 
 
 def context_keys(work: PrefillWork, block_size: int) -> int:
@@ -257,6 +228,10 @@ class BucketPlan:
     def from_config(cls, config: "EngineConfig") -> "BucketPlan":
         compile_cfg, block_size = config.compile, config.cache.block_size
         rows = effective_buckets(compile_cfg.decode_buckets, config.scheduler.max_num_seqs)
+        if config.speculative is not None and (config.device.compiles or config.parallel.tensor_parallel_size > 1):
+            # Verifies run decode-shaped: a row per position, every running sequence's last
+            # token and drafts in one call with the decodes.
+            rows += (config.scheduler.max_num_seqs * (config.speculative.num_speculative_tokens + 1),)
         context_tokens = geometric_fill(effective_buckets(compile_cfg.decode_context_buckets,
                                                           config.max_model_len, block_size))
         return cls(prefill_token_buckets=prefill_token_buckets(config), context_token_buckets=context_tokens,
@@ -333,36 +308,20 @@ class BucketPlan:
                            pick_bucket(self.decode_context_block_buckets, context_blocks))
 
     def model_calls(self, step: SchedulerOutput) -> List[ModelCall]:
-        """The model calls that run ``step``: its prefills packed, its verifies packed, then
-        one decode call (at exact sizes the last pack and the decodes are one ``MixedCall``)."""
+        """The model calls that run ``step``: its prefills packed, then one decode call (with the
+        verifies' rows on the bucketed paths). At exact sizes the verifies are one packed call,
+        and the last pack and the decodes are one ``MixedCall``."""
         calls: List[ModelCall] = []
         for pack in self._packs(step.prefills):
             calls.append(PrefillCall(tuple(pack), self.pack_graph(pack)))
-        merged: Sequence[PrefillWork] = ()
         if self.exact_sizes and step.verifies:  # one call for every verify: it reads the weights once
             calls.append(VerifyCall(tuple(step.verifies), self.pack_graph(step.verifies)))
-        elif step.verifies:
-            room = self.decode_row_buckets[-1] - len(step.decodes) if step.decodes else 0
-            merged, rest = _split_by_rows(step.verifies, room)
-            calls.extend(self._decode_verify_calls(rest))
-        if step.decodes:
-            needed = tuple(w.position // self.block_size + 1 for w in step.decodes) + \
-                self._verify_blocks(merged)
-            calls.append(DecodeCall(step.decodes, needed, self.decode_graph(len(needed), max(needed)), tuple(merged)))
+        verifies = () if self.exact_sizes else tuple(step.verifies)
+        if step.decodes or verifies:
+            needed = tuple(w.position // self.block_size + 1 for w in step.decodes) + self._verify_blocks(verifies)
+            calls.append(DecodeCall(step.decodes, needed, self.decode_graph(len(needed), max(needed)), verifies))
         if self.exact_sizes and step.decodes and len(calls) > 1:
             calls[-2:] = [MixedCall(calls[-2], calls[-1])]
-        return calls
-
-    def _decode_verify_calls(self, verifies: Sequence[PrefillWork]) -> List[DecodeVerifyCall]:
-        """Decode-shaped calls over the verifies, as many sequences to a call as the largest
-        row bucket holds (a sequence's rows stay in one call)."""
-        calls = []
-        while verifies:
-            pack, verifies = _split_by_rows(verifies, self.decode_row_buckets[-1])
-            if not pack:  # the config keeps k + 1 within max_num_seqs
-                raise ValueError(f"a verify of {len(verifies[0].token_ids)} rows exceeds the largest decode bucket")
-            needed = self._verify_blocks(pack)
-            calls.append(DecodeVerifyCall(tuple(pack), needed, self.decode_graph(len(needed), max(needed))))
         return calls
 
     def _verify_blocks(self, verifies: Sequence[PrefillWork]) -> Tuple[int, ...]:

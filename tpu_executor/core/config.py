@@ -295,12 +295,6 @@ class EngineConfig:
         _require(self.speculative is None or not self.scheduler.async_scheduling,
                  "async_scheduling cannot be on with speculative decoding: the drafters need each "
                  "step's accepted tokens before the next step (leave async_scheduling unset)")
-        bucketed = self.device.compiles or self.parallel.tensor_parallel_size > 1
-        num_drafts = self.speculative.num_speculative_tokens if self.speculative is not None else 0
-        _require(not bucketed or num_drafts < self.scheduler.max_num_seqs,
-                 f"speculative decoding verifies a sequence's last token and its {num_drafts} drafts as "
-                 f"{num_drafts + 1} rows of a decode graph, more than the largest ({self.scheduler.max_num_seqs} "
-                 "rows: max_num_seqs); raise max_num_seqs or lower num_speculative_tokens")
         method = self.speculative.method if self.speculative is not None else None
         _require(method not in MODEL_METHODS or not self.device.compiles,
                  f"speculative_config method {method!r} runs on the native path (device 'cpu' or 'cuda'), "

@@ -28,7 +28,6 @@ from tpu_executor.core.buckets import (
     BucketPlan,
     DecodeCall,
     DecodeGraph,
-    DecodeVerifyCall,
     Graph,
     MixedCall,
     PrefillCall,
@@ -137,8 +136,6 @@ class ModelRunner:
                     calls.extend(self._launch_mixed(call))
                 elif isinstance(call, VerifyCall):
                     calls.append(self._launch_verify(call))
-                elif isinstance(call, DecodeVerifyCall):
-                    calls.append(self._launch_decode_verify(call))
                 else:
                     calls.append(self._launch_prefill(call) if isinstance(call, PrefillCall)
                                  else self._launch_decode(call))
@@ -243,13 +240,6 @@ class ModelRunner:
         """The verify's constants: the log-prob width, and whether every row is greedy."""
         return dict(num_logprobs=self.plan.logprob_widths[-1],
                     all_greedy=all(w.sampling.temperature == 0 for w in call.pack))
-
-    def _launch_decode_verify(self, call: DecodeVerifyCall) -> LaunchedCall:
-        """Verifies as rows of a decode graph, then the sampler graph of its rows: only graphs
-        that decoding compiles at warm-up."""
-        graph = call.graph
-        with self.guard.watch(f"decode bucket rows={graph.num_rows} blocks={graph.context_blocks} (verify)"):
-            return self._decode_rows_and_verifies(graph, (), call.pack)
 
     def _launch_decode(self, call: DecodeCall) -> LaunchedCall:
         graph = call.graph

@@ -8,7 +8,6 @@ from tpu_executor.core.buckets import (
     BucketPlan,
     DecodeCall,
     DecodeGraph,
-    DecodeVerifyCall,
     HistoryGraph,
     MixedCall,
     PrefillCall,
@@ -137,18 +136,26 @@ def test_graph_list_covers_every_combination_once(tmp_path):
     assert [g for g in graphs if isinstance(g, HistoryGraph)] == [HistoryGraph(256), HistoryGraph(320)]
 
 
-def test_speculation_adds_no_graph(tmp_path):
-    """Verifies run on the decode and sampler graphs that decoding compiles anyway."""
+def test_speculation_adds_one_decode_row_bucket(tmp_path):
+    """Verifies run on the decode and sampler graphs, in a row bucket that holds every running
+    sequence's last token and drafts."""
     from tpu_executor.core.speculative import SpeculativeConfig
 
     options = dict(prefill_buckets=(32, 128), decode_buckets=(2, 8), decode_context_buckets=(128,), max_prefill_seqs=8)
     plain = BucketPlan.from_config(config(tmp_path, **options))
     speculative = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(num_speculative_tokens=3),
                                                 **options))
-    assert speculative.graphs() == plain.graphs() and speculative.describe() == plain.describe()
+    assert plain.decode_row_buckets == (2, 8, 24) and speculative.decode_row_buckets == (2, 8, 24, 96)
+    added = [g for g in speculative.graphs() if g not in plain.graphs()]
+    assert [g for g in added if isinstance(g, DecodeGraph)] == [DecodeGraph(96, 8), DecodeGraph(96, 20)]
+    assert all(g.num_rows == 96 for g in added if isinstance(g, SamplerGraph))
+    # two context widths; sampler: log-probs or not, greedy or not, processing or not
+    assert len(added) == 2 + 2 * 2 * 2
+    native = BucketPlan.from_config(config(tmp_path, device="cpu", speculative=SpeculativeConfig(), **options))
+    assert native.decode_row_buckets == plain.decode_row_buckets  # exact sizes: verifies run as one pack
 
 
-def test_verifies_run_as_decode_rows_of_their_own(tmp_path):
+def test_verifies_follow_the_decode_rows(tmp_path):
     from tpu_executor.core.speculative import SpeculativeConfig
     from tpu_executor.core.step import DecodeWork, PrefillWork, SchedulerOutput
 
@@ -157,18 +164,14 @@ def test_verifies_run_as_decode_rows_of_their_own(tmp_path):
     plan = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(num_speculative_tokens=3),
                                          decode_buckets=(2, 8)))
     calls = plan.model_calls(SchedulerOutput(decodes=decodes, verifies=verifies))
-    # Decode-shaped, 4 rows a verify: 5 follow the 2 decode rows in the decode call (24 rows,
-    # max_num_seqs, the largest bucket), the other 2 get a call of their own; a sequence's rows
-    # stay in one call.
-    assert [type(call) for call in calls] == [DecodeVerifyCall, DecodeCall]
-    assert calls[0].pack == verifies[5:] and calls[1].verifies == verifies[:5]
-    assert calls[1].work == decodes
+    # One decode call: the 2 decode rows, then 4 rows a verify (28), in the 96-row bucket.
+    assert [type(call) for call in calls] == [DecodeCall]
+    assert calls[0].work == decodes and calls[0].verifies == verifies
     # Positions 46-49 read 3 pages, then 4 (position 48 starts the fourth).
-    assert calls[0].needed_blocks == (3, 3, 4, 4) * 2
-    assert calls[1].needed_blocks == (2, 2) + (3, 3, 4, 4) * 5
-    assert [call.graph for call in calls] == [plan.decode_graph(8, 4), plan.decode_graph(22, 4)]
+    assert calls[0].needed_blocks == (2, 2) + (3, 3, 4, 4) * 7
+    assert calls[0].graph == plan.decode_graph(30, 4) and calls[0].graph.num_rows == 96
     verify_only = plan.model_calls(SchedulerOutput(verifies=verifies))
-    assert [len(call.pack) for call in verify_only] == [6, 1]
+    assert [(call.work, call.verifies) for call in verify_only] == [((), verifies)]
     # At exact sizes one call takes every verify and the decodes (it reads the weights once).
     plan = BucketPlan.from_config(config(tmp_path, device="cpu", speculative=SpeculativeConfig(),
                                          prefill_buckets=(64, 128)))
