@@ -41,6 +41,16 @@ def effective_buckets(requested: Sequence[int], limit: int, multiple: int = 1) -
     return tuple(sorted({b for b in requested if b < top} | {top}))
 
 
+def verify_row_buckets(max_num_seqs: int, num_drafts: int) -> Tuple[int, ...]:
+    """The decode row buckets above ``max_num_seqs`` that speculation adds: doubling, then
+    ``max_num_seqs x (num_drafts + 1)`` (every sequence's last token and drafts)."""
+    limit, buckets, rows = max_num_seqs * (num_drafts + 1), [], 2 * max_num_seqs
+    while rows < limit:
+        buckets.append(rows)
+        rows *= 2
+    return (*buckets, limit)
+
+
 def pick_bucket(buckets: Sequence[int], size: int) -> int:
     """The smallest bucket that holds ``size``."""
     index = bisect.bisect_left(buckets, size)
@@ -230,8 +240,8 @@ class BucketPlan:
         rows = effective_buckets(compile_cfg.decode_buckets, config.scheduler.max_num_seqs)
         if config.speculative is not None and (config.device.compiles or config.parallel.tensor_parallel_size > 1):
             # Verifies run decode-shaped: a row per position, every running sequence's last
-            # token and drafts in one call with the decodes.
-            rows += (config.scheduler.max_num_seqs * (config.speculative.num_speculative_tokens + 1),)
+            # token and drafts in one call with the decodes; doubling buckets up to that.
+            rows += verify_row_buckets(config.scheduler.max_num_seqs, config.speculative.num_speculative_tokens)
         context_tokens = geometric_fill(effective_buckets(compile_cfg.decode_context_buckets,
                                                           config.max_model_len, block_size))
         return cls(prefill_token_buckets=prefill_token_buckets(config), context_token_buckets=context_tokens,

@@ -136,7 +136,7 @@ def test_graph_list_covers_every_combination_once(tmp_path):
     assert [g for g in graphs if isinstance(g, HistoryGraph)] == [HistoryGraph(256), HistoryGraph(320)]
 
 
-def test_speculation_adds_one_decode_row_bucket(tmp_path):
+def test_speculation_adds_decode_row_buckets(tmp_path):
     """Verifies run on the decode and sampler graphs, in a row bucket that holds every running
     sequence's last token and drafts."""
     from tpu_executor.core.speculative import SpeculativeConfig
@@ -145,12 +145,13 @@ def test_speculation_adds_one_decode_row_bucket(tmp_path):
     plain = BucketPlan.from_config(config(tmp_path, **options))
     speculative = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(num_speculative_tokens=3),
                                                 **options))
-    assert plain.decode_row_buckets == (2, 8, 24) and speculative.decode_row_buckets == (2, 8, 24, 96)
+    # Doubling from max_num_seqs (24) to every sequence's 4 rows.
+    assert plain.decode_row_buckets == (2, 8, 24) and speculative.decode_row_buckets == (2, 8, 24, 48, 96)
     added = [g for g in speculative.graphs() if g not in plain.graphs()]
-    assert [g for g in added if isinstance(g, DecodeGraph)] == [DecodeGraph(96, 8), DecodeGraph(96, 20)]
-    assert all(g.num_rows == 96 for g in added if isinstance(g, SamplerGraph))
+    assert [g for g in added if isinstance(g, DecodeGraph)] == [DecodeGraph(r, c) for r in (48, 96) for c in (8, 20)]
+    assert {g.num_rows for g in added if isinstance(g, SamplerGraph)} == {48, 96}
     # two context widths; sampler: log-probs or not, greedy or not, processing or not
-    assert len(added) == 2 + 2 * 2 * 2
+    assert len(added) == 2 * (2 + 2 * 2 * 2)
     native = BucketPlan.from_config(config(tmp_path, device="cpu", speculative=SpeculativeConfig(), **options))
     assert native.decode_row_buckets == plain.decode_row_buckets  # exact sizes: verifies run as one pack
 
@@ -164,12 +165,12 @@ def test_verifies_follow_the_decode_rows(tmp_path):
     plan = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(num_speculative_tokens=3),
                                          decode_buckets=(2, 8)))
     calls = plan.model_calls(SchedulerOutput(decodes=decodes, verifies=verifies))
-    # One decode call: the 2 decode rows, then 4 rows a verify (28), in the 96-row bucket.
+    # One decode call: the 2 decode rows, then 4 rows a verify (28), in the 48-row bucket.
     assert [type(call) for call in calls] == [DecodeCall]
     assert calls[0].work == decodes and calls[0].verifies == verifies
     # Positions 46-49 read 3 pages, then 4 (position 48 starts the fourth).
     assert calls[0].needed_blocks == (2, 2) + (3, 3, 4, 4) * 7
-    assert calls[0].graph == plan.decode_graph(30, 4) and calls[0].graph.num_rows == 96
+    assert calls[0].graph == plan.decode_graph(30, 4) and calls[0].graph.num_rows == 48
     verify_only = plan.model_calls(SchedulerOutput(verifies=verifies))
     assert [(call.work, call.verifies) for call in verify_only] == [((), verifies)]
     # At exact sizes one call takes every verify and the decodes (it reads the weights once).
