@@ -25,7 +25,7 @@ import torch
 
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.step import PENDING_TOKEN, DecodeWork, SamplingMeta
-from tpu_executor.worker.inputs import SAMPLING_COLUMNS
+from tpu_executor.worker.inputs import SAMPLING_COLUMNS, table_slots
 from tpu_executor.worker.token_feed import NO_FEED
 
 _GREEDY = SamplingMeta.greedy()
@@ -122,7 +122,7 @@ class PersistentDecodeBatch:
         tables = self._tables[:rows, :context_blocks].copy()
         slots = np.full(rows, NULL_BLOCK * block_size, dtype=np.int64)
         real = positions[:num]
-        slots[:num] = tables[np.arange(num), real // block_size] * block_size + real % block_size
+        slots[:num] = table_slots(tables[:num], real, block_size)
         return {name: torch.from_numpy(array) for name, array in
                 (("input_ids", input_ids), ("feed_slots", feed_slots), ("positions", positions),
                  ("slot_mapping", slots), ("block_tables", tables), ("context_lens", positions + 1))}

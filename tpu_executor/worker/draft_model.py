@@ -15,6 +15,7 @@ whatever the draft model proposes, the outputs are the target's.
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 from typing import ContextManager, Dict, List, NamedTuple, Sequence, Tuple
@@ -26,7 +27,7 @@ from tpu_executor.core.buckets import context_keys
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.step import PrefillWork, SampledTokens, SchedulerOutput
-from tpu_executor.worker.inputs import prefill_inputs, to_device
+from tpu_executor.worker.inputs import prefill_inputs, table_slots, to_device
 from tpu_executor.worker.model_steps import ModelSteps
 from tpu_executor.worker.token_feed import NO_FEED
 
@@ -43,7 +44,7 @@ class StepText(NamedTuple):
     new: Tuple[int, ...]
 
 
-class PagedDrafter:
+class PagedDrafter(abc.ABC):
     """What the drafters in the worker share: a model with its own KV cache in the target's
     block layout, scratch blocks past the shared ones for draft positions, and the greedy
     decode steps that make drafts 2 to k. ``draft`` gives each request of ``step.drafting``
@@ -75,8 +76,15 @@ class PagedDrafter:
         """Entered around the target's step: what the drafter reads of the target's call."""
         return contextlib.nullcontext()
 
+    @abc.abstractmethod
     def draft(self, step: SchedulerOutput, sampled: SampledTokens) -> Drafts:
-        raise NotImplementedError
+        """The next drafts of each request of ``step.drafting``, once ``sampled`` (the step's
+        tokens) are recorded."""
+
+    def _pack_inputs(self, pack: Sequence[PrefillWork]) -> Dict[str, torch.Tensor]:
+        """The catch-up pack's host inputs at its exact size."""
+        return prefill_inputs(pack, sum(len(w.token_ids) for w in pack),
+                              sum(context_keys(w, self.block_size) for w in pack), len(pack), self.block_size)
 
     def _step_texts(self, step: SchedulerOutput, sampled: SampledTokens) -> List[StepText]:
         """Per request of the step, its text from the first position the target computed:
@@ -105,8 +113,7 @@ class PagedDrafter:
 
     def _decode_metadata(self, positions: np.ndarray, tables: np.ndarray) -> Dict[str, torch.Tensor]:
         """A decode step's attention inputs on the device: the rows' ``positions`` in ``tables``."""
-        rows = np.arange(len(positions))
-        slots = tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
+        slots = table_slots(tables, positions, self.block_size)
         host = {"positions": positions, "slot_mapping": slots, "block_tables": tables, "context_lens": positions + 1}
         return to_device({name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in host.items()}, self.device)
 
@@ -138,9 +145,7 @@ class DraftModelRunner(PagedDrafter):
         cache; a request drafts from its last one."""
         pack = [self._row_work(row, text.work, text.computed + text.new, text.start, bool(text.new))
                 for row, text in enumerate(self._step_texts(step, sampled))]
-        inputs = prefill_inputs(pack, sum(len(w.token_ids) for w in pack),
-                                sum(context_keys(w, self.block_size) for w in pack),
-                                len(pack), self.block_size)
+        inputs = self._pack_inputs(pack)
         rows = self._drafting_rows(step, pack)
         # The LM head runs over the drafting rows only (its vocabulary-wide matmul is much of a
         # small draft model's cost).

@@ -21,12 +21,11 @@ from typing import Dict, Iterator, List, Sequence
 import numpy as np
 import torch
 
-from tpu_executor.core.buckets import context_keys
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.step import PrefillWork, SampledTokens, SchedulerOutput
 from tpu_executor.models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from tpu_executor.worker.draft_model import Drafts, PagedDrafter, StepText
-from tpu_executor.worker.inputs import prefill_inputs, to_device
+from tpu_executor.worker.inputs import to_device
 
 
 class Eagle3Runner(PagedDrafter):
@@ -71,10 +70,9 @@ class Eagle3Runner(PagedDrafter):
         pack = self._catch_up_pack(self._step_texts(step, sampled))
         if not pack:
             return {}
-        inputs = to_device(prefill_inputs(pack, sum(len(w.token_ids) for w in pack),
-                                          sum(context_keys(w, self.block_size) for w in pack),
-                                          len(pack), self.block_size), self.device)
-        hidden = self.model.combine(self._target_hidden(pack))
+        host_inputs = self._pack_inputs(pack)
+        hidden = self.model.combine(self._target_hidden(host_inputs["slot_mapping"].numpy()))
+        inputs = to_device(host_inputs, self.device)
         self._slots, self._aux = [], []
         prefill = PrefillMetadata(inputs["context_slots"], inputs["key_positions"], inputs["key_segments"],
                                   inputs["query_segments"])
@@ -101,12 +99,11 @@ class Eagle3Runner(PagedDrafter):
                 pack.append(self._row_work(len(pack), text.work, tokens[1:], text.start, bool(text.new)))
         return pack
 
-    def _target_hidden(self, pack: Sequence[PrefillWork]) -> torch.Tensor:
-        """The target's three hidden states at each position of ``pack``, side by side, found by
-        the position's KV slot among those the step computed."""
+    def _target_hidden(self, wanted: np.ndarray) -> torch.Tensor:
+        """The target's three hidden states at the KV slots ``wanted`` (the catch-up pack's
+        positions), side by side, found among those the step computed."""
         slots = torch.cat(self._slots).cpu().numpy()
         aux = torch.cat([torch.cat(layers, dim=-1) for layers in self._aux])
-        wanted = np.concatenate([_slots_of(w, self.block_size) for w in pack])
         order = np.argsort(slots, kind="stable")
         found = order[np.minimum(np.searchsorted(slots[order], wanted), len(slots) - 1)]
         if not np.array_equal(slots[found], wanted):
@@ -119,11 +116,4 @@ class Eagle3Runner(PagedDrafter):
                                  decode=DecodeMetadata(metadata["block_tables"], metadata["context_lens"]))
         normed, self._hidden = self.model(tokens, self._hidden, self.kv_caches, meta)
         return self.model.draft_tokens(normed)
-
-
-def _slots_of(work: PrefillWork, block_size: int) -> np.ndarray:
-    """The KV slots of a pack work's positions in its blocks."""
-    positions = np.arange(work.start_pos, work.num_context_tokens)
-    blocks = np.asarray(work.block_ids, dtype=np.int64)[positions // block_size]
-    return blocks * block_size + positions % block_size
 

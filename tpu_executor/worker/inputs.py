@@ -29,6 +29,11 @@ def _slots(block_ids: Sequence[int], positions: np.ndarray, block_size: int) -> 
     return blocks[positions // block_size] * block_size + positions % block_size
 
 
+def table_slots(tables: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The KV slot of each row's position: row ``i`` of ``tables`` is that row's block table."""
+    return tables[np.arange(len(positions)), positions // block_size] * block_size + positions % block_size
+
+
 def _as_tensors(arrays: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
     return {name: torch.from_numpy(array) for name, array in arrays.items()}
 

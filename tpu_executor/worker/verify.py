@@ -24,6 +24,7 @@ import torch
 
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.step import PrefillWork, SamplingMeta
+from tpu_executor.worker.inputs import table_slots
 from tpu_executor.worker.sampler import SamplerOutput, sample
 from tpu_executor.worker.token_feed import NO_FEED
 
@@ -75,7 +76,7 @@ def verify_decode_inputs(pack: Sequence[PrefillWork], num_rows: int, context_blo
         row += num
     slots = np.full(num_rows, NULL_BLOCK * block_size, dtype=np.int64)
     real = positions[:row]
-    slots[:row] = tables[np.arange(row), real // block_size] * block_size + real % block_size
+    slots[:row] = table_slots(tables[:row], real, block_size)
     arrays = {"input_ids": input_ids, "feed_slots": np.full(num_rows, NO_FEED, dtype=np.int64),
               "positions": positions, "slot_mapping": slots, "block_tables": tables, "context_lens": positions + 1}
     return {name: torch.from_numpy(array) for name, array in arrays.items()}
