@@ -322,7 +322,7 @@ class BucketPlan:
         verifies' rows on the bucketed paths). At exact sizes the verifies are one packed call,
         and the last pack and the decodes are one ``MixedCall``."""
         calls: List[ModelCall] = []
-        for pack in self._packs(step.prefills):
+        for pack in self.prefill_packs(step.prefills):
             calls.append(PrefillCall(tuple(pack), self.pack_graph(pack)))
         if self.exact_sizes and step.verifies:  # one call for every verify: it reads the weights once
             calls.append(VerifyCall(tuple(step.verifies), self.pack_graph(step.verifies)))
@@ -338,7 +338,8 @@ class BucketPlan:
         """The pages each decode-shaped row of ``verifies`` reads."""
         return tuple((w.start_pos + i) // self.block_size + 1 for w in verifies for i in range(len(w.token_ids)))
 
-    def _packs(self, works: Sequence[PrefillWork]) -> List[List[PrefillWork]]:
+    def prefill_packs(self, works: Sequence[PrefillWork]) -> List[List[PrefillWork]]:
+        """``works`` (each within the largest token bucket) in packs that prefill graphs hold."""
         # One key short of the widest: room for the padding key.
         return pack_prefills(works, self.max_prefill_tokens, self.max_prefill_keys - 1, self.max_prefill_seqs,
                              self.block_size)

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Optional, Tuple
 
-from tpu_executor.core.speculative import MODEL_METHODS, SpeculativeConfig
+from tpu_executor.core.speculative import SpeculativeConfig
 
 # "xla": compiled graphs through torch_xla; any other torch device runs the native eager path.
 DEVICE_PATTERN = re.compile(r"^(xla|jax|cpu|cuda(:\d+)?)$")
@@ -296,9 +296,9 @@ class EngineConfig:
                  "async_scheduling cannot be on with speculative decoding: the drafters need each "
                  "step's accepted tokens before the next step (leave async_scheduling unset)")
         method = self.speculative.method if self.speculative is not None else None
-        _require(method not in MODEL_METHODS or not self.device.compiles,
+        _require(method != "eagle3" or not self.device.compiles,
                  f"speculative_config method {method!r} runs on the native path (device 'cpu' or 'cuda'), "
-                 f"not device {self.device.device!r}; use method 'ngram' there")
+                 f"not device {self.device.device!r}; use method 'ngram' or 'draft_model' there")
         block = self.cache.block_size
         bad = [b for b in self.compile.prefill_buckets if b % block]
         _require(not bad, f"prefill_buckets {bad} are not multiples of block_size {block}")

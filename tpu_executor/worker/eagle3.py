@@ -24,8 +24,8 @@ import torch
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.step import PrefillWork, SampledTokens, SchedulerOutput
 from tpu_executor.models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
-from tpu_executor.worker.draft_model import Drafts, PagedDrafter, StepText
-from tpu_executor.worker.inputs import to_device
+from tpu_executor.worker.draft_model import Drafts, PagedDrafter, StepText, padded_tables
+from tpu_executor.worker.inputs import table_slots, to_device
 
 
 class Eagle3Runner(PagedDrafter):
@@ -109,6 +109,24 @@ class Eagle3Runner(PagedDrafter):
         if not np.array_equal(slots[found], wanted):
             raise RuntimeError("EAGLE-3: the target's step did not compute every position the head catches up on")
         return aux[torch.from_numpy(found).to(aux.device)]
+
+    def _decode_metadata(self, positions: np.ndarray, tables: np.ndarray) -> Dict[str, torch.Tensor]:
+        """A decode step's attention inputs on the device: the rows' ``positions`` in ``tables``."""
+        slots = table_slots(tables, positions, self.block_size)
+        host = {"positions": positions, "slot_mapping": slots, "block_tables": tables, "context_lens": positions + 1}
+        return to_device({name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in host.items()}, self.device)
+
+    def _draft_steps(self, first: torch.Tensor, pack: Sequence[PrefillWork], rows: List[int], step_fn) -> Drafts:
+        """Drafts 2 to k after each row's ``first`` draft: ``step_fn(tokens, metadata)`` gives
+        the tokens after ``tokens`` at the positions that follow the rows' pack works."""
+        drafted = [first]
+        positions = np.array([pack[i].num_context_tokens for i in rows], dtype=np.int64)
+        tables = padded_tables([pack[i].block_ids for i in rows])
+        for _ in range(self.num_drafts - 1):
+            drafted.append(step_fn(drafted[-1], self._decode_metadata(positions, tables)))
+            positions = positions + 1
+        ids = torch.stack(drafted, dim=1).cpu().tolist()
+        return {pack[i].request_id: tuple(row) for i, row in zip(rows, ids)}
 
     def _decode(self, tokens: torch.Tensor, metadata: Dict[str, torch.Tensor]) -> torch.Tensor:
         """One greedy draft step on the head's previous pre-norm output: the tokens after ``tokens``."""

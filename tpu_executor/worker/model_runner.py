@@ -86,7 +86,7 @@ class ModelRunner:
         # On XLA a call only queues work: reading tokens back can wait for the next launch.
         self.collects_late = compiled
         self.sampling = SamplingRunner(config, self.plan, model.config.vocab_size, device, self.guard,
-                                       partial(self._compile, compiled=compiled, fullgraph=True), self._put,
+                                       partial(self._compile, compiled=compiled, fullgraph=True), self.put,
                                        self.sample_steps)
         self.timer = NullPhaseTimer()  # see LLMEngine.attach_phase_timer
         self.decode_batch = PersistentDecodeBatch(self.plan.decode_row_buckets[-1],
@@ -113,11 +113,7 @@ class ModelRunner:
         self.sampling.timer = timer
 
     def _compile(self, fn, compiled: bool, fullgraph: bool):
-        if not compiled:
-            return fn
-        if self.jax_graphs is not None:
-            return self.jax_graphs.function(fn)
-        return torch.compile(fn, backend="openxla", fullgraph=fullgraph, dynamic=False)
+        return compile_step(fn, self.jax_graphs, fullgraph) if compiled else fn
 
     def bind_kv_caches(self, kv_caches: KVCaches) -> None:
         """The per-layer K/V pages every later step reads and writes in place."""
@@ -165,14 +161,14 @@ class ModelRunner:
         return self._run_fn(self._decode_fn, inputs, "decode", feed_tokens=self.sampling.feed.read_tokens,
                             kv_caches=self.kv_caches)
 
-    def _put(self, host_inputs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def put(self, host_inputs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """``host_inputs`` on the device, in one transfer."""
         with self.timer.phase("transfer"):
             return self.runtime.put(host_inputs) if self.runtime is not None else to_device(host_inputs, self.device)
 
     def _run_fn(self, fn, host_inputs: Dict[str, torch.Tensor], phase: str, **static):
         """Copy ``host_inputs`` to the device and call ``fn`` on them (timed as ``phase``)."""
-        inputs = self._put(host_inputs)
+        inputs = self.put(host_inputs)
         with self.timer.phase(phase):
             return fn(**inputs, **static)
 
@@ -307,18 +303,22 @@ class ModelRunner:
         self._prefill_logits([work], self.plan.pack_graph([work]), kv_caches)[0].cpu()
 
     @torch.no_grad()
-    def warmup(self, show_progress: bool = True, graphs: Optional[Sequence[Graph]] = None) -> None:
+    def warmup(self, show_progress: bool = True, graphs: Optional[Sequence[Graph]] = None, drafter=None) -> None:
         """Compile every graph of the bucket plan (or ``graphs`` of it), with a progress bar,
-        noting the provider each kernel op got (``kernel_providers``)."""
+        noting the provider each kernel op got (``kernel_providers``); then the graphs of the
+        ``drafter`` that runs beside the model (a draft model), if any."""
         self.guard.begin_warmup()
         graphs = self.plan.graphs() if graphs is None else graphs
         with REGISTRY.recording() as selections:
             if self.jax_graphs is not None:
-                self._compile_ahead(graphs, show_progress)  # compiled, not run: nothing is left to do at a first call
+                # Compiled, not run: nothing is left to do at a first call.
+                compile_ahead(self.jax_graphs, graphs, self._run_dummy, self.compile_threads, show_progress)
                 self._report_kernels()
             else:
                 for graph in tqdm(graphs, desc="compiling buckets", disable=not show_progress):
                     self._run_dummy(graph)
+            if drafter is not None:
+                drafter.warmup(graphs, show_progress)
         self.guard.end_warmup()
         chosen = ({(c.op, c.provider) for c in self.jax_graphs.kernel_choices()} if self.jax_graphs is not None
                   else {(s.op, s.provider.name) for s in selections})
@@ -353,22 +353,14 @@ class ModelRunner:
             raise ValueError(f"strict_kernels: {len(lines)} op calls fall back from their Pallas kernel, "
                              f"first: {lines[0]}")
 
-    def _compile_ahead(self, graphs: Sequence[Graph], show_progress: bool) -> None:
-        """JAX path: trace every graph of the plan (or read its traced program back), handing
-        each to a thread pool where XLA compiles several at once (or loads it from the cache)."""
-        threads = self.config.compile.compile_threads or os.cpu_count() or 1
-        if self.jax_graphs.platform == "tpu":
+    @property
+    def compile_threads(self) -> int:
+        """XLA compiles at once on the JAX path's warm-up."""
+        if self.jax_graphs is not None and self.jax_graphs.platform == "tpu":
             # libtpu 0.0.21 crashes the process (SIGSEGV) now and then when two of its compiles
             # run at once; one at a time it compiled every graph of every architecture.
-            threads = 1
-        with self.jax_graphs.ahead_of_time(threads) as compiling:
-            with tqdm(total=len(graphs), desc="tracing buckets", disable=not show_progress) as bar:
-                for graph in graphs:
-                    self.jax_graphs.label = graph_label(graph)
-                    self._run_dummy(graph)
-                    bar.update()
-            for future in tqdm(compiling, desc=f"compiling buckets ({threads} threads)", disable=not show_progress):
-                future.result()
+            return 1
+        return self.config.compile.compile_threads or os.cpu_count() or 1
 
     @torch.no_grad()
     def time_graph(self, graph: Graph, repeats: int) -> float:
@@ -405,3 +397,25 @@ class ModelRunner:
         if self.jax_graphs is None or not self.jax_graphs.compiling_ahead:
             tensor.cpu()
 
+
+def compile_step(fn, jax_graphs, fullgraph: bool):
+    """``fn`` compiled per input shape: by ``jax_graphs`` on the JAX path, else by torch_xla's
+    dynamo backend (``fullgraph``: one graph, no collectives on the host between pieces)."""
+    if jax_graphs is not None:
+        return jax_graphs.function(fn)
+    return torch.compile(fn, backend="openxla", fullgraph=fullgraph, dynamic=False)
+
+
+def compile_ahead(jax_graphs, graphs: Sequence[Graph], run_dummy, threads: int, show_progress: bool,
+                  what: str = "") -> None:
+    """JAX path: trace each of ``graphs`` through ``run_dummy`` (or read its traced program
+    back), handing each to a pool of ``threads`` where XLA compiles several at once (or loads
+    it from the cache); ``what`` names whose graphs they are (a draft model's) in reports."""
+    with jax_graphs.ahead_of_time(threads) as compiling:
+        with tqdm(total=len(graphs), desc="tracing buckets", disable=not show_progress) as bar:
+            for graph in graphs:
+                jax_graphs.label = what + graph_label(graph)
+                run_dummy(graph)
+                bar.update()
+        for future in tqdm(compiling, desc=f"compiling buckets ({threads} threads)", disable=not show_progress):
+            future.result()

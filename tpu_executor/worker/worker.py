@@ -53,7 +53,8 @@ class Worker:
         self.drafter: Optional[PagedDrafter] = None  # the draft model's or EAGLE-3 head's runner
         self.jax = None  # the JAX path's JaxRuntime (device, mesh, torchax environment)
         self.aot_job = None  # the JAX path's executables compiled ahead of time, when found
-        self._launched: Deque[LaunchedStep] = collections.deque()  # launched, not yet collected
+        # Launched, not yet collected: each step with its handles.
+        self._launched: Deque[Tuple[SchedulerOutput, LaunchedStep]] = collections.deque()
 
     @property
     def rank(self) -> int:
@@ -129,8 +130,10 @@ class Worker:
     def _cache_key_parts(self, kernels_fingerprint: str) -> tuple:
         """What both paths' compile caches are keyed by: the shapes' sources and the kernels."""
         cfg = self.config
+        speculative = cfg.speculative and (cfg.speculative.method, cfg.speculative.num_speculative_tokens,
+                                           cfg.speculative.model and os.path.abspath(cfg.speculative.model))
         return (cfg.model.dtype, cfg.model.quantization, cfg.max_model_len, cfg.cache.block_size,
-                cfg.parallel.tensor_parallel_size, kernels_fingerprint)
+                cfg.parallel.tensor_parallel_size, kernels_fingerprint, speculative)
 
     def device_context(self):
         """Where the worker's torch code runs: torchax's environment on the JAX path."""
@@ -218,7 +221,8 @@ class Worker:
         if method == "eagle3":
             head = self._placed(load_eagle3_head(path, self.model, self.dtype, self.tp))
             return Eagle3Runner(self.config, head, self.model, self.device)
-        return DraftModelRunner(self.config, self._placed(load_model(path, self.dtype, self.tp)), self.device)
+        return DraftModelRunner(self.config, self._placed(load_model(path, self.dtype, self.tp)), self.device,
+                                runtime=self.jax)
 
     def _placed(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` (loaded on the host) on the device, in the device's matmul forms; its bytes
@@ -319,7 +323,8 @@ class Worker:
             self.runner.bind_kv_caches(self._allocate_cache(num_blocks))
             if self.drafter is not None:
                 draft_blocks = num_blocks + self.drafter.num_scratch_blocks
-                self.drafter.bind_kv_caches(self._allocate_cache(draft_blocks, self.drafter.model), num_blocks)
+                self.drafter.bind_kv_caches(self._allocate_cache(draft_blocks, self.drafter.model), num_blocks,
+                                            self.runner)
         self.kv_cache_bytes = num_blocks * self.cache_block_bytes()
 
     def warmup(self, show_progress: bool = True, graphs: Optional[List[Graph]] = None) -> None:
@@ -327,7 +332,7 @@ class Worker:
         where nothing compiles, run one padding step to note the kernels' providers."""
         with self.device_context():
             if self.config.device.compiles:
-                self.runner.warmup(show_progress and self.rank == 0, graphs)
+                self.runner.warmup(show_progress and self.rank == 0, graphs, drafter=self.drafter)
             else:
                 self.runner.note_kernels()
 
@@ -355,15 +360,16 @@ class Worker:
                 return self._drafted(step, launched.collect())
         except Exception as err:  # noqa: BLE001 - the engine fails this step's requests
             return self._failed(err)
-        self._launched.append(launched)
+        self._launched.append((step, launched))
         return None
 
     def collect_step(self) -> ModelRunnerOutput:
         """The tokens of the oldest step ``launch_step`` left on the device (waits for it)."""
-        launched = self._launched.popleft()
+        step, launched = self._launched.popleft()
         try:
             with self.device_context():
-                return launched.collect()
+                output = launched.collect()
+            return self._drafted(step, output)
         except Exception as err:  # noqa: BLE001 - a device error fails this step's requests
             return self._failed(err)
 

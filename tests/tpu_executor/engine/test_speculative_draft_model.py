@@ -112,7 +112,6 @@ def test_a_draft_that_does_not_share_the_targets_tokens_is_refused(checkpoints, 
 @pytest.mark.parametrize("config, device, message", [
     ({"method": "draft_model"}, "cpu", "needs \"model\""),
     ({"method": "ngram", "model": "x"}, "cpu", "\"model\" is for methods \\('draft_model', 'eagle3'\\), not 'ngram'"),
-    ({"method": "draft_model", "model": "x"}, "jax", "runs on the native path"),
 ])
 def test_bad_draft_model_configs_name_the_problem(checkpoints, config, device, message):
     with pytest.raises(ValueError, match=message):

@@ -20,6 +20,7 @@ import torch
 from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.tpu_slices import Target
+from tpu_executor.worker.draft_model import DraftModelRunner
 from tpu_executor.worker.jax.aot import AotJob
 from tpu_executor.worker.jax.runtime import JaxRuntime, cpu_runtime
 from tpu_executor.worker.worker import Worker
@@ -103,13 +104,21 @@ class TargetWorker(Worker):
         with self.device_context():
             self.model = self.jax.place_model(model)
             self.runner = self._new_runner()
+        speculative = self.config.speculative
+        if speculative is not None and speculative.method == "draft_model":
+            draft = build_model_shapes(speculative.model, self.dtype, self.config.model.quantization)
+            with self.device_context():
+                self.drafter = DraftModelRunner(self.config, self.jax.place_model(draft), self.device,
+                                                runtime=self.jax)
         self.weight_bytes = self.weight_bytes_per_chip()
         return self.model.config.vocab_size
 
     def weight_bytes_per_chip(self) -> int:
-        """Bytes of one chip's share of every parameter and buffer, as placed."""
+        """Bytes of one chip's share of every parameter and buffer (the draft model's too), as placed."""
         total = 0
-        for tensor in itertools.chain(self.model.parameters(), self.model.buffers()):
+        models = [self.model] + ([self.drafter.model] if self.drafter is not None else [])
+        tensors = (t for model in models for t in itertools.chain(model.parameters(), model.buffers()))
+        for tensor in tensors:
             array = tensor.jax()
             shard = array.sharding.shard_shape(array.shape)
             count = 1
@@ -131,6 +140,8 @@ class TargetWorker(Worker):
         blocks, serving ``max_model_len`` tokens; returns the compile records
         (``graphs.CompileRecord``), model steps first."""
         self.init_cache(num_blocks, max_model_len)
-        done = len(self.runner.jax_graphs.records)  # a runner kept for another cache holds earlier ones
+        # A runner kept for another cache holds earlier ones.
+        sources = [self.runner.jax_graphs] + ([self.drafter.jax_graphs] if self.drafter is not None else [])
+        done = [len(graphs.records) for graphs in sources]
         self.warmup(show_progress, graphs)
-        return self.runner.jax_graphs.records[done:]
+        return [record for graphs, start in zip(sources, done) for record in graphs.records[start:]]
