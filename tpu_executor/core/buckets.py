@@ -118,7 +118,15 @@ class PromptLogprobsGraph:
     num_rows: int
 
 
-Graph = Union[PrefillGraph, DecodeGraph, SamplerGraph, HistoryGraph, PromptLogprobsGraph]
+@dataclass(frozen=True)
+class DraftGraph:
+    """A draft model's graph (speculative decoding, ``draft_model``) over a model graph's
+    shapes: its catch-up over a prefill graph's, its greedy steps 2 to k over a decode graph's."""
+
+    graph: Union[PrefillGraph, DecodeGraph]
+
+
+Graph = Union[PrefillGraph, DecodeGraph, SamplerGraph, HistoryGraph, PromptLogprobsGraph, DraftGraph]
 
 
 @dataclass(frozen=True)
@@ -233,15 +241,21 @@ class BucketPlan:
     # the wait ends in the timeout that the executor reports as ranks out of step
     # (executor/test_tensor_parallel.py).
     exact_sizes: bool = False
+    # A draft model's graphs: its catch-up over each prefill graph's shapes, its greedy steps
+    # over these decode row buckets (up to max_num_seqs; none when it drafts one token).
+    draft_model: bool = False
+    draft_step_rows: Tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config: "EngineConfig") -> "BucketPlan":
         compile_cfg, block_size = config.compile, config.cache.block_size
-        rows = effective_buckets(compile_cfg.decode_buckets, config.scheduler.max_num_seqs)
-        if config.speculative is not None and (config.device.compiles or config.parallel.tensor_parallel_size > 1):
+        rows = sequence_rows = effective_buckets(compile_cfg.decode_buckets, config.scheduler.max_num_seqs)
+        speculative = config.speculative
+        if speculative is not None and (config.device.compiles or config.parallel.tensor_parallel_size > 1):
             # Verifies run decode-shaped: a row per position, every running sequence's last
             # token and drafts in one call with the decodes; doubling buckets up to that.
-            rows += verify_row_buckets(config.scheduler.max_num_seqs, config.speculative.num_speculative_tokens)
+            rows += verify_row_buckets(config.scheduler.max_num_seqs, speculative.num_speculative_tokens)
+        draft_model = speculative is not None and speculative.method == "draft_model"
         context_tokens = geometric_fill(effective_buckets(compile_cfg.decode_context_buckets,
                                                           config.max_model_len, block_size))
         return cls(prefill_token_buckets=prefill_token_buckets(config), context_token_buckets=context_tokens,
@@ -251,7 +265,9 @@ class BucketPlan:
                    logprob_widths=tuple(sorted({0, compile_cfg.max_logprobs})),
                    history_token_buckets=geometric_fill(effective_buckets((HISTORY_BUCKET,), config.max_model_len)),
                    max_prefill_seqs=compile_cfg.max_prefill_seqs, block_size=block_size,
-                   exact_sizes=not config.device.compiles and config.parallel.tensor_parallel_size == 1)
+                   exact_sizes=not config.device.compiles and config.parallel.tensor_parallel_size == 1,
+                   draft_model=draft_model,
+                   draft_step_rows=sequence_rows if draft_model and speculative.num_speculative_tokens > 1 else ())
 
     @property
     def max_prefill_tokens(self) -> int:
@@ -367,10 +383,11 @@ class BucketPlan:
 
         tokens = " ".join(map(str, self.prefill_token_buckets))
         rows, widths = (" ".join(map(str, b)) for b in (self.decode_row_buckets, self.context_token_buckets))
+        drafts = f"; draft model {count(DraftGraph)}" if self.draft_model else ""
         return (f"prefill {tokens} tokens ({count(PrefillGraph)} with the long-context forms); "
                 f"decode {rows} rows x {widths} context tokens ({count(DecodeGraph)}); sampler {count(SamplerGraph)}, "
                 f"half of them with logits processing; processing state {count(HistoryGraph)}; "
-                f"prompt log-probs {count(PromptLogprobsGraph)}")
+                f"prompt log-probs {count(PromptLogprobsGraph)}{drafts}")
 
     def graphs(self) -> List[Graph]:
         """Every graph the runner compiles at warm-up, model steps first."""
@@ -380,11 +397,15 @@ class BucketPlan:
                    for n in self.logprob_widths for g in (True, False)]
         history = [HistoryGraph(t) for t in self.history_token_buckets]
         prompt = [self.prompt_logprobs_graph(t) for t in self.prefill_token_buckets]
-        return [*prefill, *decode, *sampler, *history, *prompt]
+        drafts = [DraftGraph(g) for g in prefill] + [DraftGraph(DecodeGraph(r, c)) for r in self.draft_step_rows
+                                                     for c in self.decode_context_block_buckets]
+        return [*prefill, *decode, *sampler, *history, *prompt, *(drafts if self.draft_model else ())]
 
 
 def graph_label(graph: Graph) -> str:
     """A graph of the plan as reports name it, e.g. ``decode rows=8 blocks=32``."""
+    if isinstance(graph, DraftGraph):
+        return f"draft model {graph_label(graph.graph)}"
     if isinstance(graph, PrefillGraph):
         return f"prefill tokens={graph.num_tokens} keys={graph.keys}"
     if isinstance(graph, DecodeGraph):

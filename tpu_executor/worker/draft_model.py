@@ -79,8 +79,7 @@ class PagedDrafter(abc.ABC):
         self.runner = runner
 
     def warmup(self, graphs: Sequence[Graph], show_progress: bool) -> None:
-        """Compile the draft's graphs that go with ``graphs`` of the target's plan (nothing
-        where the drafter runs eagerly)."""
+        """Compile the draft's ``graphs`` of the plan (``DraftGraph``), where the drafter compiles."""
 
     def capture(self) -> ContextManager:
         """Entered around the target's step: what the drafter reads of the target's call."""
@@ -212,17 +211,15 @@ class DraftModelRunner(PagedDrafter):
         return {w.request_id: (token, *row) for w, token, row in zip(works, firsts, drafts.cpu().tolist())}
 
     def warmup(self, graphs: Sequence[Graph], show_progress: bool) -> None:
-        """Compile the draft's graphs that go with ``graphs`` of the target's plan: a catch-up
-        per prefill graph, the greedy steps per decode graph of up to ``max_num_seqs`` rows."""
+        """Compile the draft's ``graphs`` (the plan's ``DraftGraph``s: a catch-up per prefill
+        graph, the greedy steps per decode graph)."""
         if not self.compiles:
             return
-        mine = [g for g in graphs if isinstance(g, PrefillGraph)
-                or (isinstance(g, DecodeGraph) and g.num_rows <= self.max_rows and self.num_drafts > 1)]
         if self.jax_graphs is not None:
-            compile_ahead(self.jax_graphs, mine, self._run_dummy, self.runner.compile_threads, show_progress,
+            compile_ahead(self.jax_graphs, graphs, self._run_dummy, self.runner.compile_threads, show_progress,
                           what="draft model ")
             return
-        for graph in tqdm(mine, desc="compiling draft model buckets", disable=not show_progress):
+        for graph in tqdm(graphs, desc="compiling draft model buckets", disable=not show_progress):
             self._run_dummy(graph).cpu()
 
     def _run_dummy(self, graph: Graph) -> torch.Tensor:

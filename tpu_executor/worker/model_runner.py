@@ -28,6 +28,7 @@ from tpu_executor.core.buckets import (
     BucketPlan,
     DecodeCall,
     DecodeGraph,
+    DraftGraph,
     Graph,
     MixedCall,
     PrefillCall,
@@ -306,9 +307,11 @@ class ModelRunner:
     def warmup(self, show_progress: bool = True, graphs: Optional[Sequence[Graph]] = None, drafter=None) -> None:
         """Compile every graph of the bucket plan (or ``graphs`` of it), with a progress bar,
         noting the provider each kernel op got (``kernel_providers``); then the graphs of the
-        ``drafter`` that runs beside the model (a draft model), if any."""
+        ``drafter`` that runs beside the model (the plan's draft model graphs), if any."""
         self.guard.begin_warmup()
         graphs = self.plan.graphs() if graphs is None else graphs
+        drafts = [g.graph for g in graphs if isinstance(g, DraftGraph)]
+        graphs = [g for g in graphs if not isinstance(g, DraftGraph)]
         with REGISTRY.recording() as selections:
             if self.jax_graphs is not None:
                 # Compiled, not run: nothing is left to do at a first call.
@@ -317,8 +320,8 @@ class ModelRunner:
             else:
                 for graph in tqdm(graphs, desc="compiling buckets", disable=not show_progress):
                     self._run_dummy(graph)
-            if drafter is not None:
-                drafter.warmup(graphs, show_progress)
+            if drafter is not None and drafts:
+                drafter.warmup(drafts, show_progress)
         self.guard.end_warmup()
         chosen = ({(c.op, c.provider) for c in self.jax_graphs.kernel_choices()} if self.jax_graphs is not None
                   else {(s.op, s.provider.name) for s in selections})

@@ -8,11 +8,13 @@ from tpu_executor.core.buckets import (
     BucketPlan,
     DecodeCall,
     DecodeGraph,
+    DraftGraph,
     HistoryGraph,
     MixedCall,
     PrefillCall,
     PrefillGraph,
     SamplerGraph,
+    graph_label,
     pick_bucket,
 )
 from tpu_executor.core.config import (
@@ -154,6 +156,26 @@ def test_speculation_adds_decode_row_buckets(tmp_path):
     assert len(added) == 2 * (2 + 2 * 2 * 2)
     native = BucketPlan.from_config(config(tmp_path, device="cpu", speculative=SpeculativeConfig(), **options))
     assert native.decode_row_buckets == plain.decode_row_buckets  # exact sizes: verifies run as one pack
+
+
+def test_a_draft_model_adds_its_catch_up_and_greedy_steps_graphs(tmp_path):
+    """A draft model's catch-up runs over each prefill graph's shapes and its greedy steps over
+    each decode graph's of up to max_num_seqs rows (its drafting rows); drafting one token,
+    there are no steps to run."""
+    from tpu_executor.core.speculative import SpeculativeConfig
+
+    options = dict(prefill_buckets=(32, 128), decode_buckets=(2, 8), decode_context_buckets=(128,), max_prefill_seqs=8)
+    for k in (1, 3):
+        draft = SpeculativeConfig(method="draft_model", model=str(tmp_path), num_speculative_tokens=k)
+        plan = BucketPlan.from_config(config(tmp_path, speculative=draft, **options))
+        ngram = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(num_speculative_tokens=k),
+                                              **options))
+        added = [g for g in plan.graphs() if g not in ngram.graphs()]
+        prefill = [g for g in plan.graphs() if isinstance(g, PrefillGraph)]
+        steps = [DecodeGraph(r, c) for r in (2, 8, 24) for c in (8, 20)] if k > 1 else []
+        assert added == [DraftGraph(g) for g in prefill + steps]
+        assert graph_label(added[0]) == f"draft model {graph_label(prefill[0])}"
+        assert f"draft model {len(added)} graphs" in plan.describe()
 
 
 def test_verifies_follow_the_decode_rows(tmp_path):

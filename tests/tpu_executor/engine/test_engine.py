@@ -62,11 +62,15 @@ def test_zero_recompilation_over_200_random_requests(llm):
     assert {"paged_attention", "prefill_attention", "rms_norm"} <= set(dict(stats.kernel_providers))
 
 
-def test_speculation_changes_no_output_and_compiles_nothing_after_warmup(checkpoints, llm):
-    """N-gram drafts verified as rows of the decode graphs: 200 random requests
-    mixing speculation with every sampling feature give what the engine without it gives."""
-    speculative = LLM(model=checkpoints["llama"], device=device_of(llm),
-                      speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_changes_no_output_and_compiles_nothing_after_warmup(checkpoints, llm, method):
+    """N-gram drafts, or a draft model's (another architecture: some drafts hold, most do not,
+    its catch-up and greedy steps in graphs of the plan), verified as rows of the decode
+    graphs: 200 random requests mixing speculation with every sampling feature give what the
+    engine without it gives."""
+    config = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+              "draft_model": {"method": "draft_model", "model": checkpoints["mistral"], "num_speculative_tokens": 3}}
+    speculative = LLM(model=checkpoints["llama"], device=device_of(llm), speculative_config=config[method],
                       **tiny_engine_options(strict=True, max_num_batched_tokens=96))
     try:
         assert_same_outputs_over_random_requests(llm, speculative)

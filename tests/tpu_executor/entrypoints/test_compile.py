@@ -61,7 +61,8 @@ def test_architectures_compile_for_a_tpu_with_their_pallas_kernels(target, archi
 
 @pytest.mark.slow  # libtpu compiles a whole plan (about a minute)
 def test_the_command_compiles_every_graph_and_reports_them(tmp_path):
-    """With n-gram speculation: its verifies' row bucket (8 sequences x 2 rows) is compiled too."""
+    """With a draft model drafting 2 tokens: the verifies' row buckets (8 sequences x 2 and 3
+    rows) and the draft model's graphs (its catch-up, its greedy steps) are compiled too."""
     from tpu_executor.core.buckets import BucketPlan
     from tpu_executor.core.speculative import SpeculativeConfig
     from tpu_executor.core.tpu_slices import Target
@@ -69,7 +70,7 @@ def test_the_command_compiles_every_graph_and_reports_them(tmp_path):
     from tpu_executor.tools.random_checkpoint import write_config
 
     checkpoint = write_config(str(tmp_path / "llama"), "llama")
-    speculative = '{"method": "ngram", "num_speculative_tokens": 1}'
+    speculative = json.dumps({"method": "draft_model", "model": checkpoint, "num_speculative_tokens": 2})
     out = compile_command([checkpoint, "--target", "v5e-1", "--cache-dir", str(tmp_path / "aot"), "--json",
                            str(tmp_path / "report.json"), *SMALL_PLAN, "--speculative-config", speculative],
                           tmp_path).stdout
@@ -81,11 +82,13 @@ def test_the_command_compiles_every_graph_and_reports_them(tmp_path):
         max_model_len=512, max_num_seqs=8, prefill_buckets=(128,), decode_buckets=(8,),
         decode_context_buckets=(512,), max_logprobs=2, speculative_config=SpeculativeConfig.parse(speculative)))
     assert len(report["graphs"]) == len(BucketPlan.from_config(config).graphs())
-    assert "decode rows=16 blocks=32" in {graph["name"] for graph in report["graphs"]}
+    assert {"decode rows=16 blocks=32", "decode rows=24 blocks=32", "draft model prefill tokens=128 keys=256",
+            "draft model decode rows=8 blocks=32"} <= {graph["name"] for graph in report["graphs"]}
     for graph in report["graphs"]:
         assert set(graph) >= {"name", "compile_seconds", "hbm", "flops", "bytes_accessed", "pallas_kernels"}
         assert set(graph["hbm"]) == {"arguments", "outputs", "temp", "code"} and graph["compile_seconds"] > 0
-        expected = {"prefill": ["prefill_attention"], "decode": ["paged_attention"]}.get(graph["name"].split()[0], [])
+        kind = graph["name"].removeprefix("draft model ").split()[0]
+        expected = {"prefill": ["prefill_attention"], "decode": ["paged_attention"]}.get(kind, [])
         assert graph["pallas_kernels"] == expected, graph
     assert report["peak_bytes_per_chip"] <= 0.9 * report["hbm_per_chip_bytes"] and report["kv_cache_blocks"] > 1000
     assert "bfloat16" in out and "fits" in out
