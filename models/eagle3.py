@@ -78,6 +78,7 @@ class Eagle3Head(nn.Module):
                  own_embedding: bool = False):
         super().__init__()
         tp = tp or SingleRank()
+        self.tp = tp
         self.config = cfg
         self.aux_layer_ids = aux_layer_ids(cfg, target.num_layers)
         self.draft_vocab_size = int(getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size)

@@ -164,7 +164,9 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if meta.taps is not None:
+                meta.taps.record(index, x)
             x = layer(x, kv_cache, meta)
         return self.norm(x)
 

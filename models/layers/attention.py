@@ -8,7 +8,7 @@ the whole cache every call).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -36,6 +36,31 @@ class DecodeMetadata:
 
 
 @dataclass
+class HiddenTaps:
+    """Where a model call copies the residual stream entering some of its layers (an EAGLE-3
+    head reads three of them): layer ``layer_ids[j]``'s input goes to ``buffers[j]``, token
+    ``t`` to row ``rows[t]`` (padding tokens share a discard row)."""
+
+    layer_ids: Tuple[int, ...]
+    buffers: List[torch.Tensor]
+    rows: torch.Tensor
+
+    def record(self, layer_index: int, hidden: torch.Tensor) -> None:
+        """Copy ``hidden`` (the input of layer ``layer_index``) if that layer is tapped."""
+        for buffer, layer_id in zip(self.buffers, self.layer_ids):  # a layer may be named twice
+            if layer_id == layer_index:
+                write_rows(buffer, self.rows, hidden)
+
+
+def write_rows(buffer: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """``buffer[rows] = values`` in place (a buffer the call updates: donated on the JAX path)."""
+    if buffer.device.type == "jax":  # torchax: an in-place write replaces the whole tensor
+        buffer.copy_(buffer.index_copy(0, rows, values.to(buffer.dtype)))
+    else:
+        buffer.index_copy_(0, rows, values.to(buffer.dtype))
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step attention inputs, all device tensors of fixed (bucketed) shape.
 
@@ -43,7 +68,8 @@ class AttentionMetadata:
     null block) are common; ``prefill``, ``decode`` or, in a mixed call (eager devices only),
     both are set: the prefill's tokens first (as many as its ``query_segments``), then one
     token per decode row. ``rope`` holds, on an untraced call, the cos and sin each RoPE
-    computed for ``positions``, for the layers after the first.
+    computed for ``positions``, for the layers after the first; ``taps``, when set, copies
+    some layers' inputs out (``HiddenTaps``).
     """
 
     positions: torch.Tensor
@@ -51,6 +77,7 @@ class AttentionMetadata:
     prefill: Optional[PrefillMetadata] = None
     decode: Optional[DecodeMetadata] = None
     rope: Dict = field(default_factory=dict)
+    taps: Optional[HiddenTaps] = None
 
 
 def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,

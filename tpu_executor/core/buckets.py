@@ -120,8 +120,9 @@ class PromptLogprobsGraph:
 
 @dataclass(frozen=True)
 class DraftGraph:
-    """A draft model's graph (speculative decoding, ``draft_model``) over a model graph's
-    shapes: its catch-up over a prefill graph's, its greedy steps 2 to k over a decode graph's."""
+    """A drafter's graph (speculative decoding: a draft model or an EAGLE-3 head) over a model
+    graph's shapes: its catch-up over a prefill graph's, its greedy steps 2 to k over a decode
+    graph's."""
 
     graph: Union[PrefillGraph, DecodeGraph]
 
@@ -241,8 +242,9 @@ class BucketPlan:
     # the wait ends in the timeout that the executor reports as ranks out of step
     # (executor/test_tensor_parallel.py).
     exact_sizes: bool = False
-    # A draft model's graphs: its catch-up over each prefill graph's shapes, its greedy steps
-    # over these decode row buckets (up to max_num_seqs; none when it drafts one token).
+    # A drafter's graphs (a draft model or an EAGLE-3 head): its catch-up over each prefill
+    # graph's shapes, its greedy steps over these decode row buckets (up to max_num_seqs; none
+    # when it drafts one token).
     draft_model: bool = False
     draft_step_rows: Tuple[int, ...] = ()
 
@@ -255,7 +257,7 @@ class BucketPlan:
             # Verifies run decode-shaped: a row per position, every running sequence's last
             # token and drafts in one call with the decodes; doubling buckets up to that.
             rows += verify_row_buckets(config.scheduler.max_num_seqs, speculative.num_speculative_tokens)
-        draft_model = speculative is not None and speculative.method == "draft_model"
+        draft_model = speculative is not None and speculative.model is not None  # a draft model or EAGLE-3 head
         context_tokens = geometric_fill(effective_buckets(compile_cfg.decode_context_buckets,
                                                           config.max_model_len, block_size))
         return cls(prefill_token_buckets=prefill_token_buckets(config), context_token_buckets=context_tokens,
@@ -383,7 +385,7 @@ class BucketPlan:
 
         tokens = " ".join(map(str, self.prefill_token_buckets))
         rows, widths = (" ".join(map(str, b)) for b in (self.decode_row_buckets, self.context_token_buckets))
-        drafts = f"; draft model {count(DraftGraph)}" if self.draft_model else ""
+        drafts = f"; drafter {count(DraftGraph)}" if self.draft_model else ""
         return (f"prefill {tokens} tokens ({count(PrefillGraph)} with the long-context forms); "
                 f"decode {rows} rows x {widths} context tokens ({count(DecodeGraph)}); sampler {count(SamplerGraph)}, "
                 f"half of them with logits processing; processing state {count(HistoryGraph)}; "
@@ -405,7 +407,7 @@ class BucketPlan:
 def graph_label(graph: Graph) -> str:
     """A graph of the plan as reports name it, e.g. ``decode rows=8 blocks=32``."""
     if isinstance(graph, DraftGraph):
-        return f"draft model {graph_label(graph.graph)}"
+        return f"draft {graph_label(graph.graph)}"
     if isinstance(graph, PrefillGraph):
         return f"prefill tokens={graph.num_tokens} keys={graph.keys}"
     if isinstance(graph, DecodeGraph):

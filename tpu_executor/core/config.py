@@ -295,10 +295,6 @@ class EngineConfig:
         _require(self.speculative is None or not self.scheduler.async_scheduling,
                  "async_scheduling cannot be on with speculative decoding: the drafters need each "
                  "step's accepted tokens before the next step (leave async_scheduling unset)")
-        method = self.speculative.method if self.speculative is not None else None
-        _require(method != "eagle3" or not self.device.compiles,
-                 f"speculative_config method {method!r} runs on the native path (device 'cpu' or 'cuda'), "
-                 f"not device {self.device.device!r}; use method 'ngram' or 'draft_model' there")
         block = self.cache.block_size
         bad = [b for b in self.compile.prefill_buckets if b % block]
         _require(not bad, f"prefill_buckets {bad} are not multiples of block_size {block}")

@@ -1,91 +1,76 @@
-"""The EAGLE-3 head of speculative decoding (``eagle3``), in the worker, on the native path.
+"""The EAGLE-3 head of speculative decoding (``eagle3``), run beside the target as a
+``PagedDrafter`` (``worker/paged_drafter.py``).
 
 The head reads three of the target's hidden states per position (``models/eagle3.py``). They
-are taken from the target's own step, without a second pass: forward pre-hooks on the three
-target layers record the residual stream entering them, with the KV slot of each token, while
-the step runs (``capture``). A (request, position) has one slot in a step, so the slots find
-each position's hidden states whatever the step's calls were (prefill packs, decode rows, a
-verify pack, a mixed call).
+are taken from the target's own step, without a second pass: each of the target's calls copies
+the inputs of the three layers into tap buffers on the device, and a KV slot finds each
+position's row (``worker/hidden_taps.py``).
 
-After the step's tokens are known, one packed prefill of the head computes, per request, the
-positions the target computed that stay in its text, each with the token after it (the next
-prompt token after a chunk that does not end its prompt), into the head's one-layer KV cache
-(the target's block layout, as the draft model's). Its last position gives the first draft;
-``k - 1`` greedy decode steps, each on the head's own pre-norm output, give the others.
+After the step's tokens are known, the head's catch-up computes, per request, the positions the
+target computed that stay in its text, each with the token after it (the next prompt token
+after a chunk that does not end its prompt), into the head's one-layer KV cache. Its last
+position gives the first draft and leaves the head's pre-norm output in a buffer row of the
+request's drafting row; ``k - 1`` greedy decode steps, each on the head's own pre-norm output
+before it, give the others.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List, Sequence
+from functools import partial
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
+from torch import nn
 
 from tpu_executor.core.config import EngineConfig
-from tpu_executor.core.step import PrefillWork, SampledTokens, SchedulerOutput
-from tpu_executor.models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
-from tpu_executor.worker.draft_model import Drafts, PagedDrafter, StepText, padded_tables
-from tpu_executor.worker.inputs import table_slots, to_device
+from tpu_executor.core.step import PrefillWork
+from tpu_executor.models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata, write_rows
+from tpu_executor.worker.hidden_taps import HiddenTapRows
+from tpu_executor.worker.model_runner import ModelRunner
+from tpu_executor.worker.paged_drafter import KVCaches, PagedDrafter, StepText, step_slots
 
 
 class Eagle3Runner(PagedDrafter):
     """Runs an EAGLE-3 head (``models.eagle3.Eagle3Head``) beside the target's runner."""
 
-    def __init__(self, config: EngineConfig, head: torch.nn.Module, target: torch.nn.Module, device: torch.device):
-        super().__init__(config, head, device)
-        self._capturing = False
-        self._slots: List[torch.Tensor] = []  # per target call: the KV slot of each token
-        self._aux: List[List[torch.Tensor]] = []  # per target call: the three layers' inputs
-        self._hidden = torch.empty(0)  # the drafting rows' pre-norm output of the last draft step
-        layers = target.model.layers
-        for index, layer_id in enumerate(head.aux_layer_ids):
-            layers[layer_id].register_forward_pre_hook(self._recorder(index))
+    kind = "EAGLE-3 head"
 
-    def _recorder(self, index: int):
-        def record(_module, args):
-            if not self._capturing:
-                return
-            hidden, _kv_cache, meta = args[:3]
-            if index == 0:
-                self._slots.append(meta.slot_mapping)
-                self._aux.append([])
-            self._aux[-1].append(hidden)
-        return record
+    def __init__(self, config: EngineConfig, head: torch.nn.Module, target: torch.nn.Module, device: torch.device,
+                 runtime=None):
+        # The compiled functions read the target's embedding too, when the head borrows it.
+        weights = nn.ModuleDict({"head": head, "target_embedding": target.model.embed_tokens})
+        super().__init__(config, head, device, runtime, weights=weights)
+        self.hidden_size = head.config.hidden_size
+        self.target_hidden_size = target.config.hidden_size
+        self.max_step_tokens = config.scheduler.max_num_batched_tokens + self.max_rows * (self.num_drafts + 1)
+        self.dtype = head.norm.weight.dtype  # the activations' (d2t, the first parameter, holds ids)
+        self.taps: Optional[HiddenTapRows] = None
+        self.draft_hidden = torch.empty(0)  # per drafting row, the head's latest pre-norm output
+        self._catch_up_fn = self.compiled(partial(eagle_catch_up, head))
+        self._steps_fn = self.compiled(partial(eagle_draft_steps, head, num_steps=self.num_drafts - 1,
+                                               block_size=self.block_size))
+
+    def bind(self, runner: ModelRunner, kv_caches: KVCaches, num_shared_blocks: int, zeros: Callable) -> None:
+        """As ``PagedDrafter.bind``; the target's runner also gets the tap buffers its calls
+        write the head's inputs into (a row per token a step computes, then a discard row)."""
+        super().bind(runner, kv_caches, num_shared_blocks, zeros)
+        rows = self.max_step_tokens + 1
+        buffers = [zeros((rows, self.target_hidden_size), self.dtype) for _ in self.model.aux_layer_ids]
+        self.taps = HiddenTapRows(self.model.aux_layer_ids, buffers, self.block_size)
+        runner.use_taps(self.taps)
+        self.draft_hidden = zeros((self.max_rows + 1, self.hidden_size), self.dtype)
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
-        """Record the target's hidden states over one step (the previous step's are dropped)."""
-        self._slots, self._aux = [], []
-        self._capturing = True
+        """Give the target step's tokens their tap rows (the previous step's are dropped)."""
+        self.taps.begin_step()
         try:
             yield
         finally:
-            self._capturing = False
+            self.taps.end_step()
 
-    @torch.no_grad()
-    def draft(self, step: SchedulerOutput, sampled: SampledTokens) -> Drafts:
-        """The drafts that follow the tokens of each request of ``step.drafting`` once
-        ``sampled`` (the step's tokens) are recorded; every request's positions enter the
-        head's cache."""
-        pack = self._catch_up_pack(self._step_texts(step, sampled))
-        if not pack:
-            return {}
-        host_inputs = self._pack_inputs(pack)
-        hidden = self.model.combine(self._target_hidden(host_inputs["slot_mapping"].numpy()))
-        inputs = to_device(host_inputs, self.device)
-        self._slots, self._aux = [], []
-        prefill = PrefillMetadata(inputs["context_slots"], inputs["key_positions"], inputs["key_segments"],
-                                  inputs["query_segments"])
-        meta = AttentionMetadata(inputs["positions"], inputs["slot_mapping"], prefill=prefill)
-        normed, prenorm = self.model(inputs["input_ids"], hidden, self.kv_caches, meta)
-        rows = self._drafting_rows(step, pack)
-        if not rows:
-            return {}
-        last = inputs["logits_indices"][rows]
-        self._hidden = prenorm[last]
-        return self._draft_steps(self.model.draft_tokens(normed[last]), pack, rows, self._decode)
-
-    def _catch_up_pack(self, texts: Sequence[StepText]) -> List[PrefillWork]:
+    def _catch_up_pack(self, texts: Sequence[StepText], max_model_len: int) -> List[PrefillWork]:
         """Per request, its positions the target computed that stay, each with the token after
         it (the head's input there); a chunk that does not end its prompt takes the next prompt
         token. Rows whose next token is not known yet (none) are left out."""
@@ -95,43 +80,54 @@ class Eagle3Runner(PagedDrafter):
             next_token_id = getattr(text.work, "next_token_id", None)  # set on a chunk that does not end its prompt
             if not text.new and next_token_id is not None:
                 tokens += (next_token_id,)
-            if len(tokens) > 1:
-                pack.append(self._row_work(len(pack), text.work, tokens[1:], text.start, bool(text.new)))
+            inputs = tokens[1:max_model_len - text.start + 1]
+            drafts = bool(text.new) and len(inputs) == len(tokens) - 1
+            if inputs:
+                pack.append(self._row_work(len(pack), text.work, inputs, text.start, drafts))
         return pack
 
-    def _target_hidden(self, wanted: np.ndarray) -> torch.Tensor:
-        """The target's three hidden states at the KV slots ``wanted`` (the catch-up pack's
-        positions), side by side, found among those the step computed."""
-        slots = torch.cat(self._slots).cpu().numpy()
-        aux = torch.cat([torch.cat(layers, dim=-1) for layers in self._aux])
-        order = np.argsort(slots, kind="stable")
-        found = order[np.minimum(np.searchsorted(slots[order], wanted), len(slots) - 1)]
-        if not np.array_equal(slots[found], wanted):
-            raise RuntimeError("EAGLE-3: the target's step did not compute every position the head catches up on")
-        return aux[torch.from_numpy(found).to(aux.device)]
+    def _run_catch_up(self, inputs: Dict[str, torch.Tensor], logit_rows: Sequence[Optional[int]]) -> torch.Tensor:
+        """The head over a catch-up pack: its inputs gathered from the tap rows of the positions'
+        slots (padding: the discard row); each drafting row's pre-norm output kept."""
+        slots = inputs["slot_mapping"].numpy()
+        tap_index = np.full(len(slots), self.taps.discard, dtype=np.int64)
+        real = np.flatnonzero(slots >= self.block_size)  # padding writes the null block
+        tap_index[real] = self.taps.rows_of(slots[real])
+        hidden_rows = np.full(len(inputs["logits_indices"]), self.max_rows, dtype=np.int64)  # padding: discard
+        hidden_rows[:len(logit_rows)] = [self.max_rows if row is None else row for row in logit_rows]
+        host = {**inputs, "tap_index": torch.from_numpy(tap_index), "hidden_rows": torch.from_numpy(hidden_rows)}
+        return self._catch_up_fn(**self.runner.put(host), tap_buffers=self.taps.buffers,
+                                 draft_hidden=self.draft_hidden, kv_caches=self.kv_caches)
 
-    def _decode_metadata(self, positions: np.ndarray, tables: np.ndarray) -> Dict[str, torch.Tensor]:
-        """A decode step's attention inputs on the device: the rows' ``positions`` in ``tables``."""
-        slots = table_slots(tables, positions, self.block_size)
-        host = {"positions": positions, "slot_mapping": slots, "block_tables": tables, "context_lens": positions + 1}
-        return to_device({name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in host.items()}, self.device)
+    def _run_steps(self, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._steps_fn(**self.runner.put(inputs), draft_hidden=self.draft_hidden, kv_caches=self.kv_caches)
 
-    def _draft_steps(self, first: torch.Tensor, pack: Sequence[PrefillWork], rows: List[int], step_fn) -> Drafts:
-        """Drafts 2 to k after each row's ``first`` draft: ``step_fn(tokens, metadata)`` gives
-        the tokens after ``tokens`` at the positions that follow the rows' pack works."""
-        drafted = [first]
-        positions = np.array([pack[i].num_context_tokens for i in rows], dtype=np.int64)
-        tables = padded_tables([pack[i].block_ids for i in rows])
-        for _ in range(self.num_drafts - 1):
-            drafted.append(step_fn(drafted[-1], self._decode_metadata(positions, tables)))
-            positions = positions + 1
-        ids = torch.stack(drafted, dim=1).cpu().tolist()
-        return {pack[i].request_id: tuple(row) for i, row in zip(rows, ids)}
 
-    def _decode(self, tokens: torch.Tensor, metadata: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """One greedy draft step on the head's previous pre-norm output: the tokens after ``tokens``."""
-        meta = AttentionMetadata(metadata["positions"], metadata["slot_mapping"],
-                                 decode=DecodeMetadata(metadata["block_tables"], metadata["context_lens"]))
-        normed, self._hidden = self.model(tokens, self._hidden, self.kv_caches, meta)
-        return self.model.draft_tokens(normed)
+def eagle_catch_up(head, input_ids, positions, slot_mapping, context_slots, key_positions, key_segments,
+                   query_segments, logits_indices, tap_index, hidden_rows, tap_buffers, draft_hidden,
+                   kv_caches) -> torch.Tensor:
+    """The head over a catch-up pack (a prefill call's inputs, the target's hidden states at
+    ``tap_index`` of the tap buffers): the greedy token after each of ``logits_indices``, whose
+    pre-norm outputs go to ``hidden_rows`` of ``draft_hidden``."""
+    aux = torch.cat([buffer[tap_index] for buffer in tap_buffers], dim=-1)
+    prefill = PrefillMetadata(context_slots, key_positions, key_segments, query_segments)
+    normed, prenorm = head(input_ids, head.combine(aux), kv_caches,
+                           AttentionMetadata(positions, slot_mapping, prefill=prefill))
+    write_rows(draft_hidden, hidden_rows, prenorm[logits_indices])
+    return head.draft_tokens(normed[logits_indices])
 
+
+def eagle_draft_steps(head, first_drafts: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+                      draft_hidden: torch.Tensor, kv_caches, num_steps: int, block_size: int) -> torch.Tensor:
+    """``num_steps`` greedy decode steps of the head, unrolled in one call, after each row's
+    first draft at ``positions``, each on the head's pre-norm output before it (row ``i`` of
+    ``draft_hidden`` first): the rows' next drafts."""
+    hidden = draft_hidden[:first_drafts.shape[0]]
+    tokens, drafts = first_drafts, []
+    for step in range(num_steps):
+        slots, context_lens = step_slots(positions + step, block_tables, block_size)
+        meta = AttentionMetadata(positions + step, slots, decode=DecodeMetadata(block_tables, context_lens))
+        normed, hidden = head(tokens, hidden, kv_caches, meta)
+        tokens = head.draft_tokens(normed)
+        drafts.append(tokens)
+    return torch.stack(drafts, dim=1)

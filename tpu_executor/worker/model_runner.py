@@ -84,6 +84,7 @@ class ModelRunner:
 
             self.jax_graphs = JaxGraphs(model, runtime)
         self.padding = PaddingStats()
+        self.taps = None  # where the model calls copy an EAGLE-3 head's inputs (``use_taps``)
         # On XLA a call only queues work: reading tokens back can wait for the next launch.
         self.collects_late = compiled
         self.sampling = SamplingRunner(config, self.plan, model.config.vocab_size, device, self.guard,
@@ -115,6 +116,12 @@ class ModelRunner:
 
     def _compile(self, fn, compiled: bool, fullgraph: bool):
         return compile_step(fn, self.jax_graphs, fullgraph) if compiled else fn
+
+    def use_taps(self, taps) -> None:
+        """Copy the inputs of ``taps.layer_ids`` out of every model call into ``taps.buffers``
+        (an EAGLE-3 head's inputs; ``worker/hidden_taps.py``), before warm-up compiles."""
+        self.taps = taps
+        self.steps.tap_layers = taps.layer_ids
 
     def bind_kv_caches(self, kv_caches: KVCaches) -> None:
         """The per-layer K/V pages every later step reads and writes in place."""
@@ -169,6 +176,9 @@ class ModelRunner:
 
     def _run_fn(self, fn, host_inputs: Dict[str, torch.Tensor], phase: str, **static):
         """Copy ``host_inputs`` to the device and call ``fn`` on them (timed as ``phase``)."""
+        if self.taps is not None and "slot_mapping" in host_inputs:  # a model step
+            host_inputs = {**host_inputs, "tap_rows": self.taps.rows_for(host_inputs["slot_mapping"])}
+            static = {**static, "tap_buffers": self.taps.buffers}
         inputs = self.put(host_inputs)
         with self.timer.phase(phase):
             return fn(**inputs, **static)

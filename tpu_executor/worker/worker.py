@@ -20,11 +20,12 @@ from tpu_executor.core.config import EngineConfig, tpu_attached
 from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerStats
 from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup
 from tpu_executor.worker.distributed import GlooGroup, RankPlacement, XlaGroup, tpu_topology_env
-from tpu_executor.worker.draft_model import DraftModelRunner, PagedDrafter, check_draft_checkpoint
+from tpu_executor.worker.draft_model import DraftModelRunner, check_draft_checkpoint
 from tpu_executor.worker.eagle3 import Eagle3Runner
 from tpu_executor.worker.launched_step import LaunchedStep
 from tpu_executor.worker.model_loader import load_eagle3_head, load_model, pack_for_cpu, use_xla_cpu_forms
 from tpu_executor.worker.model_runner import ModelRunner
+from tpu_executor.worker.paged_drafter import PagedDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ class Worker:
         over the (loaded) target."""
         if method == "eagle3":
             head = self._placed(load_eagle3_head(path, self.model, self.dtype, self.tp))
-            return Eagle3Runner(self.config, head, self.model, self.device)
+            return Eagle3Runner(self.config, head, self.model, self.device, runtime=self.jax)
         return DraftModelRunner(self.config, self._placed(load_model(path, self.dtype, self.tp)), self.device,
                                 runtime=self.jax)
 
@@ -297,21 +298,24 @@ class Worker:
         """Zeroed K/V pages of ``num_blocks`` blocks for ``model`` (the target by default)."""
         model = self.model if model is None else model
         shape = (model.num_kv_heads, num_blocks, self.config.cache.block_size, model.head_dim)
+        # Split over the heads when they divide evenly over the chips, else replicated.
+        heads = 0 if self.jax is not None and model.num_kv_heads % self.jax.ranks == 0 else None
+        return [(self._zeros(shape, self.dtype, heads), self._zeros(shape, self.dtype, heads))
+                for _ in range(model.num_layers)]
+
+    def _zeros(self, shape, dtype: torch.dtype, split: Optional[int] = None) -> torch.Tensor:
+        """A zeroed device buffer (on the JAX path split over the mesh along ``split``, else
+        replicated)."""
         if self.jax is not None:
-            # Split over the heads when they divide evenly over the chips, else replicated.
-            heads = 0 if model.num_kv_heads % self.jax.ranks == 0 else None
-            return [(self.jax.zeros(shape, self.dtype, heads), self.jax.zeros(shape, self.dtype, heads))
-                    for _ in range(model.num_layers)]
-        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                   torch.zeros(shape, dtype=self.dtype, device=self.device))
-                  for _ in range(model.num_layers)]
+            return self.jax.zeros(shape, dtype, split)
+        zeros = torch.zeros(shape, dtype=dtype, device=self.device)
         if self.device.type == "xla":
             import torch_xla
 
             # Materialise the zeros now: a lazy zeros tensor fed to the first compiled step
             # would give that step a different graph than every later one.
             torch_xla.sync()
-        return caches
+        return zeros
 
     def init_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate per-layer K/V tensors (donated buffers) for the model runner, whose bucket
@@ -323,8 +327,8 @@ class Worker:
             self.runner.bind_kv_caches(self._allocate_cache(num_blocks))
             if self.drafter is not None:
                 draft_blocks = num_blocks + self.drafter.num_scratch_blocks
-                self.drafter.bind_kv_caches(self._allocate_cache(draft_blocks, self.drafter.model), num_blocks,
-                                            self.runner)
+                self.drafter.bind(self.runner, self._allocate_cache(draft_blocks, self.drafter.model), num_blocks,
+                                  self._zeros)
         self.kv_cache_bytes = num_blocks * self.cache_block_bytes()
 
     def warmup(self, show_progress: bool = True, graphs: Optional[List[Graph]] = None) -> None:

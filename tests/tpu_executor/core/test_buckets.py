@@ -174,8 +174,8 @@ def test_a_draft_model_adds_its_catch_up_and_greedy_steps_graphs(tmp_path):
         prefill = [g for g in plan.graphs() if isinstance(g, PrefillGraph)]
         steps = [DecodeGraph(r, c) for r in (2, 8, 24) for c in (8, 20)] if k > 1 else []
         assert added == [DraftGraph(g) for g in prefill + steps]
-        assert graph_label(added[0]) == f"draft model {graph_label(prefill[0])}"
-        assert f"draft model {len(added)} graphs" in plan.describe()
+        assert graph_label(added[0]) == f"draft {graph_label(prefill[0])}"
+        assert f"drafter {len(added)} graphs" in plan.describe()
 
 
 def test_verifies_follow_the_decode_rows(tmp_path):
