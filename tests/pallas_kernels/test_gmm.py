@@ -35,7 +35,7 @@ def check_generated_cases(indices):
 
 def test_kernel_matches_reference_on_generated_cases():
     seen = total_counts(in_fresh_processes(check_generated_cases, len(CASES)))
-    assert sum(seen.values()) == INTERPRETED_CASES and min(seen.values()) >= 10, seen
+    assert sum(seen.values()) == INTERPRETED_CASES and min(seen.values()) >= 5, seen  # both dtypes
     labels = " ".join(case.label for case in CASES)
     assert "T=True" in labels and "T=False" in labels and ", 0," in labels  # empty groups ran
 

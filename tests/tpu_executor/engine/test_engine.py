@@ -63,26 +63,27 @@ def test_zero_recompilation_over_200_random_requests(llm):
     assert {"paged_attention", "prefill_attention", "rms_norm"} <= set(dict(stats.kernel_providers))
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
 def test_speculation_changes_no_output_and_compiles_nothing_after_warmup(checkpoints, llm, method, tmp_path):
-    """N-gram drafts, a draft model's (another architecture: some drafts hold, most do not) or
-    a random EAGLE-3 head's (over the hidden states the target's graphs copy out), the
-    drafters' catch-up and greedy steps in graphs of the plan, verified as rows of the decode
-    graphs: 200 random requests mixing speculation with every sampling feature give what the
-    engine without it gives."""
-    models = {"draft_model": lambda: checkpoints["mistral"],
-              "eagle3": lambda: write_random_eagle3_head(checkpoints["llama"], str(tmp_path / "head"))}
-    config = {"method": method, "num_speculative_tokens": 3}
-    config.update({"prompt_lookup_min": 1} if method == "ngram" else {"model": models[method]()})
-    speculative = LLM(model=checkpoints["llama"], device=device_of(llm), speculative_config=config,
+    """Drafts of a draft model (the target itself: greedy drafts all hold, sampled ones by the
+    rejection sampler's odds) or of a random EAGLE-3 head (over the hidden states the target's
+    graphs copy out; its drafts fail), the drafters' catch-up and greedy steps in graphs of
+    the plan, verified as rows of the decode graphs: 200 random requests mixing speculation
+    with every sampling feature give what the engine without it gives. (N-gram drafts are made
+    on the host, the same on every path; their verifies are these.)"""
+    draft = checkpoints["llama"] if method == "draft_model" else \
+        write_random_eagle3_head(checkpoints["llama"], str(tmp_path / "head"))
+    speculative = LLM(model=checkpoints["llama"], device=device_of(llm),
+                      speculative_config={"method": method, "model": draft, "num_speculative_tokens": 3},
                       **tiny_engine_options(strict=True, max_num_batched_tokens=96))
     try:
         assert_same_outputs_over_random_requests(llm, speculative)
         stats = speculative.stats()
         assert stats.graphs_compiled_after_warmup == 0
-        assert stats.spec_decode.num_drafts > 0
-        # A random head's drafts hold by chance only (a trained one's would hold often).
-        assert stats.spec_decode.num_accepted_tokens > 0 or method == "eagle3"
+        counts = stats.spec_decode
+        assert counts.num_drafts > 0
+        if method == "draft_model":
+            assert counts.num_draft_tokens > counts.num_accepted_tokens > 0
     finally:
         speculative.shutdown()
 
