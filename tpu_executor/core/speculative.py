@@ -1,16 +1,16 @@
 """Speculative decoding's config (pure Python).
 
 A running sequence may carry up to ``num_speculative_tokens`` draft tokens into a step. The
-target model computes the sequence's last token and its drafts in one verify call (a prefill
-over them, reading the earlier context from the pages); each position draws its token as the
+target model computes the sequence's last token and its drafts in the step (as decode rows on
+the bucketed paths, a packed call at exact sizes); each position draws its token as the
 sampler would, and the verifier accepts the longest run of drafts equal to the drawn tokens,
 then the token drawn after it: a step gives 1 to k + 1 tokens, exactly the tokens decoding one
 at a time would have given.
 Drafts come from prompt lookup in the engine core (``ngram``: ``engine/drafter.py``), or in the
-worker (the native path) from a smaller model with the same vocabulary (``draft_model``:
-``worker/draft_model.py``) or an EAGLE-3 head over the target's hidden states (``eagle3``:
-``worker/eagle3.py``); the verifier runs in the worker (``worker/verify.py``); the scheduler budgets
-the drafts' slots and blocks.
+worker from a smaller model with the same vocabulary (``draft_model``: ``worker/draft_model.py``)
+or an EAGLE-3 head over the target's hidden states (``eagle3``: ``worker/eagle3.py``); the
+verifier runs in the worker (``worker/verify.py``); the scheduler budgets the drafts' slots and
+blocks.
 """
 from __future__ import annotations
 
