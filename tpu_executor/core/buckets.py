@@ -121,10 +121,11 @@ class PromptLogprobsGraph:
 @dataclass(frozen=True)
 class DraftGraph:
     """A drafter's graph (speculative decoding: a draft model or an EAGLE-3 head) over a model
-    graph's shapes: its catch-up over a prefill graph's, its greedy steps 2 to k over a decode
-    graph's."""
+    graph's shapes: its catch-up over a prefill graph's (prompt chunks) or a decode graph's (a
+    row per token of short texts), or (``steps``) its greedy steps 2 to k over a decode graph's."""
 
     graph: Union[PrefillGraph, DecodeGraph]
+    steps: bool = False
 
 
 Graph = Union[PrefillGraph, DecodeGraph, SamplerGraph, HistoryGraph, PromptLogprobsGraph, DraftGraph]
@@ -243,8 +244,8 @@ class BucketPlan:
     # (executor/test_tensor_parallel.py).
     exact_sizes: bool = False
     # A drafter's graphs (a draft model or an EAGLE-3 head): its catch-up over each prefill
-    # graph's shapes, its greedy steps over these decode row buckets (up to max_num_seqs; none
-    # when it drafts one token).
+    # and decode graph's shapes, its greedy steps over these decode row buckets (up to
+    # max_num_seqs; none when it drafts one token).
     draft_model: bool = False
     draft_step_rows: Tuple[int, ...] = ()
 
@@ -399,15 +400,16 @@ class BucketPlan:
                    for n in self.logprob_widths for g in (True, False)]
         history = [HistoryGraph(t) for t in self.history_token_buckets]
         prompt = [self.prompt_logprobs_graph(t) for t in self.prefill_token_buckets]
-        drafts = [DraftGraph(g) for g in prefill] + [DraftGraph(DecodeGraph(r, c)) for r in self.draft_step_rows
-                                                     for c in self.decode_context_block_buckets]
+        drafts = [DraftGraph(g) for g in prefill + decode] + [
+            DraftGraph(DecodeGraph(r, c), steps=True) for r in self.draft_step_rows
+            for c in self.decode_context_block_buckets]
         return [*prefill, *decode, *sampler, *history, *prompt, *(drafts if self.draft_model else ())]
 
 
 def graph_label(graph: Graph) -> str:
     """A graph of the plan as reports name it, e.g. ``decode rows=8 blocks=32``."""
     if isinstance(graph, DraftGraph):
-        return f"draft {graph_label(graph.graph)}"
+        return f"draft {'steps' if graph.steps else 'catch-up'} {graph_label(graph.graph)}"
     if isinstance(graph, PrefillGraph):
         return f"prefill tokens={graph.num_tokens} keys={graph.keys}"
     if isinstance(graph, DecodeGraph):

@@ -13,9 +13,7 @@ import torch
 
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.step import PrefillWork
-from tpu_executor.worker.model_steps import ModelSteps
-from tpu_executor.worker.paged_drafter import PagedDrafter, StepText, step_slots
-from tpu_executor.worker.token_feed import NO_FEED
+from tpu_executor.worker.paged_drafter import PagedDrafter, StepText, attention_metadata, step_slots
 
 
 class DraftModelRunner(PagedDrafter):
@@ -25,9 +23,8 @@ class DraftModelRunner(PagedDrafter):
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device, runtime=None):
         super().__init__(config, model, device, runtime)
-        self.steps = ModelSteps(model)
-        self._catch_up_fn = self.compiled(partial(catch_up_drafts, self.steps))
-        self._steps_fn = self.compiled(partial(greedy_draft_steps, self.steps, num_steps=self.num_drafts - 1,
+        self._catch_up_fn = self.compiled(partial(catch_up_drafts, model))
+        self._steps_fn = self.compiled(partial(greedy_draft_steps, model, num_steps=self.num_drafts - 1,
                                                block_size=self.block_size))
 
     def _catch_up_pack(self, texts: Sequence[StepText], max_model_len: int) -> List[PrefillWork]:
@@ -47,26 +44,23 @@ class DraftModelRunner(PagedDrafter):
         return self._steps_fn(**self.runner.put(inputs), kv_caches=self.kv_caches)
 
 
-def catch_up_drafts(steps: ModelSteps, kv_caches, **inputs) -> torch.Tensor:
-    """The draft model over a catch-up pack (a prefill call's inputs): the greedy token after
-    each row (a row that ends with its request's newest token gives the first draft)."""
-    logits, _ = steps.prefill(kv_caches=kv_caches, **inputs)
-    return logits.argmax(-1)
+def catch_up_drafts(model, input_ids, positions, slot_mapping, logits_indices, kv_caches, **attention) -> torch.Tensor:
+    """The draft model over a catch-up call (``attention``: a prefill pack's keys or decode
+    rows' block tables): the greedy token after each of ``logits_indices`` (a row that ends
+    with its request's newest token gives the first draft)."""
+    hidden = model(input_ids, kv_caches, attention_metadata(positions, slot_mapping, **attention))
+    return model.compute_logits(hidden[logits_indices]).argmax(-1)
 
 
-def greedy_draft_steps(steps: ModelSteps, first_drafts: torch.Tensor, positions: torch.Tensor,
-                       block_tables: torch.Tensor, kv_caches, num_steps: int, block_size: int) -> torch.Tensor:
+def greedy_draft_steps(model, first_drafts: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+                       kv_caches, num_steps: int, block_size: int) -> torch.Tensor:
     """``num_steps`` greedy decode steps of the draft model, unrolled in one call, after each
     row's first draft at ``positions``: the rows' next drafts."""
-    no_feed = torch.full_like(first_drafts, NO_FEED)
-    feed = torch.zeros(1, dtype=first_drafts.dtype, device=first_drafts.device)
     tokens, drafts = first_drafts, []
     for step in range(num_steps):
         slots, context_lens = step_slots(positions + step, block_tables, block_size)
-        logits = steps.decode(input_ids=tokens, feed_slots=no_feed, feed_tokens=feed, positions=positions + step,
-                              slot_mapping=slots, block_tables=block_tables, context_lens=context_lens,
-                              kv_caches=kv_caches)
-        tokens = logits.argmax(-1)
+        meta = attention_metadata(positions + step, slots, block_tables=block_tables, context_lens=context_lens)
+        tokens = model.compute_logits(model(tokens, kv_caches, meta)).argmax(-1)
         drafts.append(tokens)
     return torch.stack(drafts, dim=1)
 

@@ -25,10 +25,10 @@ from torch import nn
 
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.step import PrefillWork
-from tpu_executor.models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata, write_rows
+from tpu_executor.models.layers.attention import write_rows
 from tpu_executor.worker.hidden_taps import HiddenTapRows
 from tpu_executor.worker.model_runner import ModelRunner
-from tpu_executor.worker.paged_drafter import KVCaches, PagedDrafter, StepText, step_slots
+from tpu_executor.worker.paged_drafter import KVCaches, PagedDrafter, StepText, attention_metadata, step_slots
 
 
 class Eagle3Runner(PagedDrafter):
@@ -50,6 +50,12 @@ class Eagle3Runner(PagedDrafter):
         self._catch_up_fn = self.compiled(partial(eagle_catch_up, head))
         self._steps_fn = self.compiled(partial(eagle_draft_steps, head, num_steps=self.num_drafts - 1,
                                                block_size=self.block_size))
+
+    def reserved_bytes(self, block_bytes: int) -> int:
+        """The scratch blocks, the tap buffers and the drafting rows' pre-norm outputs."""
+        rows = (self.max_step_tokens + 1) * self.target_hidden_size * len(self.model.aux_layer_ids)
+        rows += (self.max_rows + 1) * self.hidden_size
+        return super().reserved_bytes(block_bytes) + rows * self.dtype.itemsize
 
     def bind(self, runner: ModelRunner, kv_caches: KVCaches, num_shared_blocks: int, zeros: Callable) -> None:
         """As ``PagedDrafter.bind``; the target's runner also gets the tap buffers its calls
@@ -103,16 +109,15 @@ class Eagle3Runner(PagedDrafter):
         return self._steps_fn(**self.runner.put(inputs), draft_hidden=self.draft_hidden, kv_caches=self.kv_caches)
 
 
-def eagle_catch_up(head, input_ids, positions, slot_mapping, context_slots, key_positions, key_segments,
-                   query_segments, logits_indices, tap_index, hidden_rows, tap_buffers, draft_hidden,
-                   kv_caches) -> torch.Tensor:
-    """The head over a catch-up pack (a prefill call's inputs, the target's hidden states at
-    ``tap_index`` of the tap buffers): the greedy token after each of ``logits_indices``, whose
-    pre-norm outputs go to ``hidden_rows`` of ``draft_hidden``."""
+def eagle_catch_up(head, input_ids, positions, slot_mapping, logits_indices, tap_index, hidden_rows, tap_buffers,
+                   draft_hidden, kv_caches, **attention) -> torch.Tensor:
+    """The head over a catch-up call (``attention``: a prefill pack's keys or decode rows'
+    block tables; the target's hidden states at ``tap_index`` of the tap buffers): the greedy
+    token after each of ``logits_indices``, whose pre-norm outputs go to ``hidden_rows`` of
+    ``draft_hidden``."""
     aux = torch.cat([buffer[tap_index] for buffer in tap_buffers], dim=-1)
-    prefill = PrefillMetadata(context_slots, key_positions, key_segments, query_segments)
     normed, prenorm = head(input_ids, head.combine(aux), kv_caches,
-                           AttentionMetadata(positions, slot_mapping, prefill=prefill))
+                           attention_metadata(positions, slot_mapping, **attention))
     write_rows(draft_hidden, hidden_rows, prenorm[logits_indices])
     return head.draft_tokens(normed[logits_indices])
 
@@ -126,7 +131,7 @@ def eagle_draft_steps(head, first_drafts: torch.Tensor, positions: torch.Tensor,
     tokens, drafts = first_drafts, []
     for step in range(num_steps):
         slots, context_lens = step_slots(positions + step, block_tables, block_size)
-        meta = AttentionMetadata(positions + step, slots, decode=DecodeMetadata(block_tables, context_lens))
+        meta = attention_metadata(positions + step, slots, block_tables=block_tables, context_lens=context_lens)
         normed, hidden = head(tokens, hidden, kv_caches, meta)
         tokens = head.draft_tokens(normed)
         drafts.append(tokens)

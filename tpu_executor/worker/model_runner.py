@@ -320,7 +320,7 @@ class ModelRunner:
         ``drafter`` that runs beside the model (the plan's draft model graphs), if any."""
         self.guard.begin_warmup()
         graphs = self.plan.graphs() if graphs is None else graphs
-        drafts = [g.graph for g in graphs if isinstance(g, DraftGraph)]
+        drafts = [g for g in graphs if isinstance(g, DraftGraph)]
         graphs = [g for g in graphs if not isinstance(g, DraftGraph)]
         with REGISTRY.recording() as selections:
             if self.jax_graphs is not None:
@@ -419,15 +419,14 @@ def compile_step(fn, jax_graphs, fullgraph: bool):
     return torch.compile(fn, backend="openxla", fullgraph=fullgraph, dynamic=False)
 
 
-def compile_ahead(jax_graphs, graphs: Sequence[Graph], run_dummy, threads: int, show_progress: bool,
-                  what: str = "") -> None:
+def compile_ahead(jax_graphs, graphs: Sequence[Graph], run_dummy, threads: int, show_progress: bool) -> None:
     """JAX path: trace each of ``graphs`` through ``run_dummy`` (or read its traced program
     back), handing each to a pool of ``threads`` where XLA compiles several at once (or loads
-    it from the cache); ``what`` names whose graphs they are (a draft model's) in reports."""
+    it from the cache)."""
     with jax_graphs.ahead_of_time(threads) as compiling:
         with tqdm(total=len(graphs), desc="tracing buckets", disable=not show_progress) as bar:
             for graph in graphs:
-                jax_graphs.label = what + graph_label(graph)
+                jax_graphs.label = graph_label(graph)
                 run_dummy(graph)
                 bar.update()
         for future in tqdm(compiling, desc=f"compiling buckets ({threads} threads)", disable=not show_progress):

@@ -25,12 +25,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tpu_executor.core.buckets import DecodeGraph, Graph, PrefillGraph, context_keys, graph_label
+from tpu_executor.core.buckets import DecodeGraph, DraftGraph, Graph, PrefillGraph, context_keys, graph_label
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.step import PrefillWork, SampledTokens, SamplingMeta, SchedulerOutput
+from tpu_executor.models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from tpu_executor.worker.inputs import prefill_inputs
 from tpu_executor.worker.model_runner import ModelRunner, compile_ahead, compile_step
+from tpu_executor.worker.verify import verify_decode_inputs
 
 Drafts = Dict[str, Tuple[int, ...]]
 KVCaches = List[Tuple[torch.Tensor, torch.Tensor]]
@@ -84,6 +86,11 @@ class PagedDrafter(abc.ABC):
         """Blocks the draft's cache holds beyond the shared ones."""
         return self.max_rows * self.scratch_per_row
 
+    def reserved_bytes(self, block_bytes: int) -> int:
+        """Device bytes the drafter keeps beside the shared blocks (its blocks of
+        ``block_bytes`` each): its scratch blocks."""
+        return self.num_scratch_blocks * block_bytes
+
     def bind(self, runner: ModelRunner, kv_caches: KVCaches, num_shared_blocks: int, zeros: Callable) -> None:
         """``runner`` is the target's (its bucket plan, its recompilation guard and its
         transfers serve the drafter's calls too); ``kv_caches`` the drafter's per-layer K/V
@@ -121,23 +128,46 @@ class PagedDrafter(abc.ABC):
         """Launch drafts 2 to k over the host ``inputs`` of ``greedy_steps_inputs``."""
 
     def _catch_up(self, pack: Sequence[PrefillWork], rows: List[int]) -> Dict[str, int]:
-        """Run the catch-up pack; each drafting request's first draft."""
-        runner, drafting = self.runner, {pack[i].request_id: j for j, i in enumerate(rows)}
-        if runner.plan.exact_sizes:  # one call at its own size
+        """Run the catch-up pack; each drafting request's first draft. On the bucketed paths a
+        short text (a decode's or a verify's) runs decode-shaped, a row per token over its
+        block table; prompt chunks run in prefill packs."""
+        drafting = {pack[i].request_id: j for j, i in enumerate(rows)}
+        if self.runner.plan.exact_sizes:  # one call at its own size
             inputs = self._pack_inputs(pack)
             # The LM head runs over the drafting rows only (a vocabulary-wide matmul).
             inputs["logits_indices"] = inputs["logits_indices"][rows]
             tokens = self._run_catch_up(inputs, list(range(len(rows)))).tolist()
             return {pack[i].request_id: token for i, token in zip(rows, tokens)}
-        launched, plan = [], runner.plan
-        for piece in self._bucketed_packs(pack):
+        plan, short_tokens = self.runner.plan, self.num_drafts + 2  # a verify's input, its drafts, its next token
+        launched = []
+        for piece in self._bucketed_packs([w for w in pack if len(w.token_ids) > short_tokens]):
             graph = plan.pack_graph(piece)
             inputs = prefill_inputs(piece, graph.num_tokens, graph.keys, plan.max_prefill_seqs, self.block_size)
-            logit_rows = [drafting.get(w.request_id) if w.is_last_chunk else None for w in piece]
-            with runner.guard.watch(f"{self.kind} {graph_label(graph)}"):
-                launched.append((piece, self._run_catch_up(inputs, logit_rows)))
+            launched.append(self._launch_catch_up(piece, graph, inputs, drafting))
+        for piece in self._row_chunks([w for w in pack if len(w.token_ids) <= short_tokens]):
+            graph = plan.decode_graph(sum(len(w.token_ids) for w in piece),
+                                      max((w.num_context_tokens - 1) // self.block_size + 1 for w in piece))
+            launched.append(self._launch_catch_up(piece, graph, catch_up_rows_inputs(piece, graph, self.block_size,
+                                                                                     self.max_rows), drafting))
         return {w.request_id: token for piece, tokens in launched
                 for w, token in zip(piece, tokens.cpu().tolist()) if w.is_last_chunk}
+
+    def _launch_catch_up(self, piece: Sequence[PrefillWork], graph: Graph, inputs: Dict[str, torch.Tensor],
+                         drafting: Dict[str, int]) -> Tuple[Sequence[PrefillWork], torch.Tensor]:
+        logit_rows = [drafting.get(w.request_id) if w.is_last_chunk else None for w in piece]
+        with self.runner.guard.watch(f"{self.kind} catch-up {graph_label(graph)}"):
+            return piece, self._run_catch_up(inputs, logit_rows)
+
+    def _row_chunks(self, works: Sequence[PrefillWork]) -> List[List[PrefillWork]]:
+        """``works`` in groups whose tokens fit the largest decode row bucket."""
+        limit, chunks, rows = self.runner.plan.decode_row_buckets[-1], [], 0
+        for work in works:
+            if not chunks or rows + len(work.token_ids) > limit:
+                chunks.append([])
+                rows = 0
+            chunks[-1].append(work)
+            rows += len(work.token_ids)
+        return chunks
 
     def _bucketed_packs(self, pack: Sequence[PrefillWork]) -> List[List[PrefillWork]]:
         """The catch-up rows in packs of the plan's prefill graphs. A row longer than the largest
@@ -168,26 +198,28 @@ class PagedDrafter(abc.ABC):
             drafts = self._run_steps(inputs)
         return {w.request_id: (token, *row) for w, token, row in zip(works, firsts, drafts.cpu().tolist())}
 
-    def warmup(self, graphs: Sequence[Graph], show_progress: bool) -> None:
-        """Compile the drafter's ``graphs`` (the plan's ``DraftGraph``s: a catch-up per prefill
-        graph, the greedy steps per decode graph)."""
+    def warmup(self, graphs: Sequence[DraftGraph], show_progress: bool) -> None:
+        """Compile the drafter's ``graphs`` (the plan's ``DraftGraph``s)."""
         if not self.compiles:
             return
         if self.jax_graphs is not None:
-            compile_ahead(self.jax_graphs, graphs, self._run_dummy, self.runner.compile_threads, show_progress,
-                          what="draft ")
+            compile_ahead(self.jax_graphs, graphs, self._run_dummy, self.runner.compile_threads, show_progress)
             return
         for graph in tqdm(graphs, desc=f"compiling {self.kind} buckets", disable=not show_progress):
             self._run_dummy(graph).cpu()
 
-    def _run_dummy(self, graph: Graph) -> torch.Tensor:
-        """Run the drafter's ``graph`` once on padding-only inputs (writes go to the null block)."""
+    def _run_dummy(self, draft_graph: DraftGraph) -> torch.Tensor:
+        """Run one of the drafter's graphs on padding-only inputs (writes go to the null block)."""
+        graph, block_size, logits = draft_graph.graph, self.block_size, self.runner.plan.max_prefill_seqs
+        if draft_graph.steps:
+            return self._run_steps(greedy_steps_inputs(graph, [], [], []))
+        dummy = [PrefillWork("warmup", (0,), 0, (NULL_BLOCK,), SamplingMeta.greedy())]
         if isinstance(graph, PrefillGraph):
-            dummy = [PrefillWork("warmup", (0,), 0, (NULL_BLOCK,), SamplingMeta.greedy())]
-            max_seqs = self.runner.plan.max_prefill_seqs
-            inputs = prefill_inputs(dummy, graph.num_tokens, graph.keys, max_seqs, self.block_size)
-            return self._run_catch_up(inputs, [None] * max_seqs)
-        return self._run_steps(greedy_steps_inputs(graph, [], [], []))
+            inputs = prefill_inputs(dummy, graph.num_tokens, graph.keys, logits, block_size)
+        else:
+            logits = self.max_rows
+            inputs = catch_up_rows_inputs(dummy, graph, block_size, logits)
+        return self._run_catch_up(inputs, [None] * logits)
 
     def _pack_inputs(self, pack: Sequence[PrefillWork]) -> Dict[str, torch.Tensor]:
         """The catch-up pack's host inputs at its exact size."""
@@ -218,6 +250,29 @@ class PagedDrafter(abc.ABC):
         wanted = set(step.drafting)
         return [i for i, w in enumerate(pack)
                 if w.is_last_chunk and w.request_id in wanted and w.sampling.processing is None]
+
+
+def catch_up_rows_inputs(works: Sequence[PrefillWork], graph: DecodeGraph, block_size: int,
+                         num_logits: int) -> Dict[str, torch.Tensor]:
+    """A decode-shaped catch-up's host inputs: a row per token of ``works`` over its block
+    table, its context ending at its own position, in ``graph``'s shape; the logits of each
+    work's last row (``num_logits`` of them, padding reads row 0)."""
+    inputs = verify_decode_inputs(works, graph.num_rows, graph.context_blocks, block_size)
+    del inputs["feed_slots"]  # every row's token is on the host
+    logits_indices = np.zeros(num_logits, dtype=np.int64)
+    logits_indices[:len(works)] = np.cumsum([len(w.token_ids) for w in works]) - 1
+    inputs["logits_indices"] = torch.from_numpy(logits_indices)
+    return inputs
+
+
+def attention_metadata(positions: torch.Tensor, slot_mapping: torch.Tensor, context_slots=None, key_positions=None,
+                       key_segments=None, query_segments=None, block_tables=None,
+                       context_lens=None) -> AttentionMetadata:
+    """A drafter call's attention inputs: a prefill pack's keys, or decode rows' block tables."""
+    if block_tables is not None:
+        return AttentionMetadata(positions, slot_mapping, decode=DecodeMetadata(block_tables, context_lens))
+    prefill = PrefillMetadata(context_slots, key_positions, key_segments, query_segments)
+    return AttentionMetadata(positions, slot_mapping, prefill=prefill)
 
 
 def greedy_steps_inputs(graph: DecodeGraph, firsts: Sequence[int], positions: Sequence[int],

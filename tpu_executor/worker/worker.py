@@ -272,6 +272,11 @@ class Worker:
         return num_blocks
 
     def _free_cache_bytes(self) -> int:
+        """Bytes left for the KV cache's blocks, less what the drafter keeps beside them."""
+        reserved = self.drafter.reserved_bytes(self._model_block_bytes(self.drafter.model)) if self.drafter else 0
+        return self._free_device_bytes() - reserved
+
+    def _free_device_bytes(self) -> int:
         cache = self.config.cache
         if self.on_tpu:
             import torch_xla.core.xla_model as xm
@@ -290,8 +295,7 @@ class Worker:
             free, total = torch.cuda.mem_get_info(self.device)
             activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
             return int(free - total * (1.0 - cache.memory_utilization)) - activations
-        scratch = self.drafter.num_scratch_blocks * self._model_block_bytes(self.drafter.model) if self.drafter else 0
-        return cache.memory_budget_bytes - self.weight_bytes - scratch
+        return cache.memory_budget_bytes - self.weight_bytes
 
     def _allocate_cache(self, num_blocks: int, model: Optional[torch.nn.Module] = None
                         ) -> List[Tuple[torch.Tensor, torch.Tensor]]:

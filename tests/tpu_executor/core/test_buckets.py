@@ -159,9 +159,9 @@ def test_speculation_adds_decode_row_buckets(tmp_path):
 
 
 def test_a_draft_model_adds_its_catch_up_and_greedy_steps_graphs(tmp_path):
-    """A draft model's catch-up runs over each prefill graph's shapes and its greedy steps over
-    each decode graph's of up to max_num_seqs rows (its drafting rows); drafting one token,
-    there are no steps to run."""
+    """A draft model's catch-up runs over each prefill and decode graph's shapes (prompt chunks;
+    a row per token of short texts) and its greedy steps over each decode graph's of up to
+    max_num_seqs rows (its drafting rows); drafting one token, there are no steps to run."""
     from tpu_executor.core.speculative import SpeculativeConfig
 
     options = dict(prefill_buckets=(32, 128), decode_buckets=(2, 8), decode_context_buckets=(128,), max_prefill_seqs=8)
@@ -171,10 +171,10 @@ def test_a_draft_model_adds_its_catch_up_and_greedy_steps_graphs(tmp_path):
         ngram = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(num_speculative_tokens=k),
                                               **options))
         added = [g for g in plan.graphs() if g not in ngram.graphs()]
-        prefill = [g for g in plan.graphs() if isinstance(g, PrefillGraph)]
+        model_graphs = [g for g in plan.graphs() if isinstance(g, (PrefillGraph, DecodeGraph))]
         steps = [DecodeGraph(r, c) for r in (2, 8, 24) for c in (8, 20)] if k > 1 else []
-        assert added == [DraftGraph(g) for g in prefill + steps]
-        assert graph_label(added[0]) == f"draft {graph_label(prefill[0])}"
+        assert added == [DraftGraph(g) for g in model_graphs] + [DraftGraph(g, steps=True) for g in steps]
+        assert graph_label(added[0]) == f"draft catch-up {graph_label(model_graphs[0])}"
         assert f"drafter {len(added)} graphs" in plan.describe()
 
 

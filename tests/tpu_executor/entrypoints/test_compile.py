@@ -82,12 +82,13 @@ def test_the_command_compiles_every_graph_and_reports_them(tmp_path):
         max_model_len=512, max_num_seqs=8, prefill_buckets=(128,), decode_buckets=(8,),
         decode_context_buckets=(512,), max_logprobs=2, speculative_config=SpeculativeConfig.parse(speculative)))
     assert len(report["graphs"]) == len(BucketPlan.from_config(config).graphs())
-    assert {"decode rows=16 blocks=32", "decode rows=24 blocks=32", "draft prefill tokens=128 keys=256",
-            "draft decode rows=8 blocks=32"} <= {graph["name"] for graph in report["graphs"]}
+    assert {"decode rows=16 blocks=32", "decode rows=24 blocks=32", "draft catch-up prefill tokens=128 keys=256",
+            "draft catch-up decode rows=24 blocks=32", "draft steps decode rows=8 blocks=32"} <= {
+        graph["name"] for graph in report["graphs"]}
     for graph in report["graphs"]:
         assert set(graph) >= {"name", "compile_seconds", "hbm", "flops", "bytes_accessed", "pallas_kernels"}
         assert set(graph["hbm"]) == {"arguments", "outputs", "temp", "code"} and graph["compile_seconds"] > 0
-        kind = graph["name"].removeprefix("draft ").split()[0]
+        kind = graph["name"].removeprefix("draft ").removeprefix("steps ").removeprefix("catch-up ").split()[0]
         expected = {"prefill": ["prefill_attention"], "decode": ["paged_attention"]}.get(kind, [])
         assert graph["pallas_kernels"] == expected, graph
     assert report["peak_bytes_per_chip"] <= 0.9 * report["hbm_per_chip_bytes"] and report["kv_cache_blocks"] > 1000
