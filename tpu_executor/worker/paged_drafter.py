@@ -10,7 +10,8 @@ row; the target never reads them.
 After each step's tokens are known, the drafter catches up in packed prefills over what the
 step added to each request's text; the last position of a request gives its first draft, and
 ``k - 1`` greedy decode steps, unrolled in one call, give the others. On the bucketed paths
-both take the target's buckets (the catch-up the plan's prefill graphs, the steps its decode
+both take the target's buckets (the catch-up of prompt chunks the plan's prefill graphs, that
+of a decode's or a verify's few tokens its decode graphs, a row per token; the steps its decode
 graphs of up to ``max_num_seqs`` rows: the plan's ``DraftGraph``s), compiled at warm-up beside
 the target's graphs, so nothing compiles while serving. The target verifies the drafts in its
 next step (``worker/verify.py``): whatever the drafter proposes, the outputs are the target's.
