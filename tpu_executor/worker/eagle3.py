@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -51,21 +51,26 @@ class Eagle3Runner(PagedDrafter):
         self._steps_fn = self.compiled(partial(eagle_draft_steps, head, num_steps=self.num_drafts - 1,
                                                block_size=self.block_size))
 
+    def _buffer_shapes(self) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+        """(each tap buffer's: a row per token a step computes, then a discard row; the drafting
+        rows' pre-norm outputs': a row per sequence, then a discard row)."""
+        return (self.max_step_tokens + 1, self.target_hidden_size), (self.max_rows + 1, self.hidden_size)
+
     def reserved_bytes(self, block_bytes: int) -> int:
         """The scratch blocks, the tap buffers and the drafting rows' pre-norm outputs."""
-        rows = (self.max_step_tokens + 1) * self.target_hidden_size * len(self.model.aux_layer_ids)
-        rows += (self.max_rows + 1) * self.hidden_size
-        return super().reserved_bytes(block_bytes) + rows * self.dtype.itemsize
+        (tap_rows, tap_width), (rows, width) = self._buffer_shapes()
+        elements = tap_rows * tap_width * len(self.model.aux_layer_ids) + rows * width
+        return super().reserved_bytes(block_bytes) + elements * self.dtype.itemsize
 
     def bind(self, runner: ModelRunner, kv_caches: KVCaches, num_shared_blocks: int, zeros: Callable) -> None:
         """As ``PagedDrafter.bind``; the target's runner also gets the tap buffers its calls
-        write the head's inputs into (a row per token a step computes, then a discard row)."""
+        write the head's inputs into."""
         super().bind(runner, kv_caches, num_shared_blocks, zeros)
-        rows = self.max_step_tokens + 1
-        buffers = [zeros((rows, self.target_hidden_size), self.dtype) for _ in self.model.aux_layer_ids]
+        tap_shape, hidden_shape = self._buffer_shapes()
+        buffers = [zeros(tap_shape, self.dtype) for _ in self.model.aux_layer_ids]
         self.taps = HiddenTapRows(self.model.aux_layer_ids, buffers, self.block_size)
         runner.use_taps(self.taps)
-        self.draft_hidden = zeros((self.max_rows + 1, self.hidden_size), self.dtype)
+        self.draft_hidden = zeros(hidden_shape, self.dtype)
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
@@ -95,13 +100,10 @@ class Eagle3Runner(PagedDrafter):
     def _run_catch_up(self, inputs: Dict[str, torch.Tensor], logit_rows: Sequence[Optional[int]]) -> torch.Tensor:
         """The head over a catch-up pack: its inputs gathered from the tap rows of the positions'
         slots (padding: the discard row); each drafting row's pre-norm output kept."""
-        slots = inputs["slot_mapping"].numpy()
-        tap_index = np.full(len(slots), self.taps.discard, dtype=np.int64)
-        real = np.flatnonzero(slots >= self.block_size)  # padding writes the null block
-        tap_index[real] = self.taps.rows_of(slots[real])
         hidden_rows = np.full(len(inputs["logits_indices"]), self.max_rows, dtype=np.int64)  # padding: discard
         hidden_rows[:len(logit_rows)] = [self.max_rows if row is None else row for row in logit_rows]
-        host = {**inputs, "tap_index": torch.from_numpy(tap_index), "hidden_rows": torch.from_numpy(hidden_rows)}
+        host = {**inputs, "tap_index": self.taps.rows_at(inputs["slot_mapping"]),
+                "hidden_rows": torch.from_numpy(hidden_rows)}
         return self._catch_up_fn(**self.runner.put(host), tap_buffers=self.taps.buffers,
                                  draft_hidden=self.draft_hidden, kv_caches=self.kv_caches)
 

@@ -10,7 +10,7 @@ keep their shape, so the compiled graphs that write and read them never change.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Tuple
 
 import numpy as np
 import torch
@@ -37,12 +37,10 @@ class HiddenTapRows:
         self.capturing = False
 
     def rows_for(self, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """The buffer row of each token of a call with these KV slots (host tensor): the next
-        free rows for its real tokens while a step is captured, the discard row otherwise."""
-        slots = slot_mapping.numpy()
-        rows = np.full(len(slots), self.discard, dtype=np.int64)
+        """The buffer row each token of a target call writes, by its KV slot (host tensor): the
+        next free rows for its real tokens while a step is captured, the discard row otherwise."""
+        slots, rows, real = self._split(slot_mapping)
         if self.capturing:
-            real = np.flatnonzero(slots >= self.block_size)  # padding writes the null block (block 0)
             if self._used + len(real) > self.discard:
                 raise RuntimeError(f"a step computed more than the {self.discard} tokens its hidden-state "
                                    "taps hold")
@@ -51,14 +49,21 @@ class HiddenTapRows:
             self._used += len(real)
         return torch.from_numpy(rows)
 
-    def rows_of(self, wanted: Sequence[int]) -> np.ndarray:
-        """The rows that hold the positions with KV slots ``wanted`` (computed this step)."""
-        wanted = np.asarray(wanted, dtype=np.int64)
-        slots = np.concatenate(self._slots) if self._slots else np.zeros(0, dtype=np.int64)
-        if not len(wanted):
-            return wanted
-        order = np.argsort(slots, kind="stable")
-        found = order[np.minimum(np.searchsorted(slots[order], wanted), len(slots) - 1)] if len(slots) else wanted
-        if not len(slots) or not np.array_equal(slots[found], wanted):
-            raise RuntimeError("EAGLE-3: the target's step did not compute every position the head catches up on")
-        return found
+    def rows_at(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """The buffer row holding each token's hidden states, by its KV slot (host tensor; the
+        step computed every real one), the discard row for padding."""
+        slots, rows, real = self._split(slot_mapping)
+        if len(real):
+            written = np.concatenate(self._slots) if self._slots else np.zeros(0, dtype=np.int64)
+            order = np.argsort(written, kind="stable")
+            found = order[np.minimum(np.searchsorted(written[order], slots[real]), max(len(written) - 1, 0))]
+            if not len(written) or not np.array_equal(written[found], slots[real]):
+                raise RuntimeError("EAGLE-3: the target's step did not compute every position the head catches up on")
+            rows[real] = found  # rows were handed out in the order the slots were written
+        return torch.from_numpy(rows)
+
+    def _split(self, slot_mapping: torch.Tensor) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(the slots, a discard row for each, the indices of the real tokens: padding writes the
+        null block, block 0)."""
+        slots = slot_mapping.numpy()
+        return slots, np.full(len(slots), self.discard, dtype=np.int64), np.flatnonzero(slots >= self.block_size)

@@ -211,16 +211,16 @@ class PagedDrafter(abc.ABC):
 
     def _run_dummy(self, draft_graph: DraftGraph) -> torch.Tensor:
         """Run one of the drafter's graphs on padding-only inputs (writes go to the null block)."""
-        graph, block_size, logits = draft_graph.graph, self.block_size, self.runner.plan.max_prefill_seqs
+        graph = draft_graph.graph
         if draft_graph.steps:
             return self._run_steps(greedy_steps_inputs(graph, [], [], []))
         dummy = [PrefillWork("warmup", (0,), 0, (NULL_BLOCK,), SamplingMeta.greedy())]
         if isinstance(graph, PrefillGraph):
-            inputs = prefill_inputs(dummy, graph.num_tokens, graph.keys, logits, block_size)
+            inputs = prefill_inputs(dummy, graph.num_tokens, graph.keys, self.runner.plan.max_prefill_seqs,
+                                    self.block_size)
         else:
-            logits = self.max_rows
-            inputs = catch_up_rows_inputs(dummy, graph, block_size, logits)
-        return self._run_catch_up(inputs, [None] * logits)
+            inputs = catch_up_rows_inputs(dummy, graph, self.block_size, self.max_rows)
+        return self._run_catch_up(inputs, [None] * len(inputs["logits_indices"]))
 
     def _pack_inputs(self, pack: Sequence[PrefillWork]) -> Dict[str, torch.Tensor]:
         """The catch-up pack's host inputs at its exact size."""
