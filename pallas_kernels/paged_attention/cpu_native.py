@@ -21,6 +21,7 @@ import os
 import torch
 
 from tpu_executor.kernels import cpu_library
+from tpu_executor.kernels.paged_attention import reference
 
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_decode.c")
 _ARGTYPES = (ctypes.c_void_p, ctypes.c_int64) + (ctypes.c_void_p,) * 6 + (ctypes.c_int64,) * 8 \
@@ -57,8 +58,15 @@ def supports_args(q=None, k_pages=None, v_pages=None, context_lens=None, block_t
 
 def paged_attention(q, k_pages, v_pages, context_lens, block_tables, *, scale, soft_cap=None,
                     sliding_window=None):
-    """Same contract as ``reference.paged_attention`` (fp32 CPU tensors)."""
-    return attend(q, k_pages, v_pages, context_lens, block_tables, None, scale=scale, soft_cap=soft_cap,
+    """Same contract as ``reference.paged_attention`` (fp32 CPU tensors). A sequence's several
+    query rows (a verify) each walk its pages: its pages stay in cache from row to row."""
+    queries = reference.queries_per_sequence(q, block_tables)
+    if queries == 1:
+        return attend(q, k_pages, v_pages, context_lens, block_tables, None, scale=scale, soft_cap=soft_cap,
+                      sliding_window=sliding_window)
+    row_lens = reference.query_positions(context_lens.to(torch.int64), queries).flatten() + 1
+    rows = torch.arange(block_tables.shape[0]).repeat_interleave(queries)
+    return attend(q, k_pages, v_pages, row_lens, block_tables, rows, scale=scale, soft_cap=soft_cap,
                   sliding_window=sliding_window)
 
 

@@ -49,29 +49,33 @@ def paged_attention(q, k_pages, v_pages, context_lens, block_tables, *, scale, s
                     sliding_window=None):
     """Same contract as ``reference.paged_attention``."""
     args = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    queries = reference.queries_per_sequence(q, block_tables)
+    by_sequence = q.reshape(block_tables.shape[0], queries, *q.shape[1:])
     groups = length_groups(context_lens, k_pages.shape[2])
     if groups is None:
-        return one_group(q, k_pages, v_pages, context_lens, block_tables, **args)
-    out = torch.empty_like(q)
+        return one_group(by_sequence, k_pages, v_pages, context_lens, block_tables, **args).reshape(q.shape)
+    out = torch.empty_like(by_sequence)
     for rows in groups:
-        out[rows] = one_group(q[rows], k_pages, v_pages, context_lens[rows], block_tables[rows], **args)
-    return out
+        out[rows] = one_group(by_sequence[rows], k_pages, v_pages, context_lens[rows], block_tables[rows], **args)
+    return out.reshape(q.shape)
 
 
 def one_group(q, k_pages, v_pages, context_lens, block_tables, *, scale, soft_cap=None,
               sliding_window=None):
-    """Attention of rows over their pages, the table cut to their longest context."""
+    """Attention of sequences' query rows ``q [batch, queries, heads, d]`` over their pages,
+    the table cut to their longest context."""
     tables = pages_in_use(context_lens, block_tables, k_pages.shape[2])
     if soft_cap is not None:  # SDPA exposes no scores to cap
-        return reference.paged_attention(q, k_pages, v_pages, context_lens, tables, scale=scale,
-                                         soft_cap=soft_cap, sliding_window=sliding_window)
+        out = reference.paged_attention(q.flatten(0, 1), k_pages, v_pages, context_lens, tables, scale=scale,
+                                        soft_cap=soft_cap, sliding_window=sliding_window)
+        return out.reshape(q.shape)
     k = reference.gather_pages(k_pages, tables).float()  # [batch, kv_heads, keys, d]
     v = reference.gather_pages(v_pages, tables).float()
-    key_pos = torch.arange(k.shape[2], device=q.device)[None, :]
-    query_pos = (context_lens - 1)[:, None]
+    key_pos = torch.arange(k.shape[2], device=q.device)[None, None, :]
+    query_pos = reference.query_positions(context_lens, q.shape[1])[:, :, None]
     allowed = key_pos <= query_pos
     if sliding_window is not None:
         allowed = allowed & (key_pos > query_pos - sliding_window)
-    out = F.scaled_dot_product_attention(q.float()[:, :, None, :], k, v, attn_mask=allowed[:, None, None, :],
-                                         scale=scale, enable_gqa=True)  # [batch, heads, 1, d]
-    return out[:, :, 0].to(q.dtype)
+    out = F.scaled_dot_product_attention(q.float().transpose(1, 2), k, v, attn_mask=allowed[:, None],
+                                         scale=scale, enable_gqa=True)  # [batch, heads, queries, d]
+    return out.transpose(1, 2).to(q.dtype)

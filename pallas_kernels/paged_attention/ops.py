@@ -38,7 +38,8 @@ def random_block_tables(rng: np.random.Generator, lens, block_size: int, width: 
 
 
 def generate_case(rng: np.random.Generator) -> OpCase:
-    """Ragged contexts over TPU-legal pages, GQA groups, soft-cap and window on and off."""
+    """Ragged contexts over TPU-legal pages, GQA groups, soft-cap and window on and off, one
+    query per sequence (a decode) or several (a verify, some longer than short contexts)."""
     dtype = torch.bfloat16 if rng.random() < 0.5 else torch.float32
     kv_heads, group = int(rng.choice([1, 2, 4])), int(rng.choice([1, 2, 4]))
     head_dim, block_size = int(rng.choice([128, 256])), int(rng.choice([16, 32]))
@@ -49,11 +50,12 @@ def generate_case(rng: np.random.Generator) -> OpCase:
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     pages = [torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
              for _ in range(2)]
-    q = (3 * torch.randn(batch, kv_heads * group, head_dim, generator=gen)).to(dtype)
+    queries = int(rng.choice([1, 1, 3, 5]))
+    q = (3 * torch.randn(batch * queries, kv_heads * group, head_dim, generator=gen)).to(dtype)
     soft_cap = float(rng.choice([5.0, 30.0])) if rng.random() < 0.5 else None
     window = int(rng.choice([8, 33, 64])) if rng.random() < 0.5 else None
     kwargs = {"scale": head_dim ** -0.5, "soft_cap": soft_cap, "sliding_window": window}
-    label = (f"lens={lens.tolist()} kv={kv_heads}x{group} d={head_dim} bs={block_size} "
+    label = (f"lens={lens.tolist()} queries={queries} kv={kv_heads}x{group} d={head_dim} bs={block_size} "
              f"cap={soft_cap} win={window} {dtype}")
     return OpCase((q, *pages, torch.from_numpy(lens.astype(np.int32)), tables), kwargs, label)
 
@@ -71,14 +73,18 @@ def shape_problem(q, k_pages, v_pages, context_lens, block_tables, **_):
 
     def fits_kernel():  # runs after the operand check, so the shapes below exist
         ppc = kernel.default_pages_per_chunk(k_pages.shape[2], block_tables.shape[1])
-        kernel.validate(tuple(q.shape), tuple(k_pages.shape), torch_dtype_name(q), ppc)
+        queries = reference.queries_per_sequence(q, block_tables)
+        kernel.validate(tuple(q.shape), tuple(k_pages.shape), torch_dtype_name(q), ppc, queries)
 
     return first_problem(lambda: check_attention_operands(OP_NAME, q, k_pages, v_pages), fits_kernel)
 
 
 def shipped_kernel_problem(q, *args, sliding_window=None, **kwargs):
-    """JAX's kernel has no sliding window and reads K/V as bf16 (so it takes bf16 only);
-    otherwise the same layout limits as ours."""
+    """JAX's kernel has no sliding window, reads K/V as bf16 (so it takes bf16 only) and one
+    query per sequence; otherwise the same layout limits as ours."""
+    block_tables = args[3] if len(args) > 3 else kwargs.get("block_tables")
+    if block_tables is not None and q.shape[0] != block_tables.shape[0]:
+        return "jax's paged_attention takes one query per sequence"
     if sliding_window is not None:
         return "jax's paged_attention has no sliding window"
     if q.dtype != torch.bfloat16:

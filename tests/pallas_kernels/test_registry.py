@@ -134,6 +134,27 @@ def test_paged_decode_equals_prefill_on_the_last_token():
             torch.testing.assert_close(one[0], full[t])
 
 
+
+def test_a_verifys_query_rows_equal_decodes_one_position_at_a_time():
+    """Several queries per sequence (a verify of drafts): row j of a sequence with context n
+    equals a decode at context n - queries + 1 + j; rows before a short context's first
+    position see key 0, like a decode at context 1."""
+    gen = torch.Generator().manual_seed(1)
+    kv_heads, heads, dim, block, queries = 2, 4, 8, 4, 5
+    k_pages, v_pages = (torch.randn(kv_heads, 12, block, dim, generator=gen) for _ in range(2))
+    tables = torch.tensor([[3, 7, 1, 9], [2, 5, 0, 0], [8, 0, 0, 0]])
+    lens = torch.tensor([14, 6, 2])
+    q = torch.randn(3 * queries, heads, dim, generator=gen)
+    for soft_cap, window in [(None, None), (5.0, 3)]:
+        kwargs = dict(scale=0.3, soft_cap=soft_cap, sliding_window=window)
+        rows = paged_attention(q, k_pages, v_pages, lens, tables, **kwargs)
+        for seq in range(3):
+            for j in range(queries):
+                length = max(int(lens[seq]) - queries + 1 + j, 1)
+                one = paged_attention(q[seq * queries + j][None], k_pages, v_pages, torch.tensor([length]),
+                                      tables[seq][None], **kwargs)
+                torch.testing.assert_close(rows[seq * queries + j], one[0])
+
 @pytest.mark.parametrize("op", ["gmm", "paged_attention", "prefill_attention"])
 def test_fake_gives_the_reference_output_shape_and_dtype(op):
     """The fake that torch.compile traces opaque providers with matches the spec's reference."""
