@@ -37,6 +37,9 @@ def kernel_calls():
     return [
         ("paged_attention", functools.partial(paged_attention, scale=0.1),
          (shape((8, 8, 128), jnp.bfloat16), pages, pages, ints(8), shape((8, 32), jnp.int32))),
+        # A verify: each of 8 sequences' last token and 4 drafts.
+        ("paged_attention verify", functools.partial(paged_attention, scale=0.1),
+         (shape((8 * 5, 8, 128), jnp.bfloat16), pages, pages, ints(8), shape((8, 32), jnp.int32))),
         ("prefill_attention", functools.partial(prefill_attention, scale=0.1),
          (shape((128, 8, 128), jnp.bfloat16), pages, pages, ints(256), ints(256), ints(256), ints(128), ints(128))),
         ("gmm", gmm, (shape((256, 256), jnp.bfloat16), shape((4, 256, 512), jnp.bfloat16), ints(4))),
@@ -68,4 +71,5 @@ def compile_each_way() -> dict:
 
 def test_every_kernel_compiles_for_a_tpu_both_ways():
     assert in_fresh_process(compile_each_way) == {name: (True, True) for name in
-                                                  ("paged_attention", "prefill_attention", "gmm")}
+                                                  ("paged_attention", "paged_attention verify",
+                                                                   "prefill_attention", "gmm")}

@@ -41,10 +41,10 @@ def effective_buckets(requested: Sequence[int], limit: int, multiple: int = 1) -
     return tuple(sorted({b for b in requested if b < top} | {top}))
 
 
-def verify_row_buckets(max_num_seqs: int, num_drafts: int) -> Tuple[int, ...]:
-    """The decode row buckets above ``max_num_seqs`` that speculation adds: doubling, then
-    ``max_num_seqs x (num_drafts + 1)`` (every sequence's last token and drafts)."""
-    limit, buckets, rows = max_num_seqs * (num_drafts + 1), [], 2 * max_num_seqs
+def wide_row_buckets(max_num_seqs: int, tokens_per_seq: int) -> Tuple[int, ...]:
+    """Row buckets above ``max_num_seqs`` for a row per token of up to ``max_num_seqs``
+    sequences: doubling, then ``max_num_seqs x tokens_per_seq``."""
+    limit, buckets, rows = max_num_seqs * tokens_per_seq, [], 2 * max_num_seqs
     while rows < limit:
         buckets.append(rows)
         rows *= 2
@@ -83,10 +83,19 @@ class PrefillGraph:
 
 @dataclass(frozen=True)
 class DecodeGraph:
-    """The model step over ``num_rows`` sequences with ``context_blocks``-wide block tables."""
+    """The model step over ``num_rows`` sequences with ``context_blocks``-wide block tables,
+    ``queries`` tokens each: 1 for a decode; for a verify graph (speculative decoding) a
+    sequence's last token and its k drafts, padded at the front to k + 1, attending over the
+    sequence's pages in one read."""
 
     num_rows: int
     context_blocks: int
+    queries: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        """Token rows of the call (and of the logits it returns)."""
+        return self.num_rows * self.queries
 
 
 @dataclass(frozen=True)
@@ -158,14 +167,15 @@ class VerifyCall(PrefillCall):
 @dataclass(frozen=True)
 class DecodeCall:
     """The decode call of a step: its rows, the context blocks each row needs, its graph. On
-    the bucketed paths the step's verifies (speculative decoding) follow the decode rows,
-    decode-shaped: each of a sequence's last token and drafts is a row over the sequence's
-    block table, its context one key longer than the row before (a layer writes every row's
-    K/V before any row attends), and the sampler graph of the rows picks each position's
-    token. The step reads the weights once, and verifying adds no graph of its own."""
+    the bucketed paths a step with verifies (speculative decoding) runs a verify graph: the
+    decodes and the verifies are its sequences, each with k + 1 query tokens (a decode's one
+    token and a verify's last token and drafts, padded at the front), every query attending
+    over its sequence's pages up to its own position (a layer writes every row's K/V before
+    any row attends); the sampler graph picks each real position's token. The step reads the
+    weights and each sequence's pages once."""
 
     work: Tuple[DecodeWork, ...]
-    needed_blocks: Tuple[int, ...]  # per row, the verifies' rows after the decodes'
+    needed_blocks: Tuple[int, ...]  # per sequence, the verifies' after the decodes'
     graph: DecodeGraph
     verifies: Tuple[PrefillWork, ...] = ()
 
@@ -243,34 +253,39 @@ class BucketPlan:
     # the wait ends in the timeout that the executor reports as ranks out of step
     # (executor/test_tensor_parallel.py).
     exact_sizes: bool = False
+    # Speculative decoding on the bucketed paths: the query tokens per sequence of the verify
+    # graphs (k + 1; 0: no verify graphs), one per decode graph's shape.
+    verify_queries: int = 0
     # A drafter's graphs (a draft model or an EAGLE-3 head): its catch-up over each prefill
-    # and decode graph's shapes, its greedy steps over these decode row buckets (up to
-    # max_num_seqs; none when it drafts one token).
+    # graph's shapes and, a row per token of short texts, over decode shapes of these row
+    # buckets; its greedy steps over the decode row buckets (none when it drafts one token).
     draft_model: bool = False
+    catch_up_row_buckets: Tuple[int, ...] = ()
     draft_step_rows: Tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config: "EngineConfig") -> "BucketPlan":
         compile_cfg, block_size = config.compile, config.cache.block_size
-        rows = sequence_rows = effective_buckets(compile_cfg.decode_buckets, config.scheduler.max_num_seqs)
-        speculative = config.speculative
-        if speculative is not None and (config.device.compiles or config.parallel.tensor_parallel_size > 1):
-            # Verifies run decode-shaped: a row per position, every running sequence's last
-            # token and drafts in one call with the decodes; doubling buckets up to that.
-            rows += verify_row_buckets(config.scheduler.max_num_seqs, speculative.num_speculative_tokens)
+        rows = effective_buckets(compile_cfg.decode_buckets, config.scheduler.max_num_seqs)
+        speculative, exact_sizes = config.speculative, not config.device.compiles and config.parallel.tensor_parallel_size == 1
+        queries = speculative.num_speculative_tokens + 1 if speculative is not None and not exact_sizes else 0
         draft_model = speculative is not None and speculative.model is not None  # a draft model or EAGLE-3 head
+        # A drafter's catch-up over short texts takes a row per token (up to k + 2 a sequence,
+        # in calls of at most k + 1 rows a sequence).
+        catch_up_rows = rows + wide_row_buckets(config.scheduler.max_num_seqs, queries) if draft_model and queries else ()
         context_tokens = geometric_fill(effective_buckets(compile_cfg.decode_context_buckets,
                                                           config.max_model_len, block_size))
         return cls(prefill_token_buckets=prefill_token_buckets(config), context_token_buckets=context_tokens,
                    decode_row_buckets=rows,
                    decode_context_block_buckets=tuple(t // block_size for t in context_tokens),
-                   sampler_row_buckets=tuple(sorted(set(rows) | {compile_cfg.max_prefill_seqs})),
+                   sampler_row_buckets=tuple(sorted(set(rows) | {r * queries for r in rows if queries}
+                                                    | {compile_cfg.max_prefill_seqs})),
                    logprob_widths=tuple(sorted({0, compile_cfg.max_logprobs})),
                    history_token_buckets=geometric_fill(effective_buckets((HISTORY_BUCKET,), config.max_model_len)),
                    max_prefill_seqs=compile_cfg.max_prefill_seqs, block_size=block_size,
-                   exact_sizes=not config.device.compiles and config.parallel.tensor_parallel_size == 1,
-                   draft_model=draft_model,
-                   draft_step_rows=sequence_rows if draft_model and speculative.num_speculative_tokens > 1 else ())
+                   exact_sizes=exact_sizes, verify_queries=queries, draft_model=draft_model,
+                   catch_up_row_buckets=catch_up_rows,
+                   draft_step_rows=rows if draft_model and speculative.num_speculative_tokens > 1 else ())
 
     @property
     def max_prefill_tokens(self) -> int:
@@ -329,17 +344,23 @@ class BucketPlan:
         return self.prefill_graph(sum(len(w.token_ids) for w in pack),
                                   sum(context_keys(w, self.block_size) for w in pack))
 
-    def decode_graph(self, num_rows: int, context_blocks: int) -> DecodeGraph:
-        """The graph of a decode call of ``num_rows`` sequences, the longest ``context_blocks`` pages."""
+    def decode_graph(self, num_rows: int, context_blocks: int, queries: int = 1) -> DecodeGraph:
+        """The graph of a decode call of ``num_rows`` sequences, the longest ``context_blocks``
+        pages, ``queries`` tokens a sequence (a verify graph's k + 1)."""
         if self.exact_sizes:
-            return DecodeGraph(num_rows, context_blocks)
+            return DecodeGraph(num_rows, context_blocks, queries)
         return DecodeGraph(pick_bucket(self.decode_row_buckets, num_rows),
+                           pick_bucket(self.decode_context_block_buckets, context_blocks), queries)
+
+    def catch_up_graph(self, num_rows: int, context_blocks: int) -> DecodeGraph:
+        """The decode shape of a drafter's catch-up over ``num_rows`` tokens of short texts."""
+        return DecodeGraph(pick_bucket(self.catch_up_row_buckets, num_rows),
                            pick_bucket(self.decode_context_block_buckets, context_blocks))
 
     def model_calls(self, step: SchedulerOutput) -> List[ModelCall]:
-        """The model calls that run ``step``: its prefills packed, then one decode call (with the
-        verifies' rows on the bucketed paths). At exact sizes the verifies are one packed call,
-        and the last pack and the decodes are one ``MixedCall``."""
+        """The model calls that run ``step``: its prefills packed, then one decode call (a verify
+        graph on the bucketed paths when the step verifies). At exact sizes the verifies are one
+        packed call, and the last pack and the decodes are one ``MixedCall``."""
         calls: List[ModelCall] = []
         for pack in self.prefill_packs(step.prefills):
             calls.append(PrefillCall(tuple(pack), self.pack_graph(pack)))
@@ -347,15 +368,13 @@ class BucketPlan:
             calls.append(VerifyCall(tuple(step.verifies), self.pack_graph(step.verifies)))
         verifies = () if self.exact_sizes else tuple(step.verifies)
         if step.decodes or verifies:
-            needed = tuple(w.position // self.block_size + 1 for w in step.decodes) + self._verify_blocks(verifies)
-            calls.append(DecodeCall(step.decodes, needed, self.decode_graph(len(needed), max(needed)), verifies))
+            needed = tuple(w.position // self.block_size + 1 for w in step.decodes) + tuple(
+                (w.start_pos + len(w.token_ids) - 1) // self.block_size + 1 for w in verifies)
+            graph = self.decode_graph(len(needed), max(needed), self.verify_queries if verifies else 1)
+            calls.append(DecodeCall(step.decodes, needed, graph, verifies))
         if self.exact_sizes and step.decodes and len(calls) > 1:
             calls[-2:] = [MixedCall(calls[-2], calls[-1])]
         return calls
-
-    def _verify_blocks(self, verifies: Sequence[PrefillWork]) -> Tuple[int, ...]:
-        """The pages each decode-shaped row of ``verifies`` reads."""
-        return tuple((w.start_pos + i) // self.block_size + 1 for w in verifies for i in range(len(w.token_ids)))
 
     def prefill_packs(self, works: Sequence[PrefillWork]) -> List[List[PrefillWork]]:
         """``works`` (each within the largest token bucket) in packs that prefill graphs hold."""
@@ -387,20 +406,24 @@ class BucketPlan:
         tokens = " ".join(map(str, self.prefill_token_buckets))
         rows, widths = (" ".join(map(str, b)) for b in (self.decode_row_buckets, self.context_token_buckets))
         drafts = f"; drafter {count(DraftGraph)}" if self.draft_model else ""
+        verify = f", half of them verifying {self.verify_queries} tokens a row" if self.verify_queries else ""
         return (f"prefill {tokens} tokens ({count(PrefillGraph)} with the long-context forms); "
-                f"decode {rows} rows x {widths} context tokens ({count(DecodeGraph)}); sampler {count(SamplerGraph)}, "
+                f"decode {rows} rows x {widths} context tokens ({count(DecodeGraph)}{verify}); "
+                f"sampler {count(SamplerGraph)}, "
                 f"half of them with logits processing; processing state {count(HistoryGraph)}; "
                 f"prompt log-probs {count(PromptLogprobsGraph)}{drafts}")
 
     def graphs(self) -> List[Graph]:
         """Every graph the runner compiles at warm-up, model steps first."""
         prefill = [PrefillGraph(t, k) for t in self.prefill_token_buckets for k in self.key_widths(t)]
-        decode = [DecodeGraph(r, c) for r in self.decode_row_buckets for c in self.decode_context_block_buckets]
+        decode = [DecodeGraph(r, c, q) for q in (1, self.verify_queries) if q for r in self.decode_row_buckets
+                  for c in self.decode_context_block_buckets]
         sampler = [SamplerGraph(r, n, g, p) for p in (False, True) for r in self.sampler_row_buckets
                    for n in self.logprob_widths for g in (True, False)]
         history = [HistoryGraph(t) for t in self.history_token_buckets]
         prompt = [self.prompt_logprobs_graph(t) for t in self.prefill_token_buckets]
-        drafts = [DraftGraph(g) for g in prefill + decode] + [
+        catch_up = [DecodeGraph(r, c) for r in self.catch_up_row_buckets for c in self.decode_context_block_buckets]
+        drafts = [DraftGraph(g) for g in prefill + catch_up] + [
             DraftGraph(DecodeGraph(r, c), steps=True) for r in self.draft_step_rows
             for c in self.decode_context_block_buckets]
         return [*prefill, *decode, *sampler, *history, *prompt, *(drafts if self.draft_model else ())]
@@ -412,6 +435,8 @@ def graph_label(graph: Graph) -> str:
         return f"draft {'steps' if graph.steps else 'catch-up'} {graph_label(graph.graph)}"
     if isinstance(graph, PrefillGraph):
         return f"prefill tokens={graph.num_tokens} keys={graph.keys}"
+    if isinstance(graph, DecodeGraph) and graph.queries > 1:
+        return f"verify rows={graph.num_rows} queries={graph.queries} blocks={graph.context_blocks}"
     if isinstance(graph, DecodeGraph):
         return f"decode rows={graph.num_rows} blocks={graph.context_blocks}"
     if isinstance(graph, PromptLogprobsGraph):

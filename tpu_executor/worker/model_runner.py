@@ -49,7 +49,7 @@ from tpu_executor.worker.launched_step import LaunchedCall, LaunchedStep
 from tpu_executor.worker.model_steps import ModelSteps
 from tpu_executor.worker.prompt_logprobs import groups, owed_positions, padding_group, prompt_logprobs_step
 from tpu_executor.worker.sampling_runner import SampleSteps, SamplingRunner
-from tpu_executor.worker.verify import verify_decode_inputs, verify_positions, verify_rows, verify_step
+from tpu_executor.worker.verify import verify_positions, verify_query_inputs, verify_rows, verify_step
 
 logger = logging.getLogger(__name__)
 
@@ -153,19 +153,26 @@ class ModelRunner:
         max_seqs = max(len(pack), self.plan.max_prefill_seqs) if self.plan.exact_sizes else self.plan.max_prefill_seqs
         return prefill_inputs(pack, graph.num_tokens, graph.keys, max_seqs, self.block_size)
 
-    def _decode_host_inputs(self, work: Sequence[DecodeWork], graph: DecodeGraph) -> Dict[str, torch.Tensor]:
-        self.decode_batch.update(work)
+    def _decode_host_inputs(self, work: Sequence[DecodeWork], graph: DecodeGraph,
+                            verifies: Sequence[PrefillWork] = ()) -> Dict[str, torch.Tensor]:
+        """A decode graph's inputs, or a verify graph's (the decodes, then ``verifies``)."""
+        if work or graph.queries == 1:
+            self.decode_batch.update(work)
         pending = self.sampling.feed.pending_slots
-        return self.decode_batch.inputs(graph.num_rows, graph.context_blocks, self.block_size, pending)
+        if graph.queries == 1:
+            return self.decode_batch.inputs(graph.num_rows, graph.context_blocks, self.block_size, pending)
+        decodes = self.decode_batch.inputs(len(work), graph.context_blocks, self.block_size, pending)
+        return verify_query_inputs(decodes, verifies, graph, self.block_size)
 
     def _prefill_logits(self, pack: Sequence[PrefillWork], graph: PrefillGraph, kv_caches: KVCaches) -> torch.Tensor:
         with self.timer.phase("inputs"):
             inputs = self._prefill_host_inputs(pack, graph)
         return self._run_fn(self._prefill_fn, inputs, "prefill", kv_caches=kv_caches)
 
-    def _decode_logits(self, work: Sequence[DecodeWork], graph: DecodeGraph) -> torch.Tensor:
+    def _decode_logits(self, work: Sequence[DecodeWork], graph: DecodeGraph,
+                       verifies: Sequence[PrefillWork] = ()) -> torch.Tensor:
         with self.timer.phase("inputs"):
-            inputs = self._decode_host_inputs(work, graph)
+            inputs = self._decode_host_inputs(work, graph, verifies)
         return self._run_fn(self._decode_fn, inputs, "decode", feed_tokens=self.sampling.feed.read_tokens,
                             kv_caches=self.kv_caches)
 
@@ -250,27 +257,22 @@ class ModelRunner:
 
     def _launch_decode(self, call: DecodeCall) -> LaunchedCall:
         graph = call.graph
-        with self.guard.watch(f"decode bucket rows={graph.num_rows} blocks={graph.context_blocks}"):
+        with self.guard.watch(f"{graph_label(graph)} bucket"):
             if call.verifies:
                 return self._decode_rows_and_verifies(graph, call.work, call.verifies)
             return self._sample_decode(call, self._decode_logits(call.work, graph))
 
     def _decode_rows_and_verifies(self, graph: DecodeGraph, work: Sequence[DecodeWork],
                                   pack: Sequence[PrefillWork]) -> LaunchedCall:
-        """The decode rows of ``work``, then a row per position of the verifies of ``pack``, in
-        one decode graph and one sampler graph: the weights are read once for both."""
+        """The decodes of ``work`` and the verifies of ``pack`` in one verify graph and one
+        sampler graph over the decodes' rows, then every position of the verifies: the
+        weights and each sequence's pages are read once."""
         batch, num_decodes, positions = self.decode_batch, len(work), verify_positions(pack)
+        logits = self._decode_logits(work, graph, pack)
         with self.timer.phase("inputs"):
-            inputs = verify_decode_inputs(pack, graph.num_rows - num_decodes, graph.context_blocks, self.block_size)
-            sampling = sampling_tensors(positions, graph.num_rows - num_decodes)
+            sampling = sampling_tensors(positions, graph.num_tokens - num_decodes)
             if work:
-                batch.update(work)
-                rows = batch.inputs(num_decodes, graph.context_blocks, self.block_size,
-                                    self.sampling.feed.pending_slots)
-                inputs = {name: torch.cat([rows[name], inputs[name]]) for name in rows}
                 sampling = {name: torch.cat([t, sampling[name]]) for name, t in batch.sampling(num_decodes).items()}
-        logits = self._run_fn(self._decode_fn, inputs, "decode", feed_tokens=self.sampling.feed.read_tokens,
-                              kv_caches=self.kv_caches)
         decoded = bool(work)
         launched = self.sampling.sample(
             list(work) + positions, list(batch.request_ids if decoded else ()) +

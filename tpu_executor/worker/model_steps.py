@@ -38,8 +38,8 @@ class ModelSteps:
 
     def verify(self, input_ids, positions, slot_mapping, context_slots, key_positions, key_segments,
                query_segments, logits_indices, rows, kv_caches, tap_rows=None, tap_buffers=None, **sampling):
-        """A verify pack in one call (eager, at exact sizes; the bucketed paths run verifies as
-        decode rows): the target's token at each of ``rows``."""
+        """A verify pack in one call (eager, at exact sizes; the bucketed paths run verify
+        graphs, ``decode``): the target's token at each of ``rows``."""
         del logits_indices  # every position of the pack is read through ``rows``
         prefill = PrefillMetadata(context_slots, key_positions, key_segments, query_segments)
         hidden = self.model(input_ids, kv_caches, self._meta(positions, slot_mapping, tap_rows, tap_buffers,
@@ -47,13 +47,14 @@ class ModelSteps:
         return verify_step(self.model, hidden, rows, **sampling)
 
     def decode(self, input_ids, feed_slots, feed_tokens, positions, slot_mapping, block_tables,
-               context_lens, kv_caches, tap_rows=None, tap_buffers=None):
-        """The logits of each decode row; a row's token may come from the token feed."""
+               context_lens, kv_caches, tap_rows=None, tap_buffers=None, sample_rows=None):
+        """The logits of each decode row; a row's token may come from the token feed. A verify
+        graph (several tokens a sequence) returns the logits of its ``sample_rows``."""
         decode = DecodeMetadata(block_tables, context_lens)
         input_ids = fed_input_ids(input_ids, feed_slots, feed_tokens)
         hidden = self.model(input_ids, kv_caches, self._meta(positions, slot_mapping, tap_rows, tap_buffers,
                                                              decode=decode))
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden if sample_rows is None else hidden.index_select(0, sample_rows))
 
     def mixed(self, input_ids, positions, slot_mapping, context_slots, key_positions, key_segments,
               query_segments, logits_indices, feed_slots, block_tables, context_lens, feed_tokens, kv_caches,

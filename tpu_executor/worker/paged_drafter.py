@@ -31,9 +31,8 @@ from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.step import PrefillWork, SampledTokens, SamplingMeta, SchedulerOutput
 from tpu_executor.models.layers.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
-from tpu_executor.worker.inputs import prefill_inputs
+from tpu_executor.worker.inputs import prefill_inputs, table_slots
 from tpu_executor.worker.model_runner import ModelRunner, compile_ahead, compile_step
-from tpu_executor.worker.verify import verify_decode_inputs
 
 Drafts = Dict[str, Tuple[int, ...]]
 KVCaches = List[Tuple[torch.Tensor, torch.Tensor]]
@@ -146,8 +145,8 @@ class PagedDrafter(abc.ABC):
             inputs = prefill_inputs(piece, graph.num_tokens, graph.keys, plan.max_prefill_seqs, self.block_size)
             launched.append(self._launch_catch_up(piece, graph, inputs, drafting))
         for piece in self._row_chunks([w for w in pack if len(w.token_ids) <= short_tokens]):
-            graph = plan.decode_graph(sum(len(w.token_ids) for w in piece),
-                                      max((w.num_context_tokens - 1) // self.block_size + 1 for w in piece))
+            graph = plan.catch_up_graph(sum(len(w.token_ids) for w in piece),
+                                        max((w.num_context_tokens - 1) // self.block_size + 1 for w in piece))
             launched.append(self._launch_catch_up(piece, graph, catch_up_rows_inputs(piece, graph, self.block_size,
                                                                                      self.max_rows), drafting))
         return {w.request_id: token for piece, tokens in launched
@@ -160,8 +159,8 @@ class PagedDrafter(abc.ABC):
             return piece, self._run_catch_up(inputs, logit_rows)
 
     def _row_chunks(self, works: Sequence[PrefillWork]) -> List[List[PrefillWork]]:
-        """``works`` in groups whose tokens fit the largest decode row bucket."""
-        limit, chunks, rows = self.runner.plan.decode_row_buckets[-1], [], 0
+        """``works`` in groups whose tokens fit the largest catch-up row bucket."""
+        limit, chunks, rows = self.runner.plan.catch_up_row_buckets[-1], [], 0
         for work in works:
             if not chunks or rows + len(work.token_ids) > limit:
                 chunks.append([])
@@ -258,12 +257,33 @@ def catch_up_rows_inputs(works: Sequence[PrefillWork], graph: DecodeGraph, block
     """A decode-shaped catch-up's host inputs: a row per token of ``works`` over its block
     table, its context ending at its own position, in ``graph``'s shape; the logits of each
     work's last row (``num_logits`` of them, padding reads row 0)."""
-    inputs = verify_decode_inputs(works, graph.num_rows, graph.context_blocks, block_size)
-    del inputs["feed_slots"]  # every row's token is on the host
+    inputs = token_rows_inputs(works, graph.num_rows, graph.context_blocks, block_size)
     logits_indices = np.zeros(num_logits, dtype=np.int64)
     logits_indices[:len(works)] = np.cumsum([len(w.token_ids) for w in works]) - 1
     inputs["logits_indices"] = torch.from_numpy(logits_indices)
     return inputs
+
+
+def token_rows_inputs(works: Sequence[PrefillWork], num_rows: int, context_blocks: int,
+                      block_size: int) -> Dict[str, torch.Tensor]:
+    """Decode rows for the tokens of ``works``: a row per token over its work's block table,
+    its context ending at its own position; padded to ``num_rows`` rows (reading the null
+    block) and ``context_blocks`` table entries."""
+    input_ids = np.zeros(num_rows, dtype=np.int64)
+    positions = np.zeros(num_rows, dtype=np.int64)
+    tables = np.full((num_rows, context_blocks), NULL_BLOCK, dtype=np.int64)
+    row = 0
+    for work in works:
+        num, blocks = len(work.token_ids), work.block_ids[:context_blocks]
+        input_ids[row:row + num] = work.token_ids
+        positions[row:row + num] = np.arange(work.start_pos, work.start_pos + num)
+        tables[row:row + num, :len(blocks)] = blocks
+        row += num
+    slots = np.full(num_rows, NULL_BLOCK * block_size, dtype=np.int64)
+    slots[:row] = table_slots(tables[:row], positions[:row], block_size)
+    arrays = {"input_ids": input_ids, "positions": positions, "slot_mapping": slots, "block_tables": tables,
+              "context_lens": positions + 1}
+    return {name: torch.from_numpy(array) for name, array in arrays.items()}
 
 
 def attention_metadata(positions: torch.Tensor, slot_mapping: torch.Tensor, context_slots=None, key_positions=None,

@@ -1,9 +1,10 @@
 """Verification of draft tokens (speculative decoding), on the device.
 
 Position ``i`` of a request's verify is where the target picks its token after the last token
-and the first ``i`` drafts. On the bucketed paths each position is a row of a decode graph over
-the request's block table, its context ending at its own position (a layer writes every row's
-K/V before any row attends), and the sampler graph of the decode rows picks the tokens. At
+and the first ``i`` drafts. On the bucketed paths a step with verifies runs a verify graph: a
+decode graph whose sequences (the decodes and the verifies) have k + 1 query tokens each,
+attending over their pages in one read, each query up to its own position (a layer writes
+every row's K/V before any row attends); the sampler graph over the real rows picks the tokens. At
 exact sizes (the native path) a verify pack is one prefill call over every request's last token
 and drafts, its positions through the LM head and the sampler. Either way each position is a
 row with its request's sampling parameters and its own seeding step, so a position draws
@@ -22,6 +23,7 @@ from typing import Dict, List, NamedTuple, Sequence
 import numpy as np
 import torch
 
+from tpu_executor.core.buckets import DecodeGraph
 from tpu_executor.core.kv_cache_manager import NULL_BLOCK
 from tpu_executor.core.step import PrefillWork, SamplingMeta
 from tpu_executor.worker.inputs import table_slots
@@ -59,26 +61,37 @@ def verify_rows(pack: Sequence[PrefillWork], num_rows: int) -> torch.Tensor:
     return rows
 
 
-def verify_decode_inputs(pack: Sequence[PrefillWork], num_rows: int, context_blocks: int,
-                         block_size: int) -> Dict[str, torch.Tensor]:
-    """A decode call's inputs for a pack of verifies: a row per position of each verify, over
-    its request's block table, its context ending at its own position; padded to ``num_rows``
-    rows (reading the null block) and ``context_blocks`` table entries."""
-    input_ids = np.zeros(num_rows, dtype=np.int64)
-    positions = np.zeros(num_rows, dtype=np.int64)
-    tables = np.full((num_rows, context_blocks), NULL_BLOCK, dtype=np.int64)
-    row = 0
-    for work in pack:
-        num, blocks = len(work.token_ids), work.block_ids[:context_blocks]
-        input_ids[row:row + num] = work.token_ids
-        positions[row:row + num] = np.arange(work.start_pos, work.start_pos + num)
-        tables[row:row + num, :len(blocks)] = blocks
-        row += num
-    slots = np.full(num_rows, NULL_BLOCK * block_size, dtype=np.int64)
-    real = positions[:row]
-    slots[:row] = table_slots(tables[:row], real, block_size)
-    arrays = {"input_ids": input_ids, "feed_slots": np.full(num_rows, NO_FEED, dtype=np.int64),
-              "positions": positions, "slot_mapping": slots, "block_tables": tables, "context_lens": positions + 1}
+def verify_query_inputs(decodes: Dict[str, torch.Tensor], pack: Sequence[PrefillWork], graph: DecodeGraph,
+                        block_size: int) -> Dict[str, torch.Tensor]:
+    """A verify graph's inputs (``DecodeGraph`` with ``queries`` tokens a sequence): the decode
+    rows' ``decodes`` (``PersistentDecodeBatch.inputs``, one token each), then the verifies
+    of ``pack`` (a last token and drafts each), every sequence's tokens at the end of its
+    ``queries`` rows; padding rows write the null block. ``sample_rows`` lists the real rows
+    in that order (padded with row 0): the rows whose logits the graph returns."""
+    queries, num_decodes = graph.queries, len(decodes["input_ids"])
+    tokens = {name: np.zeros(graph.num_tokens, dtype=np.int64) for name in ("input_ids", "positions")}
+    tokens["feed_slots"] = np.full(graph.num_tokens, NO_FEED, dtype=np.int64)
+    tokens["slot_mapping"] = np.full(graph.num_tokens, NULL_BLOCK * block_size, dtype=np.int64)
+    tables = np.full((graph.num_rows, graph.context_blocks), NULL_BLOCK, dtype=np.int64)
+    lens = np.ones(graph.num_rows, dtype=np.int64)  # a padding sequence sees key 0 of the null block
+    decode_rows = np.arange(num_decodes) * queries + queries - 1
+    for name in tokens:
+        tokens[name][decode_rows] = decodes[name].numpy()
+    tables[:num_decodes], lens[:num_decodes] = decodes["block_tables"].numpy(), decodes["context_lens"].numpy()
+    sample_rows = [decode_rows]
+    for seq, work in enumerate(pack, start=num_decodes):
+        num, blocks = len(work.token_ids), work.block_ids[:graph.context_blocks]
+        rows = np.arange(seq * queries + queries - num, (seq + 1) * queries)
+        positions = np.arange(work.start_pos, work.start_pos + num)
+        tables[seq, :len(blocks)] = blocks
+        lens[seq] = work.start_pos + num
+        tokens["input_ids"][rows], tokens["positions"][rows] = work.token_ids, positions
+        tokens["slot_mapping"][rows] = table_slots(tables[[seq] * num], positions, block_size)
+        sample_rows.append(rows)
+    picked = np.zeros(graph.num_tokens, dtype=np.int64)
+    real = np.concatenate(sample_rows)
+    picked[:len(real)] = real
+    arrays = {**tokens, "block_tables": tables, "context_lens": lens, "sample_rows": picked}
     return {name: torch.from_numpy(array) for name, array in arrays.items()}
 
 

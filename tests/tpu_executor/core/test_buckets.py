@@ -138,30 +138,35 @@ def test_graph_list_covers_every_combination_once(tmp_path):
     assert [g for g in graphs if isinstance(g, HistoryGraph)] == [HistoryGraph(256), HistoryGraph(320)]
 
 
-def test_speculation_adds_decode_row_buckets(tmp_path):
-    """Verifies run on the decode and sampler graphs, in a row bucket that holds every running
-    sequence's last token and drafts."""
+def test_speculation_adds_a_verify_graph_per_decode_graph(tmp_path):
+    """Verifies run on verify graphs: each decode graph's sequences and table width with k + 1
+    query tokens a sequence, the sampler over all of them; the decode rows stay."""
     from tpu_executor.core.speculative import SpeculativeConfig
 
     options = dict(prefill_buckets=(32, 128), decode_buckets=(2, 8), decode_context_buckets=(128,), max_prefill_seqs=8)
     plain = BucketPlan.from_config(config(tmp_path, **options))
     speculative = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(num_speculative_tokens=3),
                                                 **options))
-    # Doubling from max_num_seqs (24) to every sequence's 4 rows.
-    assert plain.decode_row_buckets == (2, 8, 24) and speculative.decode_row_buckets == (2, 8, 24, 48, 96)
+    assert plain.decode_row_buckets == speculative.decode_row_buckets == (2, 8, 24)
     added = [g for g in speculative.graphs() if g not in plain.graphs()]
-    assert [g for g in added if isinstance(g, DecodeGraph)] == [DecodeGraph(r, c) for r in (48, 96) for c in (8, 20)]
-    assert {g.num_rows for g in added if isinstance(g, SamplerGraph)} == {48, 96}
+    assert [g for g in added if isinstance(g, DecodeGraph)] == [DecodeGraph(r, c, 4) for r in (2, 8, 24)
+                                                                for c in (8, 20)]
+    # The sampler over every query row (8 rows: a bucket already).
+    assert {2 * 4, 8 * 4, 24 * 4} <= set(speculative.sampler_row_buckets)
+    assert {g.num_rows for g in added if isinstance(g, SamplerGraph)} == {8 * 4, 24 * 4}
     # two context widths; sampler: log-probs or not, greedy or not, processing or not
-    assert len(added) == 2 * (2 + 2 * 2 * 2)
+    assert len(added) == 3 * 2 + 2 * (2 * 2 * 2)
+    assert graph_label(DecodeGraph(8, 20, 4)) == "verify rows=8 queries=4 blocks=20"
+    assert "half of them verifying 4 tokens a row" in speculative.describe()
     native = BucketPlan.from_config(config(tmp_path, device="cpu", speculative=SpeculativeConfig(), **options))
-    assert native.decode_row_buckets == plain.decode_row_buckets  # exact sizes: verifies run as one pack
+    assert native.verify_queries == 0  # exact sizes: verifies run as one pack
 
 
 def test_a_draft_model_adds_its_catch_up_and_greedy_steps_graphs(tmp_path):
-    """A draft model's catch-up runs over each prefill and decode graph's shapes (prompt chunks;
-    a row per token of short texts) and its greedy steps over each decode graph's of up to
-    max_num_seqs rows (its drafting rows); drafting one token, there are no steps to run."""
+    """A draft model's catch-up runs over each prefill graph's shapes (prompt chunks) and over
+    decode shapes up to a row per token of every sequence's verify (short texts), its greedy
+    steps over each decode graph's (its drafting rows); drafting one token, there are no
+    steps to run."""
     from tpu_executor.core.speculative import SpeculativeConfig
 
     options = dict(prefill_buckets=(32, 128), decode_buckets=(2, 8), decode_context_buckets=(128,), max_prefill_seqs=8)
@@ -171,30 +176,35 @@ def test_a_draft_model_adds_its_catch_up_and_greedy_steps_graphs(tmp_path):
         ngram = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(num_speculative_tokens=k),
                                               **options))
         added = [g for g in plan.graphs() if g not in ngram.graphs()]
-        model_graphs = [g for g in plan.graphs() if isinstance(g, (PrefillGraph, DecodeGraph))]
+        prefill = [g for g in plan.graphs() if isinstance(g, PrefillGraph)]
+        # Doubling from max_num_seqs (24) to every sequence's k + 1 rows.
+        catch_up_rows = (2, 8, 24, 48, 96) if k == 3 else (2, 8, 24, 48)
+        catch_up = [DecodeGraph(r, c) for r in catch_up_rows for c in (8, 20)]
         steps = [DecodeGraph(r, c) for r in (2, 8, 24) for c in (8, 20)] if k > 1 else []
-        assert added == [DraftGraph(g) for g in model_graphs] + [DraftGraph(g, steps=True) for g in steps]
-        assert graph_label(added[0]) == f"draft catch-up {graph_label(model_graphs[0])}"
+        assert added == [DraftGraph(g) for g in prefill + catch_up] + [DraftGraph(g, steps=True) for g in steps]
+        assert graph_label(added[0]) == f"draft catch-up {graph_label(prefill[0])}"
         assert f"drafter {len(added)} graphs" in plan.describe()
 
 
-def test_verifies_follow_the_decode_rows(tmp_path):
+def test_verifies_run_with_the_decodes_in_a_verify_graph(tmp_path):
     from tpu_executor.core.speculative import SpeculativeConfig
     from tpu_executor.core.step import DecodeWork, PrefillWork, SchedulerOutput
 
-    verifies = tuple(PrefillWork(f"v{i}", (1, 2, 3, 4), 46, (1,) * 4, None) for i in range(7))
+    verifies = tuple(PrefillWork(f"v{i}", (1, 2, 3, 4), 46, (1,) * 4, None) for i in range(5))
     decodes = tuple(DecodeWork(f"d{i}", 5, 20, (2,) * 2, None) for i in range(2))
     plan = BucketPlan.from_config(config(tmp_path, speculative=SpeculativeConfig(num_speculative_tokens=3),
                                          decode_buckets=(2, 8)))
     calls = plan.model_calls(SchedulerOutput(decodes=decodes, verifies=verifies))
-    # One decode call: the 2 decode rows, then 4 rows a verify (28), in the 48-row bucket.
+    # One call: 2 decodes and 5 verifies are 7 sequences of 4 queries, in the 8-row bucket.
     assert [type(call) for call in calls] == [DecodeCall]
     assert calls[0].work == decodes and calls[0].verifies == verifies
-    # Positions 46-49 read 3 pages, then 4 (position 48 starts the fourth).
-    assert calls[0].needed_blocks == (2, 2) + (3, 3, 4, 4) * 7
-    assert calls[0].graph == plan.decode_graph(30, 4) and calls[0].graph.num_rows == 48
+    # Positions 46-49: the last (49) reads 4 pages (position 48 starts the fourth).
+    assert calls[0].needed_blocks == (2, 2) + (4,) * 5
+    assert calls[0].graph == DecodeGraph(8, plan.decode_graph(7, 4).context_blocks, 4)
+    assert calls[0].graph.num_tokens == 32
     verify_only = plan.model_calls(SchedulerOutput(verifies=verifies))
     assert [(call.work, call.verifies) for call in verify_only] == [((), verifies)]
+    assert plan.model_calls(SchedulerOutput(decodes=decodes))[0].graph.queries == 1
     # At exact sizes one call takes every verify and the decodes (it reads the weights once).
     plan = BucketPlan.from_config(config(tmp_path, device="cpu", speculative=SpeculativeConfig(),
                                          prefill_buckets=(64, 128)))
