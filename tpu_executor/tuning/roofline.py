@@ -115,15 +115,16 @@ class CostModel:
         return self._roofline(flops, moved, t)
 
     def decode_seconds(self, graph: DecodeGraph, block_size: int, context_tokens: Optional[float] = None) -> float:
-        """A decode of ``num_rows`` rows, each reading ``context_tokens`` of KV (default: the
-        full width of the graph, as the reference attention does)."""
-        rows = graph.num_rows
+        """A decode of ``num_rows`` sequences, each reading ``context_tokens`` of KV once
+        (default: the full width of the graph, as the reference attention does) for each of
+        its ``queries`` tokens (a verify graph's k + 1)."""
+        rows, tokens = graph.num_rows, graph.num_tokens
         keys = context_tokens if context_tokens is not None else graph.context_blocks * block_size
-        flops = self._linear_flops(rows, rows) + self._attention_flops(rows, keys)
+        flops = self._linear_flops(tokens, tokens) + self._attention_flops(tokens, keys)
         head = self.model.vocab * self.model.hidden * self.weight_bytes / self.tp
-        moved = (self._layer_weight_bytes(rows) + head
+        moved = (self._layer_weight_bytes(tokens) + head
                  + rows * keys * self.model.kv_bytes_per_token(self.act_bytes, self.tp))
-        return self._roofline(flops, moved, rows)
+        return self._roofline(flops, moved, tokens)
 
 
 @dataclass(frozen=True)

@@ -156,12 +156,14 @@ class ModelRunner:
     def _decode_host_inputs(self, work: Sequence[DecodeWork], graph: DecodeGraph,
                             verifies: Sequence[PrefillWork] = ()) -> Dict[str, torch.Tensor]:
         """A decode graph's inputs, or a verify graph's (the decodes, then ``verifies``)."""
-        if work or graph.queries == 1:
-            self.decode_batch.update(work)
-        pending = self.sampling.feed.pending_slots
+        batch, pending = self.decode_batch, self.sampling.feed.pending_slots
         if graph.queries == 1:
-            return self.decode_batch.inputs(graph.num_rows, graph.context_blocks, self.block_size, pending)
-        decodes = self.decode_batch.inputs(len(work), graph.context_blocks, self.block_size, pending)
+            batch.update(work)
+            return batch.inputs(graph.num_rows, graph.context_blocks, self.block_size, pending)
+        decodes = None
+        if work:  # the batch keeps its rows through steps of verifies only
+            batch.update(work)
+            decodes = batch.inputs(len(work), graph.context_blocks, self.block_size, pending)
         return verify_query_inputs(decodes, verifies, graph, self.block_size)
 
     def _prefill_logits(self, pack: Sequence[PrefillWork], graph: PrefillGraph, kv_caches: KVCaches) -> torch.Tensor:

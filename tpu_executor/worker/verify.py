@@ -18,7 +18,7 @@ renormalised. Greedy rows accept the drafts equal to the argmax.
 """
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -61,23 +61,24 @@ def verify_rows(pack: Sequence[PrefillWork], num_rows: int) -> torch.Tensor:
     return rows
 
 
-def verify_query_inputs(decodes: Dict[str, torch.Tensor], pack: Sequence[PrefillWork], graph: DecodeGraph,
-                        block_size: int) -> Dict[str, torch.Tensor]:
+def verify_query_inputs(decodes: Optional[Dict[str, torch.Tensor]], pack: Sequence[PrefillWork],
+                        graph: DecodeGraph, block_size: int) -> Dict[str, torch.Tensor]:
     """A verify graph's inputs (``DecodeGraph`` with ``queries`` tokens a sequence): the decode
-    rows' ``decodes`` (``PersistentDecodeBatch.inputs``, one token each), then the verifies
+    rows' ``decodes`` (``PersistentDecodeBatch.inputs``, one token each; None: no decodes), then the verifies
     of ``pack`` (a last token and drafts each), every sequence's tokens at the end of its
     ``queries`` rows; padding rows write the null block. ``sample_rows`` lists the real rows
     in that order (padded with row 0): the rows whose logits the graph returns."""
-    queries, num_decodes = graph.queries, len(decodes["input_ids"])
+    queries, num_decodes = graph.queries, 0 if decodes is None else len(decodes["input_ids"])
     tokens = {name: np.zeros(graph.num_tokens, dtype=np.int64) for name in ("input_ids", "positions")}
     tokens["feed_slots"] = np.full(graph.num_tokens, NO_FEED, dtype=np.int64)
     tokens["slot_mapping"] = np.full(graph.num_tokens, NULL_BLOCK * block_size, dtype=np.int64)
     tables = np.full((graph.num_rows, graph.context_blocks), NULL_BLOCK, dtype=np.int64)
     lens = np.ones(graph.num_rows, dtype=np.int64)  # a padding sequence sees key 0 of the null block
     decode_rows = np.arange(num_decodes) * queries + queries - 1
-    for name in tokens:
-        tokens[name][decode_rows] = decodes[name].numpy()
-    tables[:num_decodes], lens[:num_decodes] = decodes["block_tables"].numpy(), decodes["context_lens"].numpy()
+    if num_decodes:
+        for name in tokens:
+            tokens[name][decode_rows] = decodes[name].numpy()
+        tables[:num_decodes], lens[:num_decodes] = decodes["block_tables"].numpy(), decodes["context_lens"].numpy()
     sample_rows = [decode_rows]
     for seq, work in enumerate(pack, start=num_decodes):
         num, blocks = len(work.token_ids), work.block_ids[:graph.context_blocks]

@@ -122,6 +122,19 @@ def test_roofline_decode_is_memory_bound_and_long_prefill_compute_bound():
         Target.parse("a100-8")
 
 
+def test_roofline_verify_reads_each_sequences_kv_once():
+    """A verify graph (k + 1 queries a sequence) reads the weights and each sequence's KV once:
+    on a v6e a Llama-3-8B verify of 64 sequences x 5 tokens at 4,096 tokens of context costs
+    what their decode does; a row per token (each reading its context) would cost over 3x."""
+    with model_directory("llama-3-8b") as path:
+        from tpu_executor.worker.model_loader import load_hf_config
+        shape = ModelShape.from_hf_config(load_hf_config(path))
+    cost = CostModel(shape, Target.parse("v6e-1").chip, tp=1)
+    decode = cost.decode_seconds(DecodeGraph(64, 256), 16)
+    assert cost.decode_seconds(DecodeGraph(64, 256, queries=5), 16) == pytest.approx(decode, rel=0.02)
+    assert cost.decode_seconds(DecodeGraph(64 * 5, 256), 16) > 3 * decode
+
+
 # Parameter counts the model cards publish (billions; Gemma-3-27B's language model).
 PUBLISHED_BILLIONS = {"llama-3-8b": 8.03, "llama-3.1-8b": 8.03, "llama-3.3-70b": 70.6, "qwen3-8b": 8.19,
                       "qwen3-32b": 32.8, "qwen3-30b-a3b": 30.5, "gemma-7b": 8.54, "gemma-3-27b": 27.0}

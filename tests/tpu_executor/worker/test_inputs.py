@@ -150,3 +150,33 @@ def test_token_feed_hands_out_fresh_slots_per_step_and_forgets_a_failed_one():
     assert dict(feed.pending_slots) == {}
     with pytest.raises(ValueError, match="more than 4 rows"):
         feed.assign(["a", "b", "c", "d", "e"], rows=5)
+
+
+def test_a_verify_graphs_inputs_put_each_sequences_tokens_at_the_end_of_its_rows():
+    """Decodes first (one token, last of its rows), then verifies (last token and drafts),
+    padding rows before them writing the null block; the sampled rows in that order."""
+    from tpu_executor.core.buckets import DecodeGraph
+    from tpu_executor.core.step import PrefillWork
+    from tpu_executor.worker.verify import verify_query_inputs
+
+    block_size, graph = 4, DecodeGraph(4, 3, queries=3)
+    batch = PersistentDecodeBatch(4, 3)
+    batch.update([DecodeWork("d", 7, 5, (2, 6), SamplingMeta.greedy())])
+    decodes = batch.inputs(1, 3, block_size)
+    verify = PrefillWork("v", (8, 9), 4, (1, 3), SamplingMeta.greedy())  # one draft, positions 4-5
+    null_slot = NULL_BLOCK * block_size
+    for given, sampled in ((decodes, [2, 4, 5]), (None, [1, 2])):
+        inputs = verify_query_inputs(given, [verify], graph, block_size)
+        first = 0 if given is None else 1
+        rows = [r + 3 * first for r in (1, 2)]
+        assert inputs["input_ids"][rows].tolist() == [8, 9]
+        assert inputs["positions"][rows].tolist() == [4, 5]
+        assert inputs["slot_mapping"][rows].tolist() == [3 * block_size, 3 * block_size + 1]
+        assert inputs["context_lens"][first].item() == 6 and inputs["block_tables"][first].tolist() == [1, 3, NULL_BLOCK]
+        padding = [r for r in range(12) if r not in rows and (given is None or r != 2)]
+        assert set(inputs["slot_mapping"][padding].tolist()) == {null_slot}
+        assert inputs["sample_rows"].tolist()[:len(sampled)] == sampled
+        assert inputs["context_lens"][first + 1:].tolist() == [1] * (3 - first)  # padding sequences
+    inputs = verify_query_inputs(decodes, [verify], graph, block_size)
+    assert inputs["input_ids"][2].item() == 7 and inputs["positions"][2].item() == 5
+    assert inputs["slot_mapping"][2].item() == 6 * block_size + 1 and inputs["context_lens"][0].item() == 6
