@@ -171,6 +171,21 @@ def load_eagle3_head(path: str, target: torch.nn.Module, dtype: torch.dtype,
                      tp: Optional[TensorParallelGroup] = None) -> torch.nn.Module:
     """The EAGLE-3 head at ``path`` for one rank of ``tp`` over the loaded ``target`` (whose
     embedding it shares unless it carries one), refused where its shapes do not fit the target."""
+    head, files = _eagle3_head(path, target, tp, torch.device("cpu"))
+    load_weights(head, files)
+    return head.to(dtype).eval()
+
+
+def build_eagle3_head_shapes(path: str, target: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The EAGLE-3 head at ``path`` over ``target`` as ``build_model_shapes`` builds a model:
+    its own parameters on the meta device (no weights read), checked against the target."""
+    head, _ = _eagle3_head(path, target, None, torch.device("meta"))
+    return head.to(dtype).eval()
+
+
+def _eagle3_head(path: str, target: torch.nn.Module, tp: Optional[TensorParallelGroup], device: torch.device):
+    """(the head built on ``device`` from its config, its weight files), refused where its
+    config or shapes do not fit the target."""
     from tpu_executor.models.eagle3 import ARCHITECTURE, Eagle3Head
 
     hf_config = load_hf_config(path)
@@ -185,10 +200,8 @@ def load_eagle3_head(path: str, target: torch.nn.Module, dtype: torch.dtype,
         raise CheckpointError(f"the EAGLE-3 head {path!r} takes hidden states of size {head_input} and "
                               f"embeddings of size {hf_config.hidden_size}, but the target's hidden size is "
                               f"{target_hidden}: it was trained for another model")
-    with torch.device("cpu"):
-        head = Eagle3Head(hf_config, target, tp, own_embedding)
-    load_weights(head, files)
-    return head.to(dtype).eval()
+    with device:
+        return Eagle3Head(hf_config, target, tp, own_embedding), files
 
 
 def build_model_shapes(path: str, dtype: torch.dtype, quantization: Optional[str] = None) -> torch.nn.Module:

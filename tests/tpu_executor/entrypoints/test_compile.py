@@ -60,17 +60,21 @@ def test_architectures_compile_for_a_tpu_with_their_pallas_kernels(target, archi
 
 
 @pytest.mark.slow  # libtpu compiles a whole plan (about a minute)
-def test_the_command_compiles_every_graph_and_reports_them(tmp_path):
-    """With a draft model drafting 2 tokens: the verifies' row buckets (8 sequences x 2 and 3
-    rows) and the draft model's graphs (its catch-up, its greedy steps) are compiled too."""
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_the_command_compiles_every_graph_and_reports_them(method, tmp_path):
+    """With a draft model or an EAGLE-3 head drafting 2 tokens: the verify graphs (8
+    sequences x 3 queries) and the drafter's graphs (its catch-up, its greedy steps) are
+    compiled too."""
     from tpu_executor.core.buckets import BucketPlan
     from tpu_executor.core.speculative import SpeculativeConfig
     from tpu_executor.core.tpu_slices import Target
     from tpu_executor.entrypoints.compile_job import engine_config
+    from tpu_executor.tools.eagle3_head import write_random_eagle3_head
     from tpu_executor.tools.random_checkpoint import write_config
 
     checkpoint = write_config(str(tmp_path / "llama"), "llama")
-    speculative = json.dumps({"method": "draft_model", "model": checkpoint, "num_speculative_tokens": 2})
+    draft = checkpoint if method == "draft_model" else write_random_eagle3_head(checkpoint, str(tmp_path / "head"))
+    speculative = json.dumps({"method": method, "model": draft, "num_speculative_tokens": 2})
     out = compile_command([checkpoint, "--target", "v5e-1", "--cache-dir", str(tmp_path / "aot"), "--json",
                            str(tmp_path / "report.json"), *SMALL_PLAN, "--speculative-config", speculative],
                           tmp_path).stdout
@@ -82,14 +86,15 @@ def test_the_command_compiles_every_graph_and_reports_them(tmp_path):
         max_model_len=512, max_num_seqs=8, prefill_buckets=(128,), decode_buckets=(8,),
         decode_context_buckets=(512,), max_logprobs=2, speculative_config=SpeculativeConfig.parse(speculative)))
     assert len(report["graphs"]) == len(BucketPlan.from_config(config).graphs())
-    assert {"decode rows=16 blocks=32", "decode rows=24 blocks=32", "draft catch-up prefill tokens=128 keys=256",
+    assert {"decode rows=8 blocks=32", "verify rows=8 queries=3 blocks=32", "draft catch-up prefill tokens=128 keys=256",
             "draft catch-up decode rows=24 blocks=32", "draft steps decode rows=8 blocks=32"} <= {
         graph["name"] for graph in report["graphs"]}
     for graph in report["graphs"]:
         assert set(graph) >= {"name", "compile_seconds", "hbm", "flops", "bytes_accessed", "pallas_kernels"}
         assert set(graph["hbm"]) == {"arguments", "outputs", "temp", "code"} and graph["compile_seconds"] > 0
         kind = graph["name"].removeprefix("draft ").removeprefix("steps ").removeprefix("catch-up ").split()[0]
-        expected = {"prefill": ["prefill_attention"], "decode": ["paged_attention"]}.get(kind, [])
+        expected = {"prefill": ["prefill_attention"], "decode": ["paged_attention"],
+                    "verify": ["paged_attention"]}.get(kind, [])
         assert graph["pallas_kernels"] == expected, graph
     assert report["peak_bytes_per_chip"] <= 0.9 * report["hbm_per_chip_bytes"] and report["kv_cache_blocks"] > 1000
     assert "bfloat16" in out and "fits" in out

@@ -21,8 +21,10 @@ from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.tpu_slices import Target
 from tpu_executor.worker.draft_model import DraftModelRunner
+from tpu_executor.worker.eagle3 import Eagle3Runner
 from tpu_executor.worker.jax.aot import AotJob
 from tpu_executor.worker.jax.runtime import JaxRuntime, cpu_runtime
+from tpu_executor.worker.paged_drafter import PagedDrafter
 from tpu_executor.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -105,13 +107,21 @@ class TargetWorker(Worker):
             self.model = self.jax.place_model(model)
             self.runner = self._new_runner()
         speculative = self.config.speculative
-        if speculative is not None and speculative.method == "draft_model":
-            draft = build_model_shapes(speculative.model, self.dtype, self.config.model.quantization)
+        if speculative is not None and speculative.model is not None:
             with self.device_context():
-                self.drafter = DraftModelRunner(self.config, self.jax.place_model(draft), self.device,
-                                                runtime=self.jax)
+                self.drafter = self._drafter_shapes(speculative.method, speculative.model)
         self.weight_bytes = self.weight_bytes_per_chip()
         return self.model.config.vocab_size
+
+    def _drafter_shapes(self, method: str, path: str) -> PagedDrafter:
+        """The runner of the draft model's or EAGLE-3 head's shapes on the slice's mesh."""
+        from tpu_executor.worker.model_loader import build_eagle3_head_shapes, build_model_shapes
+
+        if method == "eagle3":
+            head = self.jax.place_model(build_eagle3_head_shapes(path, self.model, self.dtype))
+            return Eagle3Runner(self.config, head, self.model, self.device, runtime=self.jax)
+        draft = build_model_shapes(path, self.dtype, self.config.model.quantization)
+        return DraftModelRunner(self.config, self.jax.place_model(draft), self.device, runtime=self.jax)
 
     def weight_bytes_per_chip(self) -> int:
         """Bytes of one chip's share of every parameter and buffer (the draft model's too), as placed."""
