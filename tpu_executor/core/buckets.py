@@ -267,12 +267,14 @@ class BucketPlan:
     def from_config(cls, config: "EngineConfig") -> "BucketPlan":
         compile_cfg, block_size = config.compile, config.cache.block_size
         rows = effective_buckets(compile_cfg.decode_buckets, config.scheduler.max_num_seqs)
-        speculative, exact_sizes = config.speculative, not config.device.compiles and config.parallel.tensor_parallel_size == 1
+        speculative = config.speculative
+        exact_sizes = not config.device.compiles and config.parallel.tensor_parallel_size == 1
         queries = speculative.num_speculative_tokens + 1 if speculative is not None and not exact_sizes else 0
         draft_model = speculative is not None and speculative.model is not None  # a draft model or EAGLE-3 head
         # A drafter's catch-up over short texts takes a row per token (up to k + 2 a sequence,
         # in calls of at most k + 1 rows a sequence).
-        catch_up_rows = rows + wide_row_buckets(config.scheduler.max_num_seqs, queries) if draft_model and queries else ()
+        catch_up_rows = rows + wide_row_buckets(config.scheduler.max_num_seqs, queries) if draft_model and queries \
+            else ()
         context_tokens = geometric_fill(effective_buckets(compile_cfg.decode_context_buckets,
                                                           config.max_model_len, block_size))
         return cls(prefill_token_buckets=prefill_token_buckets(config), context_token_buckets=context_tokens,

@@ -87,7 +87,7 @@ def _lower_decode(graph: DecodeGraph, heads: int, pages, head_dim: int, dt) -> L
 
     from tpu_executor.kernels.paged_attention.kernel import paged_attention
 
-    rows = graph.num_rows
-    return _lower("paged_attention", graph, paged_attention, jax.ShapeDtypeStruct((graph.num_tokens, heads, head_dim), dt),
+    rows, q = graph.num_rows, jax.ShapeDtypeStruct((graph.num_tokens, heads, head_dim), dt)
+    return _lower("paged_attention", graph, paged_attention, q,
                   pages, pages, jax.ShapeDtypeStruct((rows,), jnp.int32),
                   jax.ShapeDtypeStruct((rows, graph.context_blocks), jnp.int32), scale=head_dim ** -0.5)

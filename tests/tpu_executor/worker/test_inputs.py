@@ -172,7 +172,8 @@ def test_a_verify_graphs_inputs_put_each_sequences_tokens_at_the_end_of_its_rows
         assert inputs["input_ids"][rows].tolist() == [8, 9]
         assert inputs["positions"][rows].tolist() == [4, 5]
         assert inputs["slot_mapping"][rows].tolist() == [3 * block_size, 3 * block_size + 1]
-        assert inputs["context_lens"][first].item() == 6 and inputs["block_tables"][first].tolist() == [1, 3, NULL_BLOCK]
+        assert inputs["context_lens"][first].item() == 6
+        assert inputs["block_tables"][first].tolist() == [1, 3, NULL_BLOCK]
         padding = [r for r in range(12) if r not in rows and (given is None or r != 2)]
         assert set(inputs["slot_mapping"][padding].tolist()) == {null_slot}
         assert inputs["sample_rows"].tolist()[:len(sampled)] == sampled
