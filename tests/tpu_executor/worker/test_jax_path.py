@@ -135,6 +135,41 @@ def test_spmd_tensor_parallel_equals_one_device(checkpoints, arch):
     assert all(run["after"] == 0 for run in runs.values())
 
 
+SPMD_SPECULATIVE_RUN = textwrap.dedent("""
+    import json, sys
+    from tests.common import greedy_tokens, mixed_prompts, tiny_engine_options
+    from tpu_executor import LLM
+    from tpu_executor.tools.eagle3_head import write_random_eagle3_head
+    path, head_dir, result = sys.argv[1], sys.argv[2], {}
+    drafts = {"plain": None, "draft_model": path, "eagle3": write_random_eagle3_head(path, head_dir)}
+    for method, draft in drafts.items():
+        config = {"method": method, "model": draft, "num_speculative_tokens": 3} if draft else None
+        llm = LLM(model=path, device="jax", tensor_parallel_size=2, speculative_config=config,
+                  **tiny_engine_options(strict=True, prefill_buckets=(320,), decode_buckets=(8,),
+                                        decode_context_buckets=(320,)))
+        tokens = greedy_tokens(llm, mixed_prompts(4, 16, 200, vocab=500), 24)
+        stats = llm.stats()
+        drafted = stats.spec_decode.num_draft_tokens if config else 0
+        result[method] = dict(tokens=tokens, drafted=drafted, after=stats.graphs_compiled_after_warmup)
+        llm.shutdown()
+    print(json.dumps(result))
+""")
+
+
+def test_spmd_drafters_at_tp2_equal_the_plain_engine(checkpoints, tmp_path):
+    """A draft model (the target itself) and an EAGLE-3 head split with the target over two
+    virtual CPU devices: the plain engine's greedy tokens at tp = 2, drafts made, nothing
+    compiled after warm-up."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    result = subprocess.run([sys.executable, "-c", SPMD_SPECULATIVE_RUN, checkpoints["llama"], str(tmp_path / "head")],
+                            env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = json.loads(result.stdout.strip().splitlines()[-1])
+    assert runs["draft_model"]["tokens"] == runs["eagle3"]["tokens"] == runs["plain"]["tokens"]
+    assert runs["draft_model"]["drafted"] > 0 and runs["eagle3"]["drafted"] > 0
+    assert all(run["after"] == 0 for run in runs.values())
+
+
 def test_configuration_errors_name_the_fix(checkpoints):
     with pytest.raises(ValueError, match="xla_force_host_platform_device_count=2"):
         LLM(model=checkpoints["llama"], device="jax", tensor_parallel_size=2, **tiny_engine_options())
