@@ -24,7 +24,7 @@ class Gemma2DecoderLayer(GemmaDecoderLayer):
     def forward(self, x: torch.Tensor, kv_cache, meta) -> torch.Tensor:
         attended = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), kv_cache, meta))
         normed, x = self.pre_feedforward_layernorm(attended, residual=x)
-        return x + self.post_feedforward_layernorm(self.mlp(normed))
+        return x + self.post_feedforward_layernorm(self.mlp(normed, meta.lora_slots))
 
 
 class Gemma2ForCausalLM(GemmaForCausalLM):

@@ -66,8 +66,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, tp, bias=bias)
         self.activation = activation
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(act_and_mul(self.gate_up_proj(x), activation=self.activation))
+    def forward(self, x: torch.Tensor, lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, lora_slots)
+        return self.down_proj(act_and_mul(gate_up, activation=self.activation), lora_slots)
 
 
 class LlamaAttention(nn.Module):
@@ -106,7 +107,7 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         q_size, kv_size, _ = self.qkv_proj.split_sizes
-        qk, v = self.qkv_proj(x).split([q_size + kv_size, kv_size], dim=-1)
+        qk, v = self.qkv_proj(x, meta.lora_slots).split([q_size + kv_size, kv_size], dim=-1)
         qk = qk.reshape(num_tokens, heads + kv_heads, self.head_dim)
         v = v.reshape(num_tokens, kv_heads, self.head_dim)
         if self.q_norm is None:  # q's heads and k's side by side: RoPE turns them in one go
@@ -116,7 +117,7 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary(meta.positions, q, k, shared=meta.rope)
         out = paged_attention_forward(q, k, v, kv_cache, meta, scale=self.scale,
                                       soft_cap=self.soft_cap, sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim), meta.lora_slots)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -145,7 +146,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(x), kv_cache, meta)
         normed, x = self.post_attention_layernorm(attended, residual=x)
-        return x + self.mlp(normed)
+        return x + self.mlp(normed, meta.lora_slots)
 
 
 class LlamaModel(nn.Module):

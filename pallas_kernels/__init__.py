@@ -9,6 +9,7 @@ def register_all(registry: OpRegistry = REGISTRY) -> OpRegistry:
     """Register every op's providers once (later calls only re-run their static checks)."""
     from tpu_executor.kernels.act_and_mul import ops as act_ops
     from tpu_executor.kernels.gmm import ops as gmm_ops
+    from tpu_executor.kernels.lora_matmul import ops as lora_ops
     from tpu_executor.kernels.packed_matmul import ops as packed_ops
     from tpu_executor.kernels.paged_attention import ops as paged_ops
     from tpu_executor.kernels.prefill_attention import ops as prefill_ops
@@ -17,7 +18,7 @@ def register_all(registry: OpRegistry = REGISTRY) -> OpRegistry:
     from tpu_executor.kernels.w8a16_matmul import ops as w8a16_ops
     from tpu_executor.kernels.write_kv_cache import ops as write_ops
 
-    for module in (act_ops, gmm_ops, packed_ops, paged_ops, prefill_ops, norm_ops, rotary_ops,
+    for module in (act_ops, gmm_ops, lora_ops, packed_ops, paged_ops, prefill_ops, norm_ops, rotary_ops,
                    w8a16_ops, write_ops):
         if module.OP_NAME not in registry.ops():
             module.register(registry)

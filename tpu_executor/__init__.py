@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict, List
 
 _EXPORTS: Dict[str, str] = {
     "LLM": "tpu_executor.entrypoints.llm",
+    "LoRARequest": "tpu_executor.core.lora",
     "SamplingParams": "tpu_executor.core.sampling_params",
     "RequestOutputKind": "tpu_executor.core.sampling_params",
     "StructuredOutputsParams": "tpu_executor.core.sampling_params",
@@ -22,6 +23,7 @@ _EXPORTS: Dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs (``X as X``: a re-export)
+    from tpu_executor.core.lora import LoRARequest as LoRARequest
     from tpu_executor.core.request import CompletionOutput as CompletionOutput
     from tpu_executor.core.request import RequestOutput as RequestOutput
     from tpu_executor.core.sampling_params import RequestOutputKind as RequestOutputKind

@@ -69,7 +69,8 @@ class AttentionMetadata:
     both are set: the prefill's tokens first (as many as its ``query_segments``), then one
     token per decode row. ``rope`` holds, on an untraced call, the cos and sin each RoPE
     computed for ``positions``, for the layers after the first; ``taps``, when set, copies
-    some layers' inputs out (``HiddenTaps``).
+    some layers' inputs out (``HiddenTaps``); ``lora_slots [T]``, when set, is each token's
+    adapter slot (multi-LoRA: 0 is the base model).
     """
 
     positions: torch.Tensor
@@ -78,6 +79,7 @@ class AttentionMetadata:
     decode: Optional[DecodeMetadata] = None
     rope: Dict = field(default_factory=dict)
     taps: Optional[HiddenTaps] = None
+    lora_slots: Optional[torch.Tensor] = None
 
 
 def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache,

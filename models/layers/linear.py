@@ -28,6 +28,7 @@ from tpu_executor.models.layers.cpu_matmul import (
     packable_for_cpu,
     xla_cpu_small_matmul,
 )
+from tpu_executor.models.layers.lora import LoRASlots, check_shape
 from tpu_executor.models.layers.parallel import TensorParallelGroup, divide, kv_heads_of_rank
 
 
@@ -110,8 +111,9 @@ class QuantizableMatmul(nn.Module):
         return x @ self.weight
 
 
-class ColumnParallelLinear(QuantizableMatmul):
-    """``y = x @ W + b`` keeping this rank's slice of the output features.
+class ColumnParallelLinear(QuantizableMatmul, LoRASlots):
+    """``y = x @ W + b`` keeping this rank's slice of the output features (plus each token's
+    LoRA update, when the layer serves adapters).
 
     ``shards`` maps a checkpoint tensor (``shard_id``) to where its rows go; a plain
     column-parallel layer has the one shard ``None``.
@@ -121,6 +123,7 @@ class ColumnParallelLinear(QuantizableMatmul):
                  shards: Optional[Dict[object, OutputShard]] = None):
         super().__init__()
         self.tp = tp
+        self.in_features = in_features
         if shards is None:
             local = divide(out_features, tp.world_size, "output features")
             shards = {None: (0, tp.rank * local, local, out_features)}
@@ -139,9 +142,26 @@ class ColumnParallelLinear(QuantizableMatmul):
         offset, start, length, full = self.shards[shard_id]
         copy_from_hf(param.narrow(-1, offset, length), narrow_checked(loaded, 0, start, length, full))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         y = self.matmul(x)
+        delta = self.lora_delta(x, lora_slots)
+        y = y if delta is None else y + delta
         return y if self.bias is None else y + self.bias
+
+    def _lora_shapes(self, max_rank: int) -> Tuple[int, int]:
+        return self.in_features, len(self.shards) * max_rank  # A whole, a rank's columns per packed shard
+
+    def _lora_out(self) -> int:
+        return self.out_local
+
+    def _lora_parts(self, shard_id, lora_a: torch.Tensor, lora_b: torch.Tensor):
+        if shard_id not in self.shards:
+            raise ValueError(f"no shard {shard_id!r} in this layer (it packs {list(self.shards)})")
+        offset, start, length, full = self.shards[shard_id]
+        check_shape("lora_A", lora_a, (lora_a.shape[0], self.in_features))
+        check_shape("lora_B", lora_b, (full, lora_a.shape[0]))
+        column = list(self.shards).index(shard_id) * self.lora_rank
+        return lora_a, lora_b[start:start + length], column, (offset, length)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -176,10 +196,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.split_sizes = (q_size, kv_size, kv_size)
 
 
-class RowParallelLinear(QuantizableMatmul):
+class RowParallelLinear(QuantizableMatmul, LoRASlots):
     """``y = all_reduce(x_local @ W_local) + b``: this rank's slice of the input features.
 
-    The bias is added once, after the sum.
+    The bias is added once, after the sum; a LoRA update's partial product joins the base
+    layer's before it.
     """
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallelGroup, bias: bool = False):
@@ -187,6 +208,7 @@ class RowParallelLinear(QuantizableMatmul):
         self.tp = tp
         self.in_features = in_features
         self.in_local = divide(in_features, tp.world_size, "input features")
+        self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(self.in_local, out_features))
         self.weight.weight_loader = self._load
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
@@ -197,9 +219,23 @@ class RowParallelLinear(QuantizableMatmul):
         start = self.tp.rank * self.in_local
         copy_from_hf(param, narrow_checked(loaded, 1, start, self.in_local, self.in_features))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.matmul(x))
+    def forward(self, x: torch.Tensor, lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        y = self.matmul(x)
+        delta = self.lora_delta(x, lora_slots)
+        y = self.tp.all_reduce(y if delta is None else y + delta)
         return y if self.bias is None else y + self.bias
+
+    def _lora_shapes(self, max_rank: int) -> Tuple[int, int]:
+        return self.in_local, max_rank  # A's rows of this rank's input features, B whole
+
+    def _lora_out(self) -> int:
+        return self.out_features
+
+    def _lora_parts(self, shard_id, lora_a: torch.Tensor, lora_b: torch.Tensor):
+        check_shape("lora_A", lora_a, (lora_a.shape[0], self.in_features))
+        check_shape("lora_B", lora_b, (self.out_features, lora_a.shape[0]))
+        start = self.tp.rank * self.in_local
+        return lora_a[:, start:start + self.in_local], lora_b, 0, (0, self.out_features)
 
 
 class VocabParallelEmbedding(nn.Module):

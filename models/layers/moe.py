@@ -116,7 +116,8 @@ class SparseMoeBlock(nn.Module):
         self.gate.quantizable = False  # tiny, and routing decisions are sensitive to it
         self.experts = ExpertWeights(num_experts, hidden_size, intermediate_size, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``lora_slots``: adapters do not reach the experts (refused when an adapter targets them)."""
         w13, w2 = self.experts.weights(x.dtype)
         return self.tp.all_reduce(sparse_moe(x, self.gate(x), w13, w2, self.top_k, self.act, self.normalize))
 

@@ -86,20 +86,21 @@ def test_source_hash_covers_the_kernel_module():
 
 
 EAGER_PROVIDERS = {"gmm": "eager_grouped", "paged_attention": "eager_sdpa", "prefill_attention": "eager_segments",
-                   "rms_norm": "eager_fused"}
+                   "rms_norm": "eager_fused", "lora_matmul": "eager_grouped"}
 
 
 def test_every_op_registers_pallas_first_and_the_reference_last():
     from tpu_executor.kernels import register_all
 
     registry = register_all(OpRegistry())
-    assert registry.ops() == ["act_and_mul", "gmm", "packed_matmul", "paged_attention", "prefill_attention",
-                              "rms_norm", "rotary_embedding", "w8a16_matmul", "write_kv_cache"]
+    assert registry.ops() == ["act_and_mul", "gmm", "lora_matmul", "packed_matmul", "paged_attention",
+                              "prefill_attention", "rms_norm", "rotary_embedding", "w8a16_matmul", "write_kv_cache"]
     # Without a Pallas kernel: w8a16_matmul (yet: the reference dequantizes, then multiplies),
     # the elementwise ops (XLA fuses them itself; their C kernels are the CPU's) and the CPU's
-    # panel matmul (no TPU layer packs its weights so).
+    # panel matmul (no TPU layer packs its weights so); lora_matmul (two small dense matmuls:
+    # XLA's own, the grouped eager form on the native path).
     first = {"w8a16_matmul": "reference", "act_and_mul": "cpu_c", "rms_norm": "cpu_c", "rotary_embedding": "cpu_c",
-             "write_kv_cache": "cpu_c", "packed_matmul": "cpu_c"}
+             "write_kv_cache": "cpu_c", "packed_matmul": "cpu_c", "lora_matmul": "eager_grouped"}
     for op in registry.ops():
         names = [p.name for p in registry.providers(op)]
         assert names[-1] == "reference", names

@@ -267,6 +267,36 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA (vLLM's options): PEFT LoRA adapters served over the base model, up to
+    ``max_loras`` different ones in a step (a device slot each, slot 0 being the base model),
+    each of rank at most ``max_lora_rank``; the host keeps ``max_cpu_loras`` of them read."""
+
+    enable_lora: bool = option(False, "serve LoRA adapters (a request names one: LoRARequest, or the "
+                                      "server's model field)")
+    max_loras: int = option(1, "different adapters in one step (device slots)")
+    max_lora_rank: int = option(16, "the largest adapter rank served")
+    max_cpu_loras: Optional[int] = option(None, "adapters kept read on the host", none_means="max_loras")
+
+    def __post_init__(self):
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            _require(not isinstance(value, bool) and isinstance(value, int) and value >= 1,
+                     f"{name} must be an integer >= 1, got {value!r}")
+        cpu = self.max_cpu_loras
+        if cpu is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        _require(not isinstance(self.max_cpu_loras, bool) and isinstance(self.max_cpu_loras, int)
+                 and self.max_cpu_loras >= self.max_loras,
+                 f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu!r}")
+
+    @property
+    def num_slots(self) -> int:
+        """Device slots per layer: one per adapter of a step, and slot 0 (zeros) for the base."""
+        return self.max_loras + 1
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """All configs together, with the cross-checks between them.
 
@@ -281,6 +311,7 @@ class EngineConfig:
     max_model_len: int
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: Optional[SpeculativeConfig] = None
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self):
         if self.model.dtype == "auto":
@@ -320,7 +351,8 @@ class EngineConfig:
 
 
 # The sections whose fields are engine options, in the order the command line lists them.
-OPTION_SECTIONS = (ModelConfig, DeviceConfig, CacheConfig, SchedulerConfig, CompileConfig, ParallelConfig)
+OPTION_SECTIONS = (ModelConfig, DeviceConfig, CacheConfig, SchedulerConfig, CompileConfig, ParallelConfig,
+                   LoRAConfig)
 
 
 def resolve_max_model_len(checkpoint_limit: int, user_limit: Optional[int], scheduler: SchedulerConfig) -> int:

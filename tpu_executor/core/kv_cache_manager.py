@@ -87,15 +87,16 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> Tuple[List[int], int]:
-        """Longest run of cached full blocks that prefixes ``token_ids``.
+    def find_cached_prefix(self, token_ids: Sequence[int], root: Optional[bytes] = None) -> Tuple[List[int], int]:
+        """Longest run of cached full blocks that prefixes ``token_ids`` (``root``: what the
+        first block's hash chains on, e.g. the request's LoRA adapter; None: the base model).
 
         At least one token is always left to compute, so the step produces logits.
         """
         if not self.enable_prefix_caching:
             return [], 0
         hits: List[int] = []
-        parent = None
+        parent = root
         max_blocks = (len(token_ids) - 1) // self.block_size
         for i in range(max_blocks):
             parent = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
@@ -157,15 +158,17 @@ class KVCacheManager:
         hashes = self._req_hashes.get(request_id)
         return num_computed >= (len(hashes) + 1 if hashes else 1) * self.block_size
 
-    def cache_computed_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        """Register hashes of the request's blocks fully covered by ``num_computed`` tokens."""
+    def cache_computed_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int,
+                              root: Optional[bytes] = None) -> None:
+        """Register hashes of the request's blocks fully covered by ``num_computed`` tokens
+        (``root`` as ``find_cached_prefix`` takes it)."""
         if not self.enable_prefix_caching:
             return
         hashes = self._req_hashes.setdefault(request_id, [])
         table = self._req_blocks.get(request_id, [])
         num_full = min(num_computed // self.block_size, len(table))
         for i in range(len(hashes), num_full):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else root
             block_hash = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             hashes.append(block_hash)
             block = self.blocks[table[i]]

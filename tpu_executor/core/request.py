@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
 
+from tpu_executor.core.lora import LoRARequest
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.core.step import ENTRY_ALLOWED, ENTRY_BANNED, ENTRY_BIAS, ENTRY_STOP, LogitsProcessing, SamplingMeta
 
@@ -57,6 +58,8 @@ class Request:
     drafted_at: int = -1
     stop_reason: Optional[object] = None  # the stop token id that finished it (not the EOS)
     error: Optional[str] = None
+    lora_request: Optional[LoRARequest] = None  # the adapter it runs with (None: the base model)
+    lora_slot: int = 0  # the device slot of its adapter while it runs (0: the base model)
     _token_ids: List[int] = field(default_factory=list, init=False, repr=False)
     sampling: SamplingMeta = field(init=False, repr=False)  # the sampler's view, built once
     # The ids that finish it (EOS unless ignored, and stop_token_ids), settled once: the
@@ -75,6 +78,12 @@ class Request:
                                      len(self.prompt_token_ids), -1 if params.logprobs is None else params.logprobs,
                                      processing)
         self.max_outputs = params.max_tokens
+
+    @property
+    def cache_root(self) -> Optional[bytes]:
+        """What its prefix-cache hashes chain on: its adapter's id (two adapters never share
+        K/V blocks), or None for the base model."""
+        return None if self.lora_request is None else f"lora {self.lora_request.lora_int_id}".encode()
 
     @property
     def all_token_ids(self) -> List[int]:

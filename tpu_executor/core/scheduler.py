@@ -32,6 +32,7 @@ from typing import Collection, Deque, Dict, List, Mapping, Optional, Tuple
 
 from tpu_executor.core.config import SchedulerConfig
 from tpu_executor.core.kv_cache_manager import KVCacheManager
+from tpu_executor.core.lora import AdapterSlots
 from tpu_executor.core.request import Request, RequestStatus
 from tpu_executor.core.speculative import Drafter, SpecCounts
 from tpu_executor.core.step import PENDING_TOKEN, DecodeWork, PrefillWork, SampledTokens, SchedulerOutput
@@ -48,7 +49,7 @@ class Scheduler:
     """Decides the prefill and decode work of each step and owns the request queues."""
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 max_chunk_tokens: int, drafter: Optional[Drafter] = None):
+                 max_chunk_tokens: int, drafter: Optional[Drafter] = None, max_loras: int = 0):
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
@@ -59,6 +60,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.spec = SpecCounts()
         self._verifying: Dict[str, int] = {}  # request id -> drafts in its verify in flight
+        # Multi-LoRA: the device's adapter slots (None: the engine serves no adapters).
+        self.adapters = AdapterSlots(max_loras) if max_loras else None
 
     def add(self, request: Request) -> None:
         request.max_outputs = min(request.max_outputs, self.max_model_len - len(request.prompt_token_ids))
@@ -71,6 +74,7 @@ class Scheduler:
         """Mark a request finished (any status) and give its blocks back."""
         if request in self.running:
             self.running.remove(request)
+            self._release_adapter(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
@@ -101,8 +105,9 @@ class Scheduler:
             prefills = self._schedule_prefills(budget, bool(decodes or verifies or chunks))
         if names_drafting:
             drafting.extend(w.request_id for w in chunks + prefills if w.is_last_chunk)
+        loads = self.adapters.take_loads() if self.adapters is not None else ()
         return SchedulerOutput(prefills=tuple(chunks + prefills), decodes=tuple(decodes), verifies=tuple(verifies),
-                               drafting=tuple(drafting))
+                               drafting=tuple(drafting), lora_loads=loads)
 
     def _schedule_decodes(self, drafter: Optional[Drafter], names_drafting: bool
                           ) -> Tuple[List[DecodeWork], List[PrefillWork], List[Request], List[str]]:
@@ -151,7 +156,7 @@ class Scheduler:
                     continue  # it was preempted itself
                 table = block_table(request_id)
             token_id = PENDING_TOKEN if in_flight else (outputs[-1] if outputs else request.prompt_token_ids[-1])
-            work = (request_id, token_id, num_tokens - 1, table, request.sampling)
+            work = (request_id, token_id, num_tokens - 1, table, request.sampling, request.lora_slot)
             decodes.append(_new_decode_work(DecodeWork, work))
             request.num_in_flight = in_flight + 1
         return decodes, verifies, prefilling, drafting
@@ -170,7 +175,8 @@ class Scheduler:
         self._verifying[request.request_id] = len(drafts)
         tokens = request.all_token_ids
         return PrefillWork(request.request_id, (tokens[-1], *drafts), num_tokens - 1,
-                           self.kv_cache.block_table(request.request_id), request.sampling)
+                           self.kv_cache.block_table(request.request_id), request.sampling,
+                           lora_slot=request.lora_slot)
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, scheduled: Collection[str] = ()) -> bool:
         """Blocks for ``num_tokens`` of a running request, preempting the most recently admitted
@@ -197,7 +203,8 @@ class Scheduler:
             num_new = min(request.num_prefill_tokens - start, budget, self.max_chunk_tokens)
             # Blocks full before the previous chunk hold K/V of steps that have finished (the
             # previous chunk's step may still run, or fail): those are safe to share.
-            self.kv_cache.cache_computed_blocks(request.request_id, request.all_token_ids, request.last_chunk_start)
+            self.kv_cache.cache_computed_blocks(request.request_id, request.all_token_ids, request.last_chunk_start,
+                                                request.cache_root)
             if self._allocate_or_preempt(request, start + num_new, scheduled):
                 chunks.append(self._chunk(request, num_new))
                 budget -= num_new
@@ -214,7 +221,7 @@ class Scheduler:
         work = PrefillWork(request.request_id, tuple(tokens[start:start + num_new]), start,
                            self.kv_cache.block_table(request.request_id), request.sampling, is_last, history,
                            prompt_logprob_targets(request, start, start + num_new),
-                           None if is_last else tokens[start + num_new])
+                           None if is_last else tokens[start + num_new], request.lora_slot)
         if is_last:
             request.num_in_flight += 1  # the prompt's sampled token
         return work
@@ -226,6 +233,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._release_adapter(request)
         self.kv_cache.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
@@ -234,33 +242,64 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_prefills(self, budget: int, has_work: bool) -> List[PrefillWork]:
+        """New requests, in arrival order, while the budget, ``max_num_seqs`` and the free blocks
+        allow; one whose adapter finds no free slot waits, and the ones after it go first."""
         prefills: List[PrefillWork] = []
-        chunked = self.config.enable_chunked_prefill
+        no_slot: List[Request] = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_in_flight:
                 break  # preempted with a token still coming: its prefill must include it
-            tokens = request.all_token_ids
-            # A prompt owed log-probs is computed whole: cached blocks would skip its positions.
-            owed = request.sampling_params.prompt_logprobs is not None
-            cached, num_cached = ([], 0) if owed else self.kv_cache.find_cached_prefix(tokens)
-            num_new = len(tokens) - num_cached
-            if chunked:
-                num_new = min(num_new, budget, self.max_chunk_tokens)
-                if num_new <= 0:
-                    break
-            elif num_new > budget and (prefills or has_work):
+            if not self._acquire_adapter(request):
+                no_slot.append(self.waiting.popleft())
+                continue
+            work = self._admit(request, budget, bool(prefills) or has_work)
+            if work is None:
+                self._release_adapter(request)
                 break
-            if not self.kv_cache.allocate(request.request_id, num_cached + num_new, cached):
-                break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
-            request.num_prefill_tokens = len(tokens)
-            self.running.append(request)
-            budget -= num_new
-            prefills.append(self._chunk(request, num_new))
+            budget -= len(work.token_ids)
+            prefills.append(work)
+        self.waiting.extendleft(reversed(no_slot))
         return prefills
+
+    def _admit(self, request: Request, budget: int, has_work: bool) -> Optional[PrefillWork]:
+        """The first prefill of the first waiting request, admitted; None when the budget or
+        the free blocks do not allow it (it stays waiting)."""
+        tokens = request.all_token_ids
+        # A prompt owed log-probs is computed whole: cached blocks would skip its positions.
+        owed = request.sampling_params.prompt_logprobs is not None
+        cached, num_cached = ([], 0) if owed else self.kv_cache.find_cached_prefix(tokens, request.cache_root)
+        num_new = len(tokens) - num_cached
+        if self.config.enable_chunked_prefill:
+            num_new = min(num_new, budget, self.max_chunk_tokens)
+            if num_new <= 0:
+                return None
+        elif num_new > budget and has_work:
+            return None
+        if not self.kv_cache.allocate(request.request_id, num_cached + num_new, cached):
+            return None
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        request.num_prefill_tokens = len(tokens)
+        self.running.append(request)
+        return self._chunk(request, num_new)
+
+    def _acquire_adapter(self, request: Request) -> bool:
+        """Give a request about to run its adapter's slot; False when no slot is free for it."""
+        if request.lora_request is None or self.adapters is None:
+            return True
+        slot = self.adapters.acquire(request.lora_request)
+        if slot is None:
+            return False
+        request.lora_slot = slot
+        return True
+
+    def _release_adapter(self, request: Request) -> None:
+        """A request leaves the running set: its adapter's slot loses a user."""
+        if request.lora_slot and self.adapters is not None:
+            self.adapters.release(request.lora_slot)
+            request.lora_slot = 0
 
     def update(self, sampled: SampledTokens, requests: Dict[str, Request],
                drafts: Mapping[str, Tuple[int, ...]] = MappingProxyType({})) -> Tuple[SampledTokens, List[Request]]:
@@ -290,7 +329,7 @@ class Scheduler:
             if request.status is running:
                 num_computed = request.num_computed_tokens = len(request.prompt_token_ids) + len(outputs)
                 if kv_cache.has_blocks_to_cache(request_id, num_computed):
-                    kv_cache.cache_computed_blocks(request_id, request.all_token_ids, num_computed)
+                    kv_cache.cache_computed_blocks(request_id, request.all_token_ids, num_computed, request.cache_root)
             outputs.append(token_id)
             if token_id in request.stop_token_ids:
                 if token_id != request.eos_token_id or request.sampling_params.ignore_eos:

@@ -76,6 +76,8 @@ class PrefillWork(NamedTuple):
     # A chunk that does not end its prompt: the prompt token after it (an EAGLE head's input at
     # the chunk's last position).
     next_token_id: Optional[int] = None
+    # The device slot of the request's LoRA adapter (0: the base model).
+    lora_slot: int = 0
 
     @property
     def num_context_tokens(self) -> int:
@@ -99,6 +101,7 @@ class DecodeWork(NamedTuple):
     position: int
     block_ids: Tuple[int, ...]
     sampling: SamplingMeta
+    lora_slot: int = 0  # the device slot of the request's LoRA adapter (0: the base model)
 
     @property
     def sampled_position(self) -> int:
@@ -121,6 +124,9 @@ class SchedulerOutput:
     verifies: Tuple[PrefillWork, ...] = ()
     # The requests that may verify drafts in the next step (a draft model drafts for those only).
     drafting: Tuple[str, ...] = ()
+    # Multi-LoRA: (slot, LoRARequest) the workers write before the step runs (adapters given a
+    # device slot since the step before).
+    lora_loads: Tuple[Tuple[int, Any], ...] = ()
 
     @property
     def is_empty(self) -> bool:

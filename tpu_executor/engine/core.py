@@ -90,7 +90,8 @@ class EngineCore:
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.max_model_len,
                                    BucketPlan.from_config(config).max_prefill_tokens,
-                                   make_drafter(config.speculative))
+                                   make_drafter(config.speculative),
+                                   config.lora.max_loras if config.lora.enable_lora else 0)
         self._requests: Dict[str, Request] = {}  # sample id -> its request, until it finishes
         # Samples the front-end finished since the last step: the next output confirms them, so
         # a front-end in another process knows when no token of theirs can come any more.

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.core.detokenizer import Detokenizer, DetokenizerState, take_text_delta, truncate_at_stop
 from tpu_executor.core.heap import freeze_startup_heap, unfreeze_heap
+from tpu_executor.core.lora import LoRARequest
 from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
 from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams
@@ -162,17 +163,20 @@ class LLMEngine:
         self.checks.validate(token_ids, params)
 
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
-                    prompt_token_ids: Optional[List[int]] = None, arrival_time: Optional[float] = None) -> str:
+                    prompt_token_ids: Optional[List[int]] = None, arrival_time: Optional[float] = None,
+                    lora_request: Optional[LoRARequest] = None) -> str:
         """Validate and queue a request; returns its id. Invalid input raises ValueError.
 
         ``prompt_token_ids`` skips tokenising and validating again (from ``prepare_prompt``);
-        ``arrival_time`` (``time.monotonic()``) is when it reached the server, default now.
+        ``arrival_time`` (``time.monotonic()``) is when it reached the server, default now;
+        ``lora_request`` the LoRA adapter it runs with (None: the base model).
         """
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine has shut down: {self.dead_reason}")
         request_id = request_id if request_id is not None else str(next(self._counter))
         token_ids = list(prompt_token_ids if prompt_token_ids is not None else self.prepare_prompt(prompt, params))
-        samples = [self._new_sample(request_id, token_ids, params, index) for index in range(params.n)]
+        self.checks.lora(lora_request)
+        samples = [self._new_sample(request_id, token_ids, params, index, lora_request) for index in range(params.n)]
         # A core in another process may still be finishing an ended request of the same id.
         if request_id in self._groups or any(self.core.has_sample(s.sample_id) for s, _ in samples):
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -191,13 +195,13 @@ class LLMEngine:
         self.core.add([request for _, request in samples])
         return request_id
 
-    def _new_sample(self, request_id: str, token_ids: List[int], params: SamplingParams,
-                    index: int) -> "tuple[SampleStream, Request]":
+    def _new_sample(self, request_id: str, token_ids: List[int], params: SamplingParams, index: int,
+                    lora_request: Optional[LoRARequest] = None) -> "tuple[SampleStream, Request]":
         """A sample's stream (the front-end's) and its request (the core's)."""
         seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(62)
         sample_id = request_id if params.n == 1 else f"{request_id}#{index}"
         request = Request(sample_id, list(token_ids), params, seed, eos_token_id=self.tokenizer.eos_token_id,
-                          bad_words_token_ids=self.checks.bad_words_token_ids(params))
+                          bad_words_token_ids=self.checks.bad_words_token_ids(params), lora_request=lora_request)
         check_sampling_row(request.sampling)
         stream = SampleStream(sample_id, self.detokenizer.new_state(token_ids, params), request_id, index,
                               params.output_kind is RequestOutputKind.FINAL_ONLY, params.min_tokens,

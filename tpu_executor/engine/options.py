@@ -19,6 +19,7 @@ from tpu_executor.core.config import (
     CompileConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -101,7 +102,7 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
     return EngineConfig(model=model_config, cache=CacheConfig(**values[CacheConfig]),
                         scheduler=scheduler, compile=compile_config,
                         device=DeviceConfig(**values[DeviceConfig]), max_model_len=limit, parallel=parallel,
-                        speculative=speculative)
+                        speculative=speculative, lora=LoRAConfig(**values[LoRAConfig]))
 
 
 def shown_default(value: Any) -> str:

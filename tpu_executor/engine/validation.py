@@ -5,9 +5,10 @@ so any thread may run them while the engine steps."""
 from __future__ import annotations
 
 import threading
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from tpu_executor.core.config import EngineConfig
+from tpu_executor.core.lora import LoRARequest
 from tpu_executor.core.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, SamplingParams
 from tpu_executor.engine.structured_outputs import GrammarCompiler
 
@@ -20,6 +21,7 @@ class RequestChecks:
         self._grammar_compiler: Optional[GrammarCompiler] = None
         self._lock = threading.Lock()
         self._on_grammar_compiled: Optional[Callable[[float], None]] = None  # a metric's observer
+        self._adapters: Dict[int, LoRARequest] = {}  # lora_int_id -> the adapter checked under it
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -74,6 +76,36 @@ class RequestChecks:
         self.bad_words_token_ids(params)
         if params.structured_outputs is not None:
             self.grammar_compiler.compile(params.structured_outputs)  # compiled once, then cached
+
+    def lora(self, lora_request: Optional[LoRARequest]) -> None:
+        """Raise ValueError (``lora_request``'s fault) if the request's adapter cannot run here:
+        the engine serves none, its id names another adapter, or the adapter does not fit the
+        model (checked once per adapter, from its config and its weight file's header)."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        lora = self.config.lora
+        if not lora.enable_lora:
+            raise ValueError("lora_request: this engine serves no LoRA adapters (start it with enable_lora=True)")
+        with self._lock:
+            known = self._adapters.get(lora_request.lora_int_id)
+        if known is not None and known.lora_path != lora_request.lora_path:
+            raise ValueError(f"lora_request: lora_int_id {lora_request.lora_int_id} is adapter {known.lora_path!r}, "
+                             f"not {lora_request.lora_path!r}")
+        if known is None:
+            from tpu_executor.worker.lora_loader import check_adapter
+            from tpu_executor.worker.model_loader import load_hf_config
+
+            check_adapter(lora_request.lora_path, load_hf_config(self.config.model.model).to_dict(),
+                          lora.max_lora_rank)
+            with self._lock:
+                self._adapters[lora_request.lora_int_id] = lora_request
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        """Forget adapter ``lora_int_id`` (unloaded): its id may name another adapter next."""
+        with self._lock:
+            self._adapters.pop(lora_int_id, None)
 
     def bad_words_token_ids(self, params: SamplingParams) -> Tuple[Tuple[int, ...], ...]:
         """``params.bad_words`` as token sequences, each word as it starts the text and after a

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import List, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 from tqdm import tqdm
 
+from tpu_executor.core.lora import LoRARequest
 from tpu_executor.core.request import RequestOutput, accumulate_deltas
 from tpu_executor.core.sampling_params import RequestOutputKind, SamplingParams
 from tpu_executor.engine.llm_engine import LLMEngine, PromptType
@@ -37,8 +38,11 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 use_tqdm: bool = True) -> List[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order.
+                 use_tqdm: bool = True,
+                 lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None) -> List[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order. ``lora_request``: one
+        LoRA adapter for every prompt, or one per prompt (None: the base model); the engine must
+        have been started with ``enable_lora=True``.
 
         All prompts are validated before any is queued, so a bad one raises ValueError and
         leaves the engine as it was. Requests run with ``RequestOutputKind.FINAL_ONLY`` (as in
@@ -51,9 +55,14 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         params = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
+        adapters = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"got {len(adapters)} lora requests for {len(prompts)} prompts")
         token_ids = [self.engine.prepare_prompt(prompt, p) for prompt, p in zip(prompts, params)]
-        ids = [self.engine.add_request(prompt, p, prompt_token_ids=t)
-               for prompt, p, t in zip(prompts, params, token_ids)]
+        for adapter in adapters:
+            self.engine.checks.lora(adapter)
+        ids = [self.engine.add_request(prompt, p, prompt_token_ids=t, lora_request=adapter)
+               for prompt, p, t, adapter in zip(prompts, params, token_ids, adapters)]
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: List[str], use_tqdm: bool) -> List[RequestOutput]:

@@ -41,8 +41,9 @@ class PersistentDecodeBatch:
     are the largest decode bucket's rows and block-table width.
     """
 
-    def __init__(self, max_rows: int, max_blocks: int):
+    def __init__(self, max_rows: int, max_blocks: int, lora: bool = False):
         self.max_rows = max_rows
+        self.lora = lora  # the inputs carry each row's adapter slot (multi-LoRA)
         # One row more than a bucket holds: the last is never written and stays padding (null
         # blocks, greedy), so moving rows is one gather, with new rows taken from it.
         self._tables = np.full((max_rows + 1, max_blocks), NULL_BLOCK, dtype=np.int64)
@@ -55,6 +56,7 @@ class PersistentDecodeBatch:
         self._metas: List[object] = [None] * (max_rows + 1)
         self._token_ids: Tuple[int, ...] = ()
         self._positions = np.zeros(0, dtype=np.int64)
+        self._lora_slots: Tuple[int, ...] = ()
 
     def update(self, work: Sequence[DecodeWork]) -> None:
         """Make the rows those of ``work``: rows of requests that stay are moved (when the set
@@ -62,7 +64,7 @@ class PersistentDecodeBatch:
         if len(work) > self.max_rows:
             raise ValueError(f"{len(work)} decode rows exceed the largest decode bucket ({self.max_rows})")
         # The work's columns, transposed in C (the items are tuples).
-        ids, token_ids, positions, all_blocks, all_metas = zip(*work) if work else ((),) * 5
+        ids, token_ids, positions, all_blocks, all_metas, lora_slots = zip(*work) if work else ((),) * 6
         if ids != self._ids:
             self._move_rows(ids)
         tables, block_ids, metas = self._tables, self._block_ids, self._metas
@@ -78,7 +80,7 @@ class PersistentDecodeBatch:
                 if meta != metas[row]:
                     self._write_sampling(row, meta)
                 metas[row] = meta
-        self._token_ids = token_ids
+        self._token_ids, self._lora_slots = token_ids, lora_slots
         self._positions = np.array(positions, dtype=np.int64)
 
     def _move_rows(self, ids: Tuple[str, ...]) -> None:
@@ -123,9 +125,13 @@ class PersistentDecodeBatch:
         slots = np.full(rows, NULL_BLOCK * block_size, dtype=np.int64)
         real = positions[:num]
         slots[:num] = table_slots(tables[:num], real, block_size)
-        return {name: torch.from_numpy(array) for name, array in
-                (("input_ids", input_ids), ("feed_slots", feed_slots), ("positions", positions),
-                 ("slot_mapping", slots), ("block_tables", tables), ("context_lens", positions + 1))}
+        arrays = [("input_ids", input_ids), ("feed_slots", feed_slots), ("positions", positions),
+                  ("slot_mapping", slots), ("block_tables", tables), ("context_lens", positions + 1)]
+        if self.lora:
+            lora_slots = np.zeros(rows, dtype=np.int64)
+            lora_slots[:num] = self._lora_slots
+            arrays.append(("lora_slots", lora_slots))
+        return {name: torch.from_numpy(array) for name, array in arrays}
 
     def sampling(self, rows: int) -> Dict[str, torch.Tensor]:
         """The sampler's per-row inputs for the rows, padded greedy to ``rows``. A row's step

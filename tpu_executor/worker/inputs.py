@@ -39,16 +39,19 @@ def _as_tensors(arrays: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
 
 
 def prefill_inputs(pack: Sequence[PrefillWork], num_tokens: int, num_keys: int, max_seqs: int,
-                   block_size: int) -> Dict[str, torch.Tensor]:
+                   block_size: int, lora: bool = False) -> Dict[str, torch.Tensor]:
     """Several sequences' new tokens (whole prompts or chunks) packed into one ``num_tokens``
     row, with their contexts (cached, earlier chunks, new) as ``num_keys`` keys, each context
-    in whole pages. Padding queries and keys share segment -1."""
+    in whole pages. Padding queries and keys share segment -1. With ``lora``, each token's
+    adapter slot too (``lora_slots``; padding: 0, the base model)."""
     t = {name: np.zeros(size, dtype=np.int64) for name, size in
          (("input_ids", num_tokens), ("positions", num_tokens), ("slot_mapping", num_tokens),
           ("context_slots", num_keys), ("key_positions", num_keys))}
     t["query_segments"] = np.full(num_tokens, -1, dtype=np.int64)
     t["key_segments"] = np.full(num_keys, -1, dtype=np.int64)
     t["logits_indices"] = np.zeros(max_seqs, dtype=np.int64)
+    if lora:
+        t["lora_slots"] = np.zeros(num_tokens, dtype=np.int64)
     query_at = key_at = 0
     for segment, item in enumerate(pack):
         num_new, num_ctx, num_keys = len(item.token_ids), item.num_context_tokens, context_keys(item, block_size)
@@ -57,6 +60,8 @@ def prefill_inputs(pack: Sequence[PrefillWork], num_tokens: int, num_keys: int, 
         t["positions"][q] = np.arange(item.start_pos, num_ctx)
         t["slot_mapping"][q] = _slots(item.block_ids, t["positions"][q], block_size)
         t["query_segments"][q] = segment
+        if lora:
+            t["lora_slots"][q] = item.lora_slot
         # Keys fill the context's last page to its end (the kernel reads whole pages); the
         # fill keys are padding (segment -1) but keep their page's slots.
         page_positions = np.arange(num_keys)
@@ -71,7 +76,8 @@ def prefill_inputs(pack: Sequence[PrefillWork], num_tokens: int, num_keys: int, 
 def mixed_inputs(prefill: Dict[str, torch.Tensor], decode: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """A prefill call's inputs and a decode call's as one mixed call's: the per-token tensors
     joined, the pack's tokens first; the others as they are."""
-    joined = {name: torch.cat([prefill[name], decode[name]]) for name in ("input_ids", "positions", "slot_mapping")}
+    joined = {name: torch.cat([prefill[name], decode[name]])
+              for name in ("input_ids", "positions", "slot_mapping", "lora_slots") if name in prefill}
     return {**prefill, **decode, **joined}
 
 

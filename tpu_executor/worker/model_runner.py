@@ -91,8 +91,9 @@ class ModelRunner:
                                        partial(self._compile, compiled=compiled, fullgraph=True), self.put,
                                        self.sample_steps)
         self.timer = NullPhaseTimer()  # see LLMEngine.attach_phase_timer
+        self.lora = config.lora.enable_lora  # the model calls take each token's adapter slot
         self.decode_batch = PersistentDecodeBatch(self.plan.decode_row_buckets[-1],
-                                                  self.plan.decode_context_block_buckets[-1])
+                                                  self.plan.decode_context_block_buckets[-1], self.lora)
         if device.type == "xla":
             raise_dynamo_limits(len(self.plan.graphs()))
         # Host-side collectives (gloo on CPU) split the model step into one graph per piece
@@ -151,7 +152,7 @@ class ModelRunner:
     def _prefill_host_inputs(self, pack: Sequence[PrefillWork], graph: PrefillGraph) -> Dict[str, torch.Tensor]:
         # At exact sizes one call takes every verify of a step, however many.
         max_seqs = max(len(pack), self.plan.max_prefill_seqs) if self.plan.exact_sizes else self.plan.max_prefill_seqs
-        return prefill_inputs(pack, graph.num_tokens, graph.keys, max_seqs, self.block_size)
+        return prefill_inputs(pack, graph.num_tokens, graph.keys, max_seqs, self.block_size, self.lora)
 
     def _decode_host_inputs(self, work: Sequence[DecodeWork], graph: DecodeGraph,
                             verifies: Sequence[PrefillWork] = ()) -> Dict[str, torch.Tensor]:
@@ -164,7 +165,7 @@ class ModelRunner:
         if work:  # the batch keeps its rows through steps of verifies only
             batch.update(work)
             decodes = batch.inputs(len(work), graph.context_blocks, self.block_size, pending)
-        return verify_query_inputs(decodes, verifies, graph, self.block_size)
+        return verify_query_inputs(decodes, verifies, graph, self.block_size, self.lora)
 
     def _prefill_logits(self, pack: Sequence[PrefillWork], graph: PrefillGraph, kv_caches: KVCaches) -> torch.Tensor:
         with self.timer.phase("inputs"):

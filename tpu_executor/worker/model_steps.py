@@ -23,47 +23,49 @@ class ModelSteps:
         self.model = model
         self.tap_layers = tap_layers
 
-    def _meta(self, positions, slot_mapping, tap_rows, tap_buffers, **parts) -> AttentionMetadata:
+    def _meta(self, positions, slot_mapping, tap_rows, tap_buffers, lora_slots=None, **parts) -> AttentionMetadata:
         taps = HiddenTaps(self.tap_layers, tap_buffers, tap_rows) if tap_rows is not None else None
-        return AttentionMetadata(positions, slot_mapping, taps=taps, **parts)
+        return AttentionMetadata(positions, slot_mapping, taps=taps, lora_slots=lora_slots, **parts)
 
     def prefill(self, input_ids, positions, slot_mapping, context_slots, key_positions,
-                key_segments, query_segments, logits_indices, kv_caches, tap_rows=None, tap_buffers=None):
+                key_segments, query_segments, logits_indices, kv_caches, tap_rows=None, tap_buffers=None,
+                lora_slots=None):
         """The logits of each packed prompt's last token, and the pack's hidden states."""
         prefill = PrefillMetadata(context_slots, key_positions, key_segments, query_segments)
         hidden = self.model(input_ids, kv_caches, self._meta(positions, slot_mapping, tap_rows, tap_buffers,
-                                                             prefill=prefill))
+                                                             lora_slots, prefill=prefill))
         # The hidden states stay on the device for prompt log-probs (read only when asked for).
         return self.model.compute_logits(hidden[logits_indices]), hidden
 
     def verify(self, input_ids, positions, slot_mapping, context_slots, key_positions, key_segments,
-               query_segments, logits_indices, rows, kv_caches, tap_rows=None, tap_buffers=None, **sampling):
+               query_segments, logits_indices, rows, kv_caches, tap_rows=None, tap_buffers=None, lora_slots=None,
+               **sampling):
         """A verify pack in one call (eager, at exact sizes; the bucketed paths run verify
         graphs, ``decode``): the target's token at each of ``rows``."""
         del logits_indices  # every position of the pack is read through ``rows``
         prefill = PrefillMetadata(context_slots, key_positions, key_segments, query_segments)
         hidden = self.model(input_ids, kv_caches, self._meta(positions, slot_mapping, tap_rows, tap_buffers,
-                                                             prefill=prefill))
+                                                             lora_slots, prefill=prefill))
         return verify_step(self.model, hidden, rows, **sampling)
 
     def decode(self, input_ids, feed_slots, feed_tokens, positions, slot_mapping, block_tables,
-               context_lens, kv_caches, tap_rows=None, tap_buffers=None, sample_rows=None):
+               context_lens, kv_caches, tap_rows=None, tap_buffers=None, sample_rows=None, lora_slots=None):
         """The logits of each decode row; a row's token may come from the token feed. A verify
         graph (several tokens a sequence) returns the logits of its ``sample_rows``."""
         decode = DecodeMetadata(block_tables, context_lens)
         input_ids = fed_input_ids(input_ids, feed_slots, feed_tokens)
         hidden = self.model(input_ids, kv_caches, self._meta(positions, slot_mapping, tap_rows, tap_buffers,
-                                                             decode=decode))
+                                                             lora_slots, decode=decode))
         return self.model.compute_logits(hidden if sample_rows is None else hidden.index_select(0, sample_rows))
 
     def mixed(self, input_ids, positions, slot_mapping, context_slots, key_positions, key_segments,
               query_segments, logits_indices, feed_slots, block_tables, context_lens, feed_tokens, kv_caches,
-              tap_rows=None, tap_buffers=None):
+              tap_rows=None, tap_buffers=None, lora_slots=None):
         """A prefill pack's tokens, then the decode rows' (eager only): the prefill rows' logits,
         the decode rows' logits, and the pack's hidden states (for prompt log-probs)."""
         num_prefill, num_decode = query_segments.shape[0], feed_slots.shape[0]
         decode_ids = fed_input_ids(input_ids[num_prefill:], feed_slots, feed_tokens)
-        meta = self._meta(positions, slot_mapping, tap_rows, tap_buffers,
+        meta = self._meta(positions, slot_mapping, tap_rows, tap_buffers, lora_slots,
                           decode=DecodeMetadata(block_tables, context_lens),
                           prefill=PrefillMetadata(context_slots, key_positions, key_segments, query_segments))
         hidden = self.model(torch.cat([input_ids[:num_prefill], decode_ids]), kv_caches, meta)

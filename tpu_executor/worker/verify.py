@@ -62,14 +62,16 @@ def verify_rows(pack: Sequence[PrefillWork], num_rows: int) -> torch.Tensor:
 
 
 def verify_query_inputs(decodes: Optional[Dict[str, torch.Tensor]], pack: Sequence[PrefillWork],
-                        graph: DecodeGraph, block_size: int) -> Dict[str, torch.Tensor]:
+                        graph: DecodeGraph, block_size: int, lora: bool = False) -> Dict[str, torch.Tensor]:
     """A verify graph's inputs (``DecodeGraph`` with ``queries`` tokens a sequence): the decode
     rows' ``decodes`` (``PersistentDecodeBatch.inputs``, one token each; None: no decodes), then the verifies
     of ``pack`` (a last token and drafts each), every sequence's tokens at the end of its
-    ``queries`` rows; padding rows write the null block. ``sample_rows`` lists the real rows
+    ``queries`` rows; padding rows write the null block (with ``lora``, each row's adapter
+    slot too: ``lora_slots``). ``sample_rows`` lists the real rows
     in that order (padded with row 0): the rows whose logits the graph returns."""
     queries, num_decodes = graph.queries, 0 if decodes is None else len(decodes["input_ids"])
-    tokens = {name: np.zeros(graph.num_tokens, dtype=np.int64) for name in ("input_ids", "positions")}
+    per_token = ("input_ids", "positions", "lora_slots") if lora else ("input_ids", "positions")
+    tokens = {name: np.zeros(graph.num_tokens, dtype=np.int64) for name in per_token}
     tokens["feed_slots"] = np.full(graph.num_tokens, NO_FEED, dtype=np.int64)
     tokens["slot_mapping"] = np.full(graph.num_tokens, NULL_BLOCK * block_size, dtype=np.int64)
     tables = np.full((graph.num_rows, graph.context_blocks), NULL_BLOCK, dtype=np.int64)
@@ -88,6 +90,8 @@ def verify_query_inputs(decodes: Optional[Dict[str, torch.Tensor]], pack: Sequen
         lens[seq] = work.start_pos + num
         tokens["input_ids"][rows], tokens["positions"][rows] = work.token_ids, positions
         tokens["slot_mapping"][rows] = table_slots(tables[[seq] * num], positions, block_size)
+        if lora:
+            tokens["lora_slots"][rows] = work.lora_slot
         sample_rows.append(rows)
     picked = np.zeros(graph.num_tokens, dtype=np.int64)
     real = np.concatenate(sample_rows)

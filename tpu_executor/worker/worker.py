@@ -23,6 +23,7 @@ from tpu_executor.worker.distributed import GlooGroup, RankPlacement, XlaGroup, 
 from tpu_executor.worker.draft_model import DraftModelRunner, check_draft_checkpoint
 from tpu_executor.worker.eagle3 import Eagle3Runner
 from tpu_executor.worker.launched_step import LaunchedStep
+from tpu_executor.worker.lora_loader import AdapterStore, enable_lora
 from tpu_executor.worker.model_loader import load_eagle3_head, load_model, pack_for_cpu, use_xla_cpu_forms
 from tpu_executor.worker.model_runner import ModelRunner
 from tpu_executor.worker.paged_drafter import PagedDrafter
@@ -52,6 +53,7 @@ class Worker:
         self.kv_cache_bytes = 0
         self.runner: Optional[ModelRunner] = None
         self.drafter: Optional[PagedDrafter] = None  # the draft model's or EAGLE-3 head's runner
+        self.adapters: Optional[AdapterStore] = None  # multi-LoRA: the adapters read, written into slots
         self.jax = None  # the JAX path's JaxRuntime (device, mesh, torchax environment)
         self.aot_job = None  # the JAX path's executables compiled ahead of time, when found
         # Launched, not yet collected: each step with its handles.
@@ -208,10 +210,16 @@ class Worker:
         draft_path = speculative.model if speculative is not None else None  # set for the model methods only
         if draft_path is not None:
             check_draft_checkpoint(model_config.model, draft_path)
-        model = self._placed(load_model(model_config.model, self.dtype, self.tp, model_config.quantization))
+        model = load_model(model_config.model, self.dtype, self.tp, model_config.quantization)
+        lora = self.config.lora
+        if lora.enable_lora:
+            enable_lora(model, lora.num_slots, lora.max_lora_rank, self.dtype)
+        model = self._placed(model)
         with self.device_context():
             self.model = model
             self.runner = self._new_runner()
+        if lora.enable_lora:
+            self.adapters = AdapterStore(model, lora.max_lora_rank, lora.max_cpu_loras)
         if draft_path is not None:
             self.drafter = self._load_drafter(speculative.method, draft_path)
         return self.model.config.vocab_size
@@ -354,6 +362,8 @@ class Worker:
         """Hand one step to the device; its exceptions propagate."""
         capture = self.drafter.capture() if self.drafter is not None else contextlib.nullcontext()
         with self.device_context(), capture:
+            if step.lora_loads:
+                self.adapters.write(step.lora_loads)
             return self.runner.launch(step)
 
     def launch_step(self, step: SchedulerOutput) -> Optional[ModelRunnerOutput]:

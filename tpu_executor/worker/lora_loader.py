@@ -1,0 +1,218 @@
+"""PEFT LoRA adapters: read from disk, checked against the base model, written into slots.
+
+``read_adapter`` reads an adapter directory once (the host keeps it: ``max_cpu_loras``);
+``adapter_updates`` matches each of its tensor pairs with the layer it updates (by the
+checkpoint names the base model loads from, so packed QKV and gate/up find their shard) and
+checks every shape against that layer, so an adapter trained for another model is refused by
+its shapes (``base_model_name_or_path`` is often a hub name that says nothing here);
+``write_adapter`` puts one into a device slot of every layer.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from tpu_executor.core.lora import TARGETS, AdapterConfig, LoRARequest, module_path, projection_shapes
+from tpu_executor.models.layers.lora import LoRASlots
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+# PEFT's names: base_model.model.<module>.lora_A.weight (or lora_B; an adapter name may sit
+# before .weight in older exports).
+_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[\w-]+)?\.weight$")
+_LAYER_MODULE = re.compile(r"model\.layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\."
+                           r"(?P<projection>q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)")
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """An adapter read from disk: its config and, per target module, (A ``[r, in]``, B ``[out, r]``)."""
+
+    path: str
+    config: AdapterConfig
+    modules: Dict[str, Tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Update:
+    """One projection's adapter as a layer takes it."""
+
+    layer: LoRASlots
+    shard_id: object
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scale: float
+
+
+def read_adapter(path: str) -> Adapter:
+    """The adapter in directory ``path``; a missing, corrupt or incomplete file raises ValueError
+    naming it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config = AdapterConfig.read(path)
+    file = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(file):
+        raise ValueError(f"LoRA adapter {path!r} has no {WEIGHTS_FILE}")
+    try:
+        tensors = load_file(file)
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} cannot be read ({err})") from err
+    halves: Dict[str, Dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        match = _TENSOR.match(name)
+        if match is None:
+            raise ValueError(f"LoRA adapter {path!r}: tensor {name!r} is not a LoRA A or B weight")
+        halves.setdefault(match["module"], {})[match["which"]] = tensor
+    for module, pair in halves.items():
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {path!r}: {module} has lora_{''.join(pair)} but not both A and B")
+        if pair["A"].dim() != 2 or pair["B"].dim() != 2:
+            raise ValueError(f"LoRA adapter {path!r}: {module}'s A and B must be matrices")
+    if not halves:
+        raise ValueError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    return Adapter(path, config, {module: (pair["A"], pair["B"]) for module, pair in halves.items()})
+
+
+def check_adapter(path: str, model_config: Dict, max_rank: int) -> AdapterConfig:
+    """Check the adapter at ``path`` against the base model's config (a mapping) before any
+    request runs with it, reading only the weight file's header: a target this engine does not
+    serve, a layer the model lacks, a rank above ``max_rank`` or a shape that does not match
+    the base raises ValueError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    config = AdapterConfig.read(path)
+    file = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(file):
+        raise ValueError(f"LoRA adapter {path!r} has no {WEIGHTS_FILE}")
+    try:
+        with safe_open(file, framework="pt") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} cannot be read ({err})") from err
+    expected = projection_shapes(model_config)
+    experts = (model_config.get("num_local_experts") or model_config.get("num_experts") or 1) > 1
+    halves: Dict[str, str] = {}
+    for name, shape in shapes.items():
+        match = _TENSOR.match(name)
+        layer = _LAYER_MODULE.fullmatch(match["module"]) if match else None
+        if (layer is None or int(layer["layer"]) >= model_config["num_hidden_layers"]
+                or module_path(layer["projection"]) != f"{layer['block']}.{layer['projection']}"):
+            raise ValueError(f"LoRA adapter {path!r}: tensor {name!r} is not a LoRA weight of a decoder layer's "
+                             f"projection ({', '.join(TARGETS)}) of this model")
+        projection = layer["projection"]
+        if experts and layer["block"] == "mlp":
+            raise ValueError(f"LoRA adapter {path!r}: {match['module']}: adapters on a mixture of experts' MLP "
+                             "are not served")
+        rank = config.rank_of(match["module"])
+        if rank > max_rank:
+            raise ValueError(f"LoRA adapter {path!r}: {match['module']} has rank {rank}, above max_lora_rank "
+                             f"{max_rank}")
+        in_features, out_features = expected[projection]
+        want = (rank, in_features) if match["which"] == "A" else (out_features, rank)
+        if shape != want:
+            raise ValueError(f"LoRA adapter {path!r}: {name} has shape {shape}, the base model needs {want}: "
+                             "the adapter was trained for another model")
+        halves[match["module"]] = halves.get(match["module"], "") + match["which"]
+    incomplete = sorted(module for module, which in halves.items() if sorted(which) != ["A", "B"])
+    if incomplete:
+        raise ValueError(f"LoRA adapter {path!r}: {incomplete[0]} has lora_A or lora_B, not both")
+    if not halves:
+        raise ValueError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    return config
+
+
+def adapter_updates(model: torch.nn.Module, adapter: Adapter, max_rank: int) -> List[Update]:
+    """Every layer update of ``adapter`` on ``model`` (whose layers serve adapters), checked:
+    a target this engine does not serve, a module the model lacks, a rank above ``max_rank``
+    or a shape that does not match the base layer raises ValueError naming it."""
+    updates = []
+    for module, (lora_a, lora_b) in sorted(adapter.modules.items()):
+        where = f"LoRA adapter {adapter.path!r}: {module}"
+        projection = module.rsplit(".", 1)[-1]
+        if projection not in TARGETS:
+            raise ValueError(f"{where}: adapters on {projection} are not served (only {', '.join(TARGETS)})")
+        rank = adapter.config.rank_of(module)
+        if lora_a.shape[0] != rank:
+            raise ValueError(f"{where}: lora_A has rank {lora_a.shape[0]}, the config says {rank}")
+        if rank > max_rank:
+            raise ValueError(f"{where}: rank {rank} is above max_lora_rank {max_rank}")
+        layer, shard_id = _layer_of(model, module, where)
+        updates.append(Update(layer, shard_id, lora_a, lora_b, adapter.config.scale_of(module)))
+    return updates
+
+
+def _layer_of(model: torch.nn.Module, module: str, where: str) -> Tuple[LoRASlots, object]:
+    """The layer (and packed shard) that checkpoint module ``module`` loads into."""
+    param_name, shard_id = model.checkpoint_target(f"{module}.weight")
+    try:
+        layer = model.get_submodule(param_name.rsplit(".", 1)[0])
+    except AttributeError:
+        raise ValueError(f"{where}: the model has no such module (an adapter for another architecture)") from None
+    if not isinstance(layer, LoRASlots):
+        raise ValueError(f"{where}: adapters on this layer (a mixture of experts' weights) are not served")
+    if "lora_a" not in layer._buffers:
+        raise ValueError(f"{where}: the engine serves no adapters (enable_lora)")
+    return layer, shard_id
+
+
+def write_adapter(model: torch.nn.Module, slot: int, updates: List[Update]) -> None:
+    """Make ``slot`` of every layer hold the adapter of ``updates`` (zero where it has none)."""
+    clear_slot(model, slot)
+    for update in updates:
+        try:
+            update.layer.set_lora(slot, update.shard_id, update.lora_a, update.lora_b, update.scale)
+        except ValueError:
+            clear_slot(model, slot)
+            raise
+
+
+def clear_slot(model: torch.nn.Module, slot: int) -> None:
+    """Zero ``slot`` in every layer that serves adapters."""
+    for layer in lora_layers(model):
+        layer.clear_lora(slot)
+
+
+def lora_layers(model: torch.nn.Module) -> List[LoRASlots]:
+    """The layers with adapter slots."""
+    return [m for m in model.modules() if isinstance(m, LoRASlots) and "lora_a" in m._buffers]
+
+
+def enable_lora(model: torch.nn.Module, num_slots: int, max_rank: int, dtype: torch.dtype) -> None:
+    """Give the projections adapters may target (attention's and the dense MLP's) their slots."""
+    for name, layer in model.named_modules():
+        if isinstance(layer, LoRASlots) and _servable(name):
+            layer.enable_lora(num_slots, max_rank, dtype)
+
+
+def _servable(name: str) -> bool:
+    """The attention projections and a dense MLP's (not a router, not the LM head)."""
+    return name.endswith(("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
+
+
+class AdapterStore:
+    """A worker's adapters: read from disk once and kept on the host (the ``max_cpu_loras``
+    used last), written into the model's slots as the scheduler hands the slots out."""
+
+    def __init__(self, model: torch.nn.Module, max_rank: int, max_cpu_loras: int):
+        self.model, self.max_rank, self.max_cpu_loras = model, max_rank, max_cpu_loras
+        self._read: "collections.OrderedDict[int, Adapter]" = collections.OrderedDict()
+
+    def write(self, loads: Sequence[Tuple[int, LoRARequest]]) -> None:
+        """Put each (slot, adapter) of ``loads`` in place, in order (a slot given twice holds the last)."""
+        for slot, lora in loads:
+            write_adapter(self.model, slot, adapter_updates(self.model, self._adapter(lora), self.max_rank))
+
+    def _adapter(self, lora: LoRARequest) -> Adapter:
+        adapter = self._read.get(lora.lora_int_id)
+        if adapter is None or adapter.path != lora.lora_path:
+            adapter = read_adapter(lora.lora_path)
+            self._read[lora.lora_int_id] = adapter
+            while len(self._read) > self.max_cpu_loras:
+                self._read.popitem(last=False)
+        self._read.move_to_end(lora.lora_int_id)
+        return adapter
