@@ -13,7 +13,6 @@ A (B whole), and its partial products join the base layer's before the all-reduc
 """
 from __future__ import annotations
 
-import itertools
 from typing import Optional
 
 import torch
@@ -23,8 +22,13 @@ from tpu_executor.kernels.lora_matmul.ops import lora_matmul
 
 class LoRASlots:
     """The adapter slots of a linear layer; mixed into the parallel linears, which say how
-    their adapters split (``_lora_shapes``, ``_lora_out``, ``_lora_parts``). The slots are the
-    buffers ``lora_a`` and ``lora_b`` once ``enable_lora`` made them."""
+    their adapters split (``_lora_shapes``, ``_lora_out``, ``_lora_parts``).
+
+    The slots are written on the host, into ``lora_a_host`` and ``lora_b_host``; the buffers
+    ``lora_a`` and ``lora_b`` that the model calls read are those tensors until the model moves
+    to a device, then device copies, replaced by a whole transfer after each write
+    (``lora_buffers_on_device``): an update on the device would be a program of its own to
+    compile."""
 
     def enable_lora(self, num_slots: int, max_rank: int, dtype: torch.dtype) -> None:
         """Zeroed adapter slots (slot 0 stays zero: the base model)."""
@@ -32,16 +36,15 @@ class LoRASlots:
             raise ValueError("LoRA adapters over an INT8-quantized model are not served: load the base model "
                              "unquantized to serve adapters")
         (in_rows, columns), out = self._lora_shapes(max_rank), self._lora_out()
-        device = next(itertools.chain(self.parameters(), self.buffers())).device
-        self.register_buffer("lora_a", torch.zeros(num_slots, in_rows, columns, dtype=dtype, device=device),
-                             persistent=False)
-        self.register_buffer("lora_b", torch.zeros(num_slots, columns, out, dtype=dtype, device=device),
-                             persistent=False)
+        self.lora_a_host = torch.zeros(num_slots, in_rows, columns, dtype=dtype)
+        self.lora_b_host = torch.zeros(num_slots, columns, out, dtype=dtype)
+        self.register_buffer("lora_a", self.lora_a_host, persistent=False)
+        self.register_buffer("lora_b", self.lora_b_host, persistent=False)
         self.lora_rank = max_rank
 
     def set_lora(self, slot: int, shard_id, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> None:
-        """Write one projection's adapter into ``slot``: ``lora_a [r, in]`` and ``lora_b
-        [out, r]`` as PEFT stores them (whole, every rank's part), ``scale`` PEFT's."""
+        """Write one projection's adapter into ``slot`` (on the host): ``lora_a [r, in]`` and
+        ``lora_b [out, r]`` as PEFT stores them (whole, every rank's part), ``scale`` PEFT's."""
         if slot < 1:
             raise ValueError("slot 0 is the base model's: adapters go in slots 1 and up")
         rank = lora_a.shape[0]
@@ -50,15 +53,20 @@ class LoRASlots:
                              f"{self.lora_rank} (max_lora_rank)")
         a_part, b_part, column, (out_start, out_len) = self._lora_parts(shard_id, lora_a, lora_b)
         with torch.no_grad():
-            self.lora_a[slot, :, column:column + rank] = a_part.t().to(self.lora_a.dtype).to(self.lora_a.device)
-            scaled = (b_part.float() * scale).t().to(self.lora_b.dtype).to(self.lora_b.device)
-            self.lora_b[slot, column:column + rank, out_start:out_start + out_len] = scaled
+            self.lora_a_host[slot, :, column:column + rank] = a_part.t().to(self.lora_a_host.dtype)
+            scaled = (b_part.float() * scale).t().to(self.lora_b_host.dtype)
+            self.lora_b_host[slot, column:column + rank, out_start:out_start + out_len] = scaled
 
     def clear_lora(self, slot: int) -> None:
-        """Zero ``slot`` (its adapter unloaded or about to be replaced)."""
+        """Zero ``slot`` (on the host: its adapter unloaded or about to be replaced)."""
         with torch.no_grad():
-            self.lora_a[slot].zero_()
-            self.lora_b[slot].zero_()
+            self.lora_a_host[slot].zero_()
+            self.lora_b_host[slot].zero_()
+
+    @property
+    def lora_buffers_on_device(self) -> bool:
+        """Whether the model calls read device copies of the host slots (replaced after writes)."""
+        return self.lora_a is not self.lora_a_host
 
     def lora_delta(self, x: torch.Tensor, lora_slots: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Each token's update through its slot's adapter; None when the layer or the call

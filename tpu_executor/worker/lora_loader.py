@@ -13,7 +13,7 @@ import collections
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -198,14 +198,20 @@ class AdapterStore:
     """A worker's adapters: read from disk once and kept on the host (the ``max_cpu_loras``
     used last), written into the model's slots as the scheduler hands the slots out."""
 
-    def __init__(self, model: torch.nn.Module, max_rank: int, max_cpu_loras: int):
+    def __init__(self, model: torch.nn.Module, max_rank: int, max_cpu_loras: int,
+                 push: Callable[[LoRASlots], None]):
         self.model, self.max_rank, self.max_cpu_loras = model, max_rank, max_cpu_loras
+        self.push = push  # replaces a layer's device buffers by its host slots
         self._read: "collections.OrderedDict[int, Adapter]" = collections.OrderedDict()
 
     def write(self, loads: Sequence[Tuple[int, LoRARequest]]) -> None:
-        """Put each (slot, adapter) of ``loads`` in place, in order (a slot given twice holds the last)."""
+        """Put each (slot, adapter) of ``loads`` in place, in order (a slot given twice holds
+        the last), then the layers' device buffers."""
         for slot, lora in loads:
             write_adapter(self.model, slot, adapter_updates(self.model, self._adapter(lora), self.max_rank))
+        for layer in lora_layers(self.model):
+            if layer.lora_buffers_on_device:
+                self.push(layer)
 
     def _adapter(self, lora: LoRARequest) -> Adapter:
         adapter = self._read.get(lora.lora_int_id)

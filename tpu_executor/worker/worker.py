@@ -219,10 +219,20 @@ class Worker:
             self.model = model
             self.runner = self._new_runner()
         if lora.enable_lora:
-            self.adapters = AdapterStore(model, lora.max_lora_rank, lora.max_cpu_loras)
+            self.adapters = AdapterStore(model, lora.max_lora_rank, lora.max_cpu_loras, self._push_lora)
         if draft_path is not None:
             self.drafter = self._load_drafter(speculative.method, draft_path)
         return self.model.config.vocab_size
+
+    def _push_lora(self, layer: torch.nn.Module) -> None:
+        """Replace ``layer``'s adapter buffers by its host slots (one transfer each, no program)."""
+        with self.device_context():
+            for name in ("lora_a", "lora_b"):
+                host = getattr(layer, f"{name}_host")
+                layer._buffers[name] = (self.jax.placed_tensor(layer, name, host) if self.jax is not None
+                                        else host.to(self.device))
+        if self.jax is not None:
+            self.runner.jax_graphs.refresh_weights()
 
     def _load_drafter(self, method: str, path: str) -> PagedDrafter:
         """The runner of the draft checkpoint at ``path``: a draft model, or an EAGLE-3 head
@@ -360,10 +370,10 @@ class Worker:
     # ---- serving ------------------------------------------------------------------------
     def start_step(self, step: SchedulerOutput) -> LaunchedStep:
         """Hand one step to the device; its exceptions propagate."""
+        if step.lora_loads:  # host work: outside the device's context (torchax would take the host tensors)
+            self.adapters.write(step.lora_loads)
         capture = self.drafter.capture() if self.drafter is not None else contextlib.nullcontext()
         with self.device_context(), capture:
-            if step.lora_loads:
-                self.adapters.write(step.lora_loads)
             return self.runner.launch(step)
 
     def launch_step(self, step: SchedulerOutput) -> Optional[ModelRunnerOutput]:

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.common import greedy_tokens, mixed_prompts, tiny_engine_options
+from tests.common import mixed_prompts, tiny_engine_options
 from tpu_executor import LLM, LoRARequest, SamplingParams
 from tpu_executor.tools.lora_adapter import write_random_lora_adapter
 
@@ -134,3 +134,21 @@ def test_bad_adapters_are_refused_naming_the_problem(checkpoints, adapter_dirs, 
     with pytest.raises(ValueError, match="enable_lora=True"):
         lora_greedy(plain, PROMPTS[:1], [LoRARequest("a0", 1, dirs[0])], 4)
     plain.shutdown()
+
+
+@pytest.mark.slow  # XLA compilation
+@pytest.mark.parametrize("device", ["xla", "jax"])
+def test_compiled_paths_equal_the_native_path_and_compile_nothing_after_warmup(checkpoints, adapter_dirs, device):
+    """Four adapters and the base over two slots on torch_xla and JAX: the native path's
+    tokens, and no compilation after warm-up (strict) while adapters are written into slots."""
+    base, dirs = checkpoints["llama"], adapter_dirs["llama"]
+    requests = [None] + [LoRARequest(f"a{i}", i + 1, d) for i, d in enumerate(dirs)]
+    prompts = [p for p in PROMPTS for _ in requests]
+    adapters = [r for _ in PROMPTS for r in requests]
+    native = LLM(model=base, device="cpu", enable_lora=True, max_loras=2, **tiny_engine_options())
+    expected = lora_greedy(native, prompts, adapters, NEW_TOKENS)
+    native.shutdown()
+    llm = LLM(model=base, device=device, enable_lora=True, max_loras=2, **tiny_engine_options(strict=True))
+    assert lora_greedy(llm, prompts, adapters, NEW_TOKENS) == expected
+    assert llm.stats().graphs_compiled_after_warmup == 0
+    llm.shutdown()

@@ -138,6 +138,10 @@ class JaxGraphs:
             self._weights = {name: tensor.jax() for name, tensor in named.items()}
         return self._weights
 
+    def refresh_weights(self) -> None:
+        """Read the model's arrays again at the next call (a buffer was replaced: new adapters)."""
+        self._weights = None
+
     @property
     def compiling_ahead(self) -> bool:
         """Inside ``ahead_of_time``: calls answer with zeros, nothing runs."""

@@ -32,6 +32,9 @@ SPLIT_DIMS = {
     ("RowParallelLinear", "weight"): 0,
     ("VocabParallelEmbedding", "weight"): 1, ("ParallelLMHead", "weight"): 1,
     ("ExpertWeights", "w13"): 2, ("ExpertWeights", "w2"): 1,
+    # LoRA slots split as their layer: B by output features, A by input features.
+    ("ColumnParallelLinear", "lora_b"): 2, ("MergedColumnParallelLinear", "lora_b"): 2,
+    ("QKVParallelLinear", "lora_b"): 2, ("RowParallelLinear", "lora_a"): 1,
 }
 LIBRARIES = ("jax", "jaxlib", "torch", "torchax")
 
@@ -209,18 +212,22 @@ class JaxRuntime:
 
     def place_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move every parameter and buffer onto the mesh, split as ``split_dim`` says."""
-        from torchax.tensor import Tensor as JaxTensor
-
         for module in model.modules():
             for table in (module._parameters, module._buffers):
                 for name, tensor in table.items():
                     if tensor is None:
                         continue
-                    where = self.sharding(tuple(tensor.shape), split_dim(module, name, tuple(tensor.shape), self.ranks))
-                    placed = JaxTensor(self.place_tensor(tensor, where), self.env)
+                    placed = self.placed_tensor(module, name, tensor)
                     table[name] = torch.nn.Parameter(placed, requires_grad=False) \
                         if isinstance(tensor, torch.nn.Parameter) else placed
         return model
+
+    def placed_tensor(self, module: torch.nn.Module, name: str, tensor: torch.Tensor):
+        """``module``'s host tensor ``name`` on the mesh, split as ``place_model`` splits it."""
+        from torchax.tensor import Tensor as JaxTensor
+
+        where = self.sharding(tuple(tensor.shape), split_dim(module, name, tuple(tensor.shape), self.ranks))
+        return JaxTensor(self.place_tensor(tensor, where), self.env)
 
     def zeros(self, shape: Tuple[int, ...], dtype: torch.dtype, split: Optional[int] = None):
         """A torchax tensor of zeros on the mesh (``split``: the dimension split over it)."""
