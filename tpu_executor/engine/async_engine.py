@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Dict, List, Optional, Sequence
 
+from tpu_executor.core.lora import LoRARequest
 from tpu_executor.core.request import RequestOutput
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.engine.llm_engine import EngineDeadError, LLMEngine
@@ -40,6 +41,7 @@ class _Add:
     token_ids: List[int]
     params: SamplingParams
     arrival_time: float
+    lora_request: Optional[LoRARequest] = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,15 @@ class AsyncLLMEngine:
         config = self.engine.config
         return ServedModel(config.model.model, config.max_model_len, self.engine.vocab_size)
 
+    def validate_lora(self, lora_request: LoRARequest) -> None:
+        """``ValueError`` naming what is wrong with an adapter (reads its config and its weight
+        file's header; any thread may call it)."""
+        self.engine.checks.lora(lora_request)
+
+    def forget_lora(self, lora_request: LoRARequest) -> None:
+        """The adapter was unloaded: the engine no longer takes its id as checked."""
+        self.engine.checks.forget_lora(lora_request.lora_int_id)
+
     def validate_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
         """``ValueError`` naming what is wrong with a prompt, before it is queued (reads only
         the engine's fixed limits, so any thread may call it)."""
@@ -111,9 +122,11 @@ class AsyncLLMEngine:
     # ---- the event loop's side ----------------------------------------------------------
     def add_request(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
                     prompt: Optional[str] = None, arrival_time: Optional[float] = None,
-                    stream: Optional[RequestStream] = None, session: Optional[str] = None) -> RequestStream:
-        """Queue a validated request (see ``LLMEngine.validate_prompt``); returns the stream
-        its deltas go to (``stream`` if given, to share one among several requests).
+                    stream: Optional[RequestStream] = None, session: Optional[str] = None,
+                    lora_request: Optional[LoRARequest] = None) -> RequestStream:
+        """Queue a validated request (see ``LLMEngine.validate_prompt``, ``validate_lora``);
+        returns the stream its deltas go to (``stream`` if given, to share one among several
+        requests); ``lora_request``: its LoRA adapter (None: the base model).
         ``session`` is a routing hint for replicated servers; one engine has nothing to route. Raises
         ``EngineDeadError`` if the engine is gone, ``QueueFullError`` if the waiting queue is
         full, ``ValueError`` for an id already in use."""
@@ -130,7 +143,7 @@ class AsyncLLMEngine:
         stream.unfinished.add(request_id)
         self._streams[request_id] = stream
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._commands.put(_Add(request_id, prompt, list(token_ids), params, arrival))
+        self._commands.put(_Add(request_id, prompt, list(token_ids), params, arrival, lora_request))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -147,11 +160,11 @@ class AsyncLLMEngine:
             self.abort(request_id)
 
     async def generate(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
-                       prompt: Optional[str] = None,
-                       arrival_time: Optional[float] = None) -> AsyncIterator[RequestOutput]:
+                       prompt: Optional[str] = None, arrival_time: Optional[float] = None,
+                       lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
         """The deltas of one request. Leaving the loop early (a client disconnect cancels the
         task) aborts the request."""
-        stream = self.add_request(request_id, token_ids, params, prompt, arrival_time)
+        stream = self.add_request(request_id, token_ids, params, prompt, arrival_time, lora_request=lora_request)
         try:
             async for delta in stream:
                 yield delta
@@ -255,7 +268,8 @@ class AsyncLLMEngine:
                 self._unapplied_adds -= 1
             try:
                 engine.add_request(command.prompt, command.params, command.request_id,
-                                   prompt_token_ids=command.token_ids, arrival_time=command.arrival_time)
+                                   prompt_token_ids=command.token_ids, arrival_time=command.arrival_time,
+                                   lora_request=command.lora_request)
             except ValueError as err:  # a race the caller's checks could not see; fail only this one
                 self._loop.call_soon_threadsafe(self._fail_stream, command.request_id, err)
         elif isinstance(command, _Abort):

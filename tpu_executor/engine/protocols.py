@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Protocol, Sequence, Set, Union, runtime_checkable
 
 from tpu_executor.core.config import EngineConfig
+from tpu_executor.core.lora import LoRARequest
 from tpu_executor.core.request import Request, RequestOutput, RequestStatus
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.engine.core import CoreOutput
@@ -85,9 +86,16 @@ class EngineClient(Protocol):
 
     def add_request(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
                     prompt: Optional[str] = None, arrival_time: Optional[float] = None,
-                    stream: Optional[RequestStream] = None, session: Optional[str] = None) -> RequestStream:
+                    stream: Optional[RequestStream] = None, session: Optional[str] = None,
+                    lora_request: Optional[LoRARequest] = None) -> RequestStream:
         """Queue a validated request; its deltas go to the returned stream (``stream`` if
-        given). ``session`` routes it among replicas."""
+        given). ``session`` routes it among replicas; ``lora_request`` is its adapter."""
+
+    def validate_lora(self, lora_request: LoRARequest) -> None:
+        """``ValueError`` naming what is wrong with an adapter, before a request uses it."""
+
+    def forget_lora(self, lora_request: LoRARequest) -> None:
+        """The adapter was unloaded (its id names no adapter any more)."""
 
     def abort_stream(self, stream: RequestStream) -> None:
         """Abort every unfinished request of ``stream`` (its reader has gone)."""

@@ -53,6 +53,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "for Llama, mistral for Mistral, hermes for the others)")
     server.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="split a chat output's <think> block into reasoning_content (default: no split)")
+    server.add_argument("--lora-modules", nargs="+", default=[], type=lora_module, metavar="NAME=PATH",
+                        help="LoRA adapters to serve (with --enable-lora): a request's model field names one")
+    server.add_argument("--enable-lora-runtime-updates", action="store_true",
+                        help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     replicas = parser.add_argument_group("replicas (Ray Serve; with --data-parallel-size above 1)")
     replicas.add_argument("--data-parallel-size", type=int, default=1,
                           help="engine replicas behind the one endpoint, each on --tensor-parallel-size chips")
@@ -81,7 +85,16 @@ def server_config(args: argparse.Namespace, model_path: str):
         max_prompts=args.max_prompts, allowed_origins=tuple(args.allowed_origins),
         drain_timeout_s=args.drain_timeout,
         tool_call_parser=args.tool_call_parser or format_for_family(model_family(model_path)),
-        reasoning_parser=args.reasoning_parser)
+        reasoning_parser=args.reasoning_parser, lora_modules=tuple(args.lora_modules),
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates)
+
+
+def lora_module(text: str):
+    """``--lora-modules`` entry ``name=path``."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def replica_config(args: argparse.Namespace):

@@ -7,6 +7,7 @@ trace (unexpected errors are logged here and answered with a plain 500).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -32,7 +33,9 @@ from tpu_executor.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     bad_request,
 )
 from tpu_executor.entrypoints.openai.serving import OpenAIServing, token_ids
@@ -197,9 +200,16 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.get("/v1/models")
     async def models() -> Dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "tpu_executor",
-            "root": engine.model.path, "max_model_len": serving.max_model_len}]}
+        now = int(time.time())
+        base = {"id": config.model_name, "object": "model", "created": now, "owned_by": "tpu_executor",
+                "root": engine.model.path, "max_model_len": serving.max_model_len}
+        adapters = [{"id": a.lora_name, "object": "model", "created": now, "owned_by": "tpu_executor",
+                     "root": a.lora_path, "parent": config.model_name, "max_model_len": serving.max_model_len}
+                    for a in serving.adapters.all()]
+        return {"object": "list", "data": [base, *adapters]}
+
+    if config.enable_lora_runtime_updates:
+        _add_lora_routes(app, serving)
 
     @app.get("/health")
     async def health():
@@ -240,6 +250,28 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
         if bad:
             raise bad_request(f"tokens holds ids outside the vocabulary [0, {vocab}): {bad[:8]}", "tokens")
         return {"prompt": serving.tokenizer.decode(body.tokens)}
+
+
+def _add_lora_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """vLLM's routes to load and unload LoRA adapters at run time (``--enable-lora-runtime-updates``)."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        try:  # reads the adapter's config and weight header: off the event loop
+            await asyncio.to_thread(serving.adapters.add, body.lora_name, body.lora_path)
+        except ValueError as err:
+            field = "lora_name" if "already been loaded" in str(err) else "lora_path"
+            raise bad_request(str(err), field) from None
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        try:
+            serving.adapters.remove(body.lora_name)
+        except KeyError:
+            raise ApiError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "lora_name",
+                           "NotFoundError") from None
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
 
 def uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:

@@ -56,7 +56,7 @@ def chat_logprobs(tokenizer, completion: CompletionOutput, top: int) -> Dict[str
 
 
 async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionRequest, http: HttpRequest):
-    serving.check_request(body, "chat/completions")
+    adapter = serving.check_request(body, "chat/completions")
     tools = ToolChoice(body.tools, body.tool_choice, body.parallel_tool_calls, serving.config.tool_call_parser)
     prompt = render_chat(serving.tokenizer, body.messages, body.template_options(), tools.tools,
                          bool(body.add_special_tokens), tools.format)
@@ -73,7 +73,7 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
         params, grammar_field = dataclasses.replace(params, structured_outputs=tools.grammar()), "tools"
     await serving.validate(prompt, params, "messages", grammar_field)
     started = serving.start("chatcmpl", [prompt], [params], ("tools",) if tools.calls_tools else (),
-                            session_of(body, http), body.request_id)
+                            session_of(body, http), body.request_id, adapter)
     builder = _Response(serving, body, prompt, started.request_ids[0], tools, in_reasoning)
     return await serving.respond(started, builder, body.stream, http)
 
@@ -94,7 +94,8 @@ class _Response:
         self.streamed: Dict[int, StreamedChoice] = {}  # by choice index, when tools may be called
 
     def _envelope(self, obj: str, choices: List[Dict[str, Any]], usage_: Optional[Dict[str, int]] = None):
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.serving.config.model_name,
+        model = self.body.model or self.serving.config.model_name
+        return {"id": self.id, "object": obj, "created": self.created, "model": model,
                 "choices": choices, "usage": usage_}
 
     def _logprobs(self, completion: CompletionOutput):

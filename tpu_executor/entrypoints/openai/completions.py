@@ -51,7 +51,7 @@ def merged(first: Dict[str, List[Any]], then: Dict[str, List[Any]]) -> Dict[str,
 
 
 async def create_completion(serving: OpenAIServing, body: CompletionRequest, http: HttpRequest):
-    serving.check_request(body, "completions")
+    adapter = serving.check_request(body, "completions")
     raw_prompts = body.prompts()
     if len(raw_prompts) > serving.config.max_prompts:
         raise bad_request(f"prompt lists {len(raw_prompts)} prompts but this server allows at most "
@@ -62,7 +62,8 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, htt
     params = [body.sampling_params(serving.max_tokens_for(p, body.max_tokens), body.logprobs) for p in prompts]
     for prompt, p in zip(prompts, params):
         await serving.validate(prompt, p, "prompt", body.grammar_field())
-    started = serving.start("cmpl", prompts, params, session=session_of(body, http), client_id=body.request_id)
+    started = serving.start("cmpl", prompts, params, session=session_of(body, http), client_id=body.request_id,
+                            adapter=adapter)
     builder = _Response(serving, body, prompts, started.request_ids[0])
     return await serving.respond(started, builder, body.stream, http)
 
@@ -83,7 +84,7 @@ class _Response:
 
     def _envelope(self, choices: List[Dict[str, Any]], usage_: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.serving.config.model_name, "choices": choices, "usage": usage_}
+                "model": self.body.model or self.serving.config.model_name, "choices": choices, "usage": usage_}
 
     def _choice(self, prompt_index: int, completion: CompletionOutput, output: RequestOutput) -> Dict[str, Any]:
         """One choice of ``output`` (whole, or a delta: the echoed prompt and its log-probs go

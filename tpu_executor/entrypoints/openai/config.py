@@ -29,6 +29,8 @@ class ServerConfig:
     ``tool_call_parser`` reads tool calls out of a chat output (``tool_parsers.FORMATS``; the
     serve command picks the model family's). ``reasoning_parser`` (``REASONING_PARSERS``) splits a
     chat output into ``reasoning_content`` and ``content``; None leaves it all content.
+    ``lora_modules`` are (name, path) of the LoRA adapters served from the start (a request
+    names one in ``model``); ``enable_lora_runtime_updates`` opens the load and unload routes.
     """
 
     model_name: str
@@ -43,6 +45,8 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     tool_call_parser: str = "hermes"
     reasoning_parser: Optional[str] = None
+    lora_modules: Tuple[Tuple[str, str], ...] = ()
+    enable_lora_runtime_updates: bool = False
 
     def __post_init__(self):
         _require(bool(self.model_name), "served model name must not be empty")
@@ -57,6 +61,10 @@ class ServerConfig:
         _require(self.reasoning_parser in (None,) + REASONING_PARSERS,
                  f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        object.__setattr__(self, "lora_modules", tuple(tuple(m) for m in self.lora_modules))
+        names = [name for name, _ in self.lora_modules]
+        _require(len(set(names)) == len(names) and self.model_name not in names,
+                 f"lora_modules names must differ from each other and from the served model name, got {names}")
 
 
 @dataclass(frozen=True)

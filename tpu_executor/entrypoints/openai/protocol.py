@@ -383,3 +383,17 @@ _TEMPLATE_ARGUMENTS = {"conversation", "tools", "documents", "chat_template", "a
                        "continue_final_message", "tokenize", "return_dict", "return_tensors", "padding",
                        "truncation", "max_length", "tokenizer_kwargs"}
 _FIELD_NAMES = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """``POST /v1/load_lora_adapter`` (vLLM's): serve the adapter at ``lora_path`` as ``lora_name``."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """``POST /v1/unload_lora_adapter`` (vLLM's): stop serving ``lora_name``."""
+
+    lora_name: str
+    lora_int_id: Optional[int] = None

@@ -15,12 +15,14 @@ from typing import Any, AsyncIterator, Callable, Dict, Iterable, List, Optional,
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request as HttpRequest
 
+from tpu_executor.core.lora import LoRARequest
 from tpu_executor.core.request import RequestOutput, accumulate_deltas
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.engine.async_engine import QueueFullError
 from tpu_executor.engine.llm_engine import EngineDeadError
 from tpu_executor.engine.protocols import EngineClient, RequestStream
 from tpu_executor.entrypoints.openai.config import ServerConfig
+from tpu_executor.entrypoints.openai.lora import ServedAdapters
 from tpu_executor.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from tpu_executor.entrypoints.openai.protocol import ApiError, bad_request, checked_text, field_named_by
 
@@ -75,16 +77,25 @@ class OpenAIServing:
         self.config = config
         self.metrics = metrics
         self.max_model_len = engine.model.max_model_len
+        self.adapters = ServedAdapters(engine, config.model_name, config.lora_modules)
 
     # ---- checks -------------------------------------------------------------------------
-    def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.config.model_name:
-            raise ApiError(404, f"The model `{name}` does not exist (this server serves "
-                                f"`{self.config.model_name}`).", "model", "NotFoundError", "model_not_found")
+    def check_model(self, name: Optional[str]) -> Optional[LoRARequest]:
+        """The LoRA adapter that the ``model`` field names (None: the base model); a 404 in
+        OpenAI's shape for a name this server does not serve."""
+        if name is None or name == self.config.model_name:
+            return None
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            served = ", ".join(f"`{n}`" for n in [self.config.model_name] + [a.lora_name for a in self.adapters.all()])
+            raise ApiError(404, f"The model `{name}` does not exist (this server serves {served}).", "model",
+                           "NotFoundError", "model_not_found")
+        return adapter
 
-    def check_request(self, body, endpoint: str) -> None:
-        """Model, supported fields, caps; logs unknown fields (accepted, ignored)."""
-        self.check_model(body.model)
+    def check_request(self, body, endpoint: str) -> Optional[LoRARequest]:
+        """Model, supported fields, caps; logs unknown fields (accepted, ignored). Returns the
+        LoRA adapter the request runs with (None: the base model)."""
+        adapter = self.check_model(body.model)
         body.check_supported()
         if body.n > self.config.max_n:
             raise bad_request(f"n is {body.n} but this server allows at most {self.config.max_n}", "n")
@@ -93,6 +104,7 @@ class OpenAIServing:
             logger.info("%s: ignoring unknown fields %s", endpoint, unknown)
         if not self.engine.is_running:
             raise engine_unavailable(self.engine.dead_reason or "shutting down")
+        return adapter
 
     def encode(self, prompt: Union[str, List[int]], param: str, add_special_tokens: bool = True) -> Prompt:
         if isinstance(prompt, str):
@@ -132,18 +144,20 @@ class OpenAIServing:
     # ---- running ------------------------------------------------------------------------
     def start(self, kind: str, prompts: Sequence[Prompt], params: Sequence[SamplingParams],
               features: Sequence[str] = (), session: Optional[str] = None,
-              client_id: Optional[str] = None) -> Started:
+              client_id: Optional[str] = None, adapter: Optional[LoRARequest] = None) -> Started:
         """Queue one engine request per prompt on one stream; all or none are queued.
         ``features``: what the request uses beyond its sampling parameters (metrics);
         ``session``: the client's session, which a replicated server keeps on one replica;
-        ``client_id``: the request's own ``request_id`` (vLLM's field), else a random one."""
+        ``client_id``: the request's own ``request_id`` (vLLM's field), else a random one;
+        ``adapter``: the LoRA adapter the requests run with."""
         base = f"{kind}-{client_id or uuid.uuid4().hex}"
         ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
         arrival, stream = time.monotonic(), RequestStream()
         trackers = {}
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(request_id, prompt.token_ids, p, prompt.text, arrival, stream, session)
+                self.engine.add_request(request_id, prompt.token_ids, p, prompt.text, arrival, stream, session,
+                                        lora_request=adapter)
                 trackers[request_id] = self.metrics.tracker(len(prompt.token_ids), arrival, p, features)
         except QueueFullError as err:
             self.engine.abort_stream(stream)

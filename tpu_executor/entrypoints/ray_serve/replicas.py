@@ -21,6 +21,7 @@ import ray
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
+from tpu_executor.core.lora import LoRARequest
 from tpu_executor.core.request import RequestMetrics
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.engine.async_engine import QueueFullError
@@ -45,6 +46,7 @@ class ReplicaRequest:
     params: SamplingParams
     prompt: Optional[str]
     session: Optional[str]
+    lora_request: Optional[LoRARequest] = None
 
 
 class StatsBoard:
@@ -105,7 +107,7 @@ class EngineReplica:
     async def generate(self, request: ReplicaRequest):
         """The request's deltas; a cancelled call (the client left) aborts it."""
         async for delta in self.async_engine.generate(request.request_id, request.token_ids, request.params,
-                                                      request.prompt):
+                                                      request.prompt, lora_request=request.lora_request):
             yield delta
 
     async def _publish_forever(self) -> None:
@@ -169,19 +171,26 @@ class ReplicaPool:
     def validate_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
         self.checks.validate(list(token_ids), params)
 
+    def validate_lora(self, lora_request: LoRARequest) -> None:
+        self.checks.lora(lora_request)  # every replica reads the adapter when a request first needs it
+
+    def forget_lora(self, lora_request: LoRARequest) -> None:
+        self.checks.forget_lora(lora_request.lora_int_id)
+
     def observe_grammar_compiles(self, observer) -> None:
         self.checks.observe_grammar_compiles(observer)
 
     def add_request(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
                     prompt: Optional[str] = None, arrival_time: Optional[float] = None,
-                    stream: Optional[RequestStream] = None, session: Optional[str] = None) -> RequestStream:
+                    stream: Optional[RequestStream] = None, session: Optional[str] = None,
+                    lora_request: Optional[LoRARequest] = None) -> RequestStream:
         """Send a validated request to a replica; its deltas go to ``stream``."""
         if not self.is_running:
             raise EngineDeadError(f"the server is not running: {self.dead_reason}")
         stream = stream if stream is not None else RequestStream()
         stream.unfinished.add(request_id)
         self._streams[request_id] = stream
-        request = ReplicaRequest(request_id, list(token_ids), params, prompt, session)
+        request = ReplicaRequest(request_id, list(token_ids), params, prompt, session, lora_request)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         self._calls[request_id] = asyncio.get_running_loop().create_task(self._relay(request, stream, arrival))
         return stream
