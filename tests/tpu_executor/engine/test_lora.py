@@ -3,6 +3,9 @@ batch equal transformers + peft (the adapter applied, fp32); slots recycled when
 run than there are slots; prefix caching kept apart per adapter; bad adapters refused."""
 import json
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from tests.common import mixed_prompts, tiny_engine_options
 from tpu_executor import LLM, LoRARequest, SamplingParams
 from tpu_executor.tools.lora_adapter import write_random_lora_adapter
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 PROMPTS = mixed_prompts(5, 8, 40, vocab=500, seed=3)
 NEW_TOKENS = 12
 # Four adapters: every projection; attention only with a rank pattern; MLP only with rsLoRA and
@@ -152,3 +156,37 @@ def test_compiled_paths_equal_the_native_path_and_compile_nothing_after_warmup(c
     assert lora_greedy(llm, prompts, adapters, NEW_TOKENS) == expected
     assert llm.stats().graphs_compiled_after_warmup == 0
     llm.shutdown()
+
+
+SPMD_RUN = textwrap.dedent("""
+    import json, sys
+    from tests.common import mixed_prompts, tiny_engine_options
+    from tpu_executor import LLM, LoRARequest, SamplingParams
+    base, adapters = sys.argv[1], json.loads(sys.argv[2])
+    requests = [None] + [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(adapters)]
+    prompts = mixed_prompts(3, 8, 40, vocab=500, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    result = {}
+    for tp in (1, 2):
+        llm = LLM(model=base, device="jax", tensor_parallel_size=tp, enable_lora=True, max_loras=2,
+                  **tiny_engine_options(strict=True))
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts for _ in requests], params, use_tqdm=False,
+                               lora_request=[r for _ in prompts for r in requests])
+        result[tp] = dict(tokens=[o.outputs[0].token_ids for o in outputs],
+                          after=llm.stats().graphs_compiled_after_warmup)
+        llm.shutdown()
+    print(json.dumps(result))
+""")
+
+
+@pytest.mark.slow  # XLA compilation, in a fresh interpreter with two virtual devices
+def test_jax_spmd_at_tp2_equals_one_device(checkpoints, adapter_dirs):
+    """JAX SPMD over two virtual CPU devices (adapter slots split with their layers): the
+    tokens of one device, nothing compiled after warm-up."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    result = subprocess.run([sys.executable, "-c", SPMD_RUN, checkpoints["llama"], json.dumps(adapter_dirs["llama"])],
+                            env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = json.loads(result.stdout.strip().splitlines()[-1])
+    assert runs["2"]["tokens"] == runs["1"]["tokens"]
+    assert runs["1"]["after"] == runs["2"]["after"] == 0

@@ -135,6 +135,33 @@ def test_native_path_eagle3_head_at_tp2_matches_transformers(cluster, checkpoint
         llm.shutdown()
 
 
+def test_lora_adapters_split_over_two_ranks_equal_one_rank(cluster, checkpoints, prompts, tmp_path):
+    """Three LoRA adapters and the base in one batch over two slots at tp = 2 (column-parallel
+    B and row-parallel A split with their layers, the partial products summed with the base's):
+    the tokens of tp = 1."""
+    from tpu_executor import LoRARequest
+    from tpu_executor.tools.lora_adapter import write_random_lora_adapter
+
+    base = checkpoints["llama"]
+    adapters = [None] + [LoRARequest(f"a{i}", i + 1, write_random_lora_adapter(base, str(tmp_path / f"a{i}"), seed=i))
+                         for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts for _ in adapters]
+    per_prompt = [a for _ in prompts for a in adapters]
+    tokens = {}
+    for tp in (1, 2):
+        llm = LLM(base, device="cpu", tensor_parallel_size=tp, enable_lora=True, max_loras=2,
+                  **tensor_parallel_options())
+        try:
+            outputs = llm.generate(requests, params, use_tqdm=False, lora_request=per_prompt)
+            assert all(o.error is None for o in outputs)
+            tokens[tp] = [o.outputs[0].token_ids for o in outputs]
+        finally:
+            llm.shutdown()
+    assert tokens[2] == tokens[1]
+    assert tokens[1][1::len(adapters)] != tokens[1][0::len(adapters)]  # an adapter changes the tokens
+
+
 def test_launch_script_checks_the_cluster_then_generates(cluster, checkpoints, capsys):
     from scripts import launch
 
