@@ -87,6 +87,8 @@ def test_help_shows_the_defaults_the_command_uses(command, checkpoints, capsys):
             assert config.model.dtype == "float32", command
         elif name == "async_scheduling" and text == "on for xla, jax and cuda, off for cpu":
             assert config.scheduler.async_scheduling == (config.device.device != "cpu"), command
+        elif name == "max_cpu_loras" and text == "max_loras":
+            assert config.lora.max_cpu_loras == config.lora.max_loras, command
         elif name != "num_blocks":  # "as many as fit": sized by the worker
             value = config_value(config, name)
             expected = tuple(parsed(w) for w in text.split()) if isinstance(value, tuple) else parsed(text)

@@ -196,6 +196,11 @@ class AdapterSlots:
             self.holders[slot] = None
         return True
 
+    @property
+    def slots_in_use(self) -> int:
+        """Slots whose adapter a running request uses."""
+        return sum(1 for users in self.users[1:] if users)
+
     def take_loads(self) -> Tuple[Tuple[int, LoRARequest], ...]:
         """(slot, adapter) given out since the last call, for the workers to write."""
         loads, self._loads = tuple(self._loads), []

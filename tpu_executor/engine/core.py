@@ -325,7 +325,8 @@ class EngineCore:
             kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_usable_blocks,
             kv_cache_bytes=worker.kv_cache_bytes, compile_cache_hits=worker.compile_cache_hits,
             compile_cache_misses=worker.compile_cache_misses, compile_seconds=worker.compile_seconds,
-            kernel_providers=worker.kernel_providers, spec_decode=copy.deepcopy(self.scheduler.spec))
+            kernel_providers=worker.kernel_providers, spec_decode=copy.deepcopy(self.scheduler.spec),
+            lora_slots_in_use=self.scheduler.adapters.slots_in_use if self.scheduler.adapters is not None else 0)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

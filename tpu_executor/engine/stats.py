@@ -27,7 +27,8 @@ class EngineStats:
     and the seconds XLA spent compiling or loading (summed over the compile threads). Kernels:
     the provider each op's calls took at warm-up, as (op, provider) pairs (the compiled paths;
     the native path compiles nothing at warm-up and chooses per call). Speculative decoding:
-    verifies, draft tokens, accepted drafts and accepted drafts per draft position.
+    verifies, draft tokens, accepted drafts and accepted drafts per draft position. Multi-LoRA:
+    the adapter slots that running requests use.
     """
 
     startup_seconds: Dict[str, float] = field(default_factory=dict)
@@ -47,6 +48,7 @@ class EngineStats:
     compile_seconds: float = 0.0
     kernel_providers: Tuple[Tuple[str, str], ...] = ()
     spec_decode: SpecCounts = field(default_factory=SpecCounts)
+    lora_slots_in_use: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

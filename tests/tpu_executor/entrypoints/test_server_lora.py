@@ -74,3 +74,20 @@ def test_an_adapter_loaded_at_run_time_serves_until_unloaded(served, expected, a
         complete(client, "second")
     gone = httpx.post(served + "/v1/unload_lora_adapter", json={"lora_name": "second"})
     assert gone.status_code == 404
+
+
+def test_metrics_count_requests_and_tokens_per_adapter(served):
+    client = openai.OpenAI(base_url=served + "/v1", api_key="none")
+    before = scrape(served)
+    complete(client, "first")
+    after = scrape(served)
+    key = 'tpu_executor:lora_requests_total{lora_name="first"}'
+    tokens = 'tpu_executor:lora_generation_tokens_total{lora_name="first"}'
+    assert after[key] == before.get(key, 0) + 1
+    assert after[tokens] == before.get(tokens, 0) + 10
+    assert "tpu_executor:lora_slots_in_use" in after
+
+
+def scrape(url):
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if not line.startswith("#")}

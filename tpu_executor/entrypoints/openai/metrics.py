@@ -41,6 +41,7 @@ class EngineStatsCollector:
         "compiled_graphs": ("Graphs compiled at warm-up.", lambda s: s.graphs_compiled_at_warmup),
         "compilations_after_warmup": ("Graphs compiled after warm-up (must stay 0).",
                                       lambda s: s.graphs_compiled_after_warmup),
+        "lora_slots_in_use": ("LoRA adapter slots that running requests use.", lambda s: s.lora_slots_in_use),
     }
     COUNTERS = {
         "num_preemptions": ("Preemptions (by recompute).", lambda s: s.num_preemptions),
@@ -105,6 +106,11 @@ class ServerMetrics:
                                            registry=self.registry)
         self.grammar_compile = histogram("grammar_compile_seconds",
                                          "Seconds to compile a request's grammar (cached ones are not compiled).")
+        self.lora_requests = Counter(PREFIX + "lora_requests", "Requests admitted that run a LoRA adapter, by adapter.",
+                                     ["lora_name"], registry=self.registry)
+        self.lora_generation_tokens = Counter(PREFIX + "lora_generation_tokens",
+                                              "Tokens generated with a LoRA adapter, by adapter.", ["lora_name"],
+                                              registry=self.registry)
 
     def render(self, stats_by_engine: Mapping[str, EngineStats]) -> bytes:
         """The text exposition, with each engine's figures (``EngineClient.stats_by_engine``)."""
@@ -112,13 +118,15 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def tracker(self, num_prompt_tokens: int, arrival_time: float, params: SamplingParams,
-                features: Sequence[str] = ()) -> "RequestTracker":
+                features: Sequence[str] = (), lora_name: Optional[str] = None) -> "RequestTracker":
         """Observations of one engine request, fed each delta as it goes out; ``features`` are
-        what it uses beyond ``params`` (tools)."""
+        what it uses beyond ``params`` (tools); ``lora_name`` its adapter's served name."""
         self.prompt_tokens.inc(num_prompt_tokens)
         for feature in (*features_of(params), *features):
             self.requests_by_feature.labels(feature).inc()
-        return RequestTracker(self, arrival_time)
+        if lora_name is not None:
+            self.lora_requests.labels(lora_name).inc()
+        return RequestTracker(self, arrival_time, lora_name)
 
 
 def features_of(params: SamplingParams) -> List[str]:
@@ -134,9 +142,10 @@ def features_of(params: SamplingParams) -> List[str]:
 class RequestTracker:
     """Times one request's deltas into the server's histograms and counters."""
 
-    def __init__(self, metrics: ServerMetrics, arrival_time: float):
+    def __init__(self, metrics: ServerMetrics, arrival_time: float, lora_name: Optional[str] = None):
         self.metrics = metrics
         self.arrival_time = arrival_time
+        self.lora_name = lora_name
         self.first_token_time: Optional[float] = None
         self.last_token_time: Optional[float] = None
         self.sample_tokens: Dict[int, int] = {}  # tokens so far, by sample index
@@ -152,6 +161,8 @@ class RequestTracker:
                 m.request_success.labels(completion.finish_reason).inc()
         if new_tokens:
             m.generation_tokens.inc(new_tokens)
+            if self.lora_name is not None:
+                m.lora_generation_tokens.labels(self.lora_name).inc(new_tokens)
             if self.last_token_time is None:
                 # The engine's time when it has one: a final-only output comes at the end.
                 engine_time = delta.metrics.first_token_time if delta.metrics is not None else None

@@ -158,7 +158,8 @@ class OpenAIServing:
             for request_id, prompt, p in zip(ids, prompts, params):
                 self.engine.add_request(request_id, prompt.token_ids, p, prompt.text, arrival, stream, session,
                                         lora_request=adapter)
-                trackers[request_id] = self.metrics.tracker(len(prompt.token_ids), arrival, p, features)
+                trackers[request_id] = self.metrics.tracker(len(prompt.token_ids), arrival, p, features,
+                                                            adapter.lora_name if adapter is not None else None)
         except QueueFullError as err:
             self.engine.abort_stream(stream)
             raise queue_full(err) from None
