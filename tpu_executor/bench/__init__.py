@@ -5,7 +5,8 @@
 ``serve`` (an OpenAI server under load),
 ``replicas`` (the replicated server: scaling over replicas, routing overhead, prefix routing),
 ``host`` (the host's work per engine step), ``chunked-prefill`` (latency while a long prompt
-arrives), ``speculative`` (n-gram speculative decoding against none), ``sampler`` (the
+arrives), ``speculative`` (n-gram speculative decoding against none), ``lora`` (LoRA adapters
+in the batch against the base model), ``sampler`` (the
 sampler, plain and with logits processing), ``structured`` (JSON-schema outputs against
 unconstrained ones), ``kernels`` (the Pallas kernels against their references), ``cpu-matmul``
 (the native CPU path's matmul forms side by side), ``cpu-kernels`` (its other C kernels
@@ -21,6 +22,7 @@ from tpu_executor.bench import (
     cpu_matmul,
     host,
     kernels,
+    lora,
     replicas,
     sampler,
     serve,
@@ -30,15 +32,15 @@ from tpu_executor.bench import (
     throughput,
 )
 
-COMMANDS = (throughput, startup, serve, replicas, host, chunked, speculative, sampler, structured, kernels, cpu_matmul,
-            cpu_kernels)
+COMMANDS = (throughput, startup, serve, replicas, host, chunked, speculative, lora, sampler, structured, kernels,
+            cpu_matmul, cpu_kernels)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """``bench`` and its subcommands."""
     parser = subparsers.add_parser(
         "bench", help="benchmarks: offline throughput, start-up, a server under load, replicas, host work, "
-                      "chunked prefill, speculative decoding, the sampler, structured outputs, kernels, "
+                      "chunked prefill, speculative decoding, LoRA adapters, the sampler, structured outputs, kernels, "
                       "CPU matmul forms")
     benchmarks = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for module in COMMANDS:
