@@ -100,17 +100,18 @@ def preempting_llm_pair(path: str, option: str):
 _REFERENCE_OUTPUTS: dict = {}  # (reference engine's id, count) -> (a weak reference to it, its outputs)
 
 
-def assert_same_outputs_over_random_requests(reference, candidate, count: int = 200):
+def assert_same_outputs_over_random_requests(reference, candidate, count: int = 200, lora_requests=None):
     """Two LLMs give the same outputs over ``count`` random requests (ids, text, finish and stop
-    reasons; log-probs within 1e-4), and neither holds a block or a request afterwards."""
+    reasons; log-probs within 1e-4), and neither holds a block or a request afterwards.
+    ``lora_requests``: each request's LoRA adapter (None: the base model)."""
     prompts, params = random_requests(count)
-    key = (id(reference), count)
+    key = (id(reference), count, lora_requests is None)
     known, expected = _REFERENCE_OUTPUTS.get(key, (None, None))
     if known is None or known() is not reference:
         # The same requests give the same outputs: a reference engine runs them once.
-        expected = reference.generate(prompts, params, use_tqdm=False)
+        expected = reference.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
         _REFERENCE_OUTPUTS[key] = (weakref.ref(reference), expected)
-    got = candidate.generate(prompts, params, use_tqdm=False)
+    got = candidate.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
     assert output_summary(got) == output_summary(expected)
     torch.testing.assert_close(logprob_values(got), logprob_values(expected), rtol=1e-4, atol=1e-4)
     for llm in (reference, candidate):

@@ -326,6 +326,9 @@ class EngineConfig:
         _require(self.speculative is None or not self.scheduler.async_scheduling,
                  "async_scheduling cannot be on with speculative decoding: the drafters need each "
                  "step's accepted tokens before the next step (leave async_scheduling unset)")
+        _require(not (self.lora.enable_lora and self.model.quantization is not None),
+                 f"enable_lora cannot serve adapters over a {self.model.quantization}-quantized model: "
+                 "leave quantization unset to serve LoRA adapters")
         block = self.cache.block_size
         bad = [b for b in self.compile.prefill_buckets if b % block]
         _require(not bad, f"prefill_buckets {bad} are not multiples of block_size {block}")

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.common import mixed_prompts, tiny_engine_options
+from tests.common import assert_same_outputs_over_random_requests, mixed_prompts, tiny_engine_options
 from tpu_executor import LLM, LoRARequest, SamplingParams
 from tpu_executor.tools.lora_adapter import write_random_lora_adapter
 
@@ -134,6 +134,8 @@ def test_bad_adapters_are_refused_naming_the_problem(checkpoints, adapter_dirs, 
     with pytest.raises(ValueError, match="lora_int_id 4 is adapter"):
         lora_greedy(llm, PROMPTS[:1], [LoRARequest("a1", 4, dirs[1])], 4)
     llm.shutdown()
+    with pytest.raises(ValueError, match="quantized model"):
+        LLM(model=base, device="cpu", enable_lora=True, quantization="int8", **tiny_engine_options())
     plain = LLM(model=base, device="cpu", **tiny_engine_options())
     with pytest.raises(ValueError, match="enable_lora=True"):
         lora_greedy(plain, PROMPTS[:1], [LoRARequest("a0", 1, dirs[0])], 4)
@@ -158,9 +160,27 @@ def test_compiled_paths_equal_the_native_path_and_compile_nothing_after_warmup(c
     llm.shutdown()
 
 
+@pytest.mark.slow  # XLA compilation
+def test_200_random_requests_over_more_adapters_than_slots_compile_nothing(checkpoints, tmp_path):
+    """200 random requests (every sampling feature) spread over six adapters and the base, two
+    slots: the JAX path equals the native path and compiles nothing after warm-up (strict)."""
+    base = checkpoints["llama"]
+    adapters = [LoRARequest(f"r{i}", i + 1, write_random_lora_adapter(base, str(tmp_path / f"r{i}"), rank=4 + 2 * i,
+                                                                      seed=10 + i)) for i in range(6)]
+    per_request = [None if i % 7 == 0 else adapters[(i * 5) % 6] for i in range(200)]
+    native = LLM(model=base, device="cpu", enable_lora=True, max_loras=2, **tiny_engine_options())
+    compiled = LLM(model=base, device="jax", enable_lora=True, max_loras=2, **tiny_engine_options(strict=True))
+    try:
+        assert_same_outputs_over_random_requests(native, compiled, lora_requests=per_request)
+        assert compiled.stats().graphs_compiled_after_warmup == 0
+    finally:
+        native.shutdown()
+        compiled.shutdown()
+
+
 SPMD_RUN = textwrap.dedent("""
     import json, sys
-    from tests.common import mixed_prompts, tiny_engine_options
+    from tests.common import assert_same_outputs_over_random_requests, mixed_prompts, tiny_engine_options
     from tpu_executor import LLM, LoRARequest, SamplingParams
     base, adapters = sys.argv[1], json.loads(sys.argv[2])
     requests = [None] + [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(adapters)]
