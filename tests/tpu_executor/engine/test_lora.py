@@ -28,11 +28,29 @@ ADAPTERS = [
 ]
 
 
+MOE = ("mixtral", "qwen3_moe")  # adapters on their attention only (the experts take none)
+ARCHS = ("llama", "llama3", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3")
+
+
+class LazyAdapters(dict):
+    """Each architecture's four adapters, written on first look-up."""
+
+    def __init__(self, checkpoints, root):
+        super().__init__()
+        self.checkpoints, self.root = checkpoints, root
+
+    def __missing__(self, arch):
+        attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+        specs = [{**spec, "targets": attention} if arch in MOE and "targets" not in spec else spec for spec in ADAPTERS]
+        specs = [spec for spec in specs if not (arch in MOE and set(spec["targets"]) - set(attention))]
+        self[arch] = [write_random_lora_adapter(self.checkpoints[arch], str(self.root / f"{arch}{i}"), seed=i, **spec)
+                      for i, spec in enumerate(specs)]
+        return self[arch]
+
+
 @pytest.fixture(scope="module")
 def adapter_dirs(checkpoints, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    return {arch: [write_random_lora_adapter(checkpoints[arch], str(root / f"{arch}{i}"), seed=i, **spec)
-                   for i, spec in enumerate(ADAPTERS)] for arch in ("llama", "qwen3")}
+    return LazyAdapters(checkpoints, tmp_path_factory.mktemp("adapters"))
 
 
 def peft_greedy(base: str, adapter: str, prompts, max_new_tokens: int):
@@ -57,10 +75,12 @@ def lora_greedy(llm, prompts, adapters, max_tokens: int):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", [a if a in ("llama", "qwen3") else pytest.param(a, marks=pytest.mark.slow)
+                                  for a in ARCHS])
 def test_adapters_and_the_base_in_one_batch_equal_peft(checkpoints, adapter_dirs, arch):
-    """Each prompt under each of four adapters and the base model, all in one batch, equal
-    transformers + peft; every adapter changes the tokens."""
+    """Each prompt under each of four adapters (three on a mixture of experts: its attention
+    only) and the base model, all in one batch, equal transformers + peft; every adapter
+    changes the tokens."""
     base, dirs = checkpoints[arch], adapter_dirs[arch]
     llm = LLM(model=base, device="cpu", enable_lora=True, max_loras=4, max_lora_rank=16, **tiny_engine_options())
     requests = [None] + [LoRARequest(f"a{i}", i + 1, d) for i, d in enumerate(dirs)]
