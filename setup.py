@@ -61,7 +61,8 @@ setup(
         # The tests compile for TPU slices with libtpu, the TPU's compiler (it runs without a
         # TPU): the very version torch_xla[tpu]==2.9.0 pins, so one libtpu serves both paths.
         # ruff is pinned: CI runs `ruff check` before the tests, and its rules move between versions.
-        "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40", "libtpu==0.0.21", "ruff==0.17.6"],
+        # peft is the oracle the LoRA tests compare with (transformers + peft, fp32).
+        "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40", "libtpu==0.0.21", "ruff==0.17.6", "peft==0.21.2"],
         # On a TPU VM, and to compile for one (`tpu-executor compile`): libtpu 0.0.21.
         "tpu": ["torch_xla[tpu]==2.9.0"],
     },
