@@ -86,6 +86,7 @@ class ModelRunner:
         self.padding = PaddingStats()
         self.taps = None  # where the model calls copy an EAGLE-3 head's inputs (``use_taps``)
         # On XLA a call only queues work: reading tokens back can wait for the next launch.
+        self.compiled = compiled
         self.collects_late = compiled
         self.sampling = SamplingRunner(config, self.plan, model.config.vocab_size, device, self.guard,
                                        partial(self._compile, compiled=compiled, fullgraph=True), self.put,
@@ -186,6 +187,9 @@ class ModelRunner:
 
     def _run_fn(self, fn, host_inputs: Dict[str, torch.Tensor], phase: str, **static):
         """Copy ``host_inputs`` to the device and call ``fn`` on them (timed as ``phase``)."""
+        if not self.compiled and "lora_slots" in host_inputs and not host_inputs["lora_slots"].any():
+            # Eager: a call with no adapter's token skips the LoRA products (compiled graphs keep their inputs).
+            host_inputs = {name: t for name, t in host_inputs.items() if name != "lora_slots"}
         if self.taps is not None and "slot_mapping" in host_inputs:  # a model step
             host_inputs = {**host_inputs, "tap_rows": self.taps.rows_for(host_inputs["slot_mapping"])}
             static = {**static, "tap_buffers": self.taps.buffers}
