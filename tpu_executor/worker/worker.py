@@ -135,8 +135,10 @@ class Worker:
         cfg = self.config
         speculative = cfg.speculative and (cfg.speculative.method, cfg.speculative.num_speculative_tokens,
                                            cfg.speculative.model and os.path.abspath(cfg.speculative.model))
+        # Adapter slots are inputs of every model graph: their count and rank shape the programs.
+        lora = cfg.lora.enable_lora and (cfg.lora.max_loras, cfg.lora.max_lora_rank)
         return (cfg.model.dtype, cfg.model.quantization, cfg.max_model_len, cfg.cache.block_size,
-                cfg.parallel.tensor_parallel_size, kernels_fingerprint, speculative)
+                cfg.parallel.tensor_parallel_size, kernels_fingerprint, speculative, lora)
 
     def device_context(self):
         """Where the worker's torch code runs: torchax's environment on the JAX path."""

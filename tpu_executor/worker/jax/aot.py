@@ -44,7 +44,9 @@ def engine_parts(config) -> Dict[str, object]:
             "async_scheduling": scheduler.async_scheduling,
             "prefill_buckets": compile_config.prefill_buckets, "decode_buckets": compile_config.decode_buckets,
             "decode_context_buckets": compile_config.decode_context_buckets,
-            "max_logprobs": compile_config.max_logprobs, "max_prefill_seqs": compile_config.max_prefill_seqs}
+            "max_logprobs": compile_config.max_logprobs, "max_prefill_seqs": compile_config.max_prefill_seqs,
+            "speculative": config.speculative,
+            "lora": (config.lora.max_loras, config.lora.max_lora_rank) if config.lora.enable_lora else None}
 
 
 def job_parts(config, runtime, kernels_fingerprint: str) -> Dict[str, str]:
