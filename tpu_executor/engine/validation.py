@@ -22,6 +22,7 @@ class RequestChecks:
         self._lock = threading.Lock()
         self._on_grammar_compiled: Optional[Callable[[float], None]] = None  # a metric's observer
         self._adapters: Dict[int, LoRARequest] = {}  # lora_int_id -> the adapter checked under it
+        self._model_config: Optional[Dict] = None  # the checkpoint's config, for adapters' shapes
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -97,8 +98,10 @@ class RequestChecks:
             from tpu_executor.worker.lora_loader import check_adapter
             from tpu_executor.worker.model_loader import load_hf_config
 
-            check_adapter(lora_request.lora_path, load_hf_config(self.config.model.model).to_dict(),
-                          lora.max_lora_rank)
+            with self._lock:  # the model's config is read once, for the first adapter
+                if self._model_config is None:
+                    self._model_config = load_hf_config(self.config.model.model).to_dict()
+            check_adapter(lora_request.lora_path, self._model_config, lora.max_lora_rank)
             with self._lock:
                 self._adapters[lora_request.lora_int_id] = lora_request
 

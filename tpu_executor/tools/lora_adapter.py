@@ -13,9 +13,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from tpu_executor.core.lora import CONFIG_FILE, TARGETS, AdapterConfig, module_path, projection_shapes
-
-WEIGHTS_FILE = "adapter_model.safetensors"
+from tpu_executor.core.lora import CONFIG_FILE, TARGETS, WEIGHTS_FILE, AdapterConfig, module_path, projection_shapes
 
 
 def adapter_tensors(cfg: Dict, targets: Sequence[str], ranks: Dict[str, int], seed: int,

@@ -17,10 +17,16 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from tpu_executor.core.lora import TARGETS, AdapterConfig, LoRARequest, module_path, projection_shapes
+from tpu_executor.core.lora import (
+    TARGETS,
+    WEIGHTS_FILE,
+    AdapterConfig,
+    LoRARequest,
+    module_path,
+    projection_shapes,
+)
 from tpu_executor.models.layers.lora import LoRASlots
 
-WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT's names: base_model.model.<module>.lora_A.weight (or lora_B; an adapter name may sit
 # before .weight in older exports).
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[\w-]+)?\.weight$")
@@ -48,6 +54,14 @@ class Update:
     scale: float
 
 
+def _weights_file(path: str) -> str:
+    """The adapter's weight file; ValueError when it has none."""
+    file = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(file):
+        raise ValueError(f"LoRA adapter {path!r} has no {WEIGHTS_FILE}")
+    return file
+
+
 def read_adapter(path: str) -> Adapter:
     """The adapter in directory ``path``; a missing, corrupt or incomplete file raises ValueError
     naming it."""
@@ -55,9 +69,7 @@ def read_adapter(path: str) -> Adapter:
     from safetensors.torch import load_file
 
     config = AdapterConfig.read(path)
-    file = os.path.join(path, WEIGHTS_FILE)
-    if not os.path.isfile(file):
-        raise ValueError(f"LoRA adapter {path!r} has no {WEIGHTS_FILE}")
+    file = _weights_file(path)
     try:
         tensors = load_file(file)
     except (SafetensorError, OSError) as err:
@@ -86,9 +98,7 @@ def check_adapter(path: str, model_config: Dict, max_rank: int) -> AdapterConfig
     from safetensors import SafetensorError, safe_open
 
     config = AdapterConfig.read(path)
-    file = os.path.join(path, WEIGHTS_FILE)
-    if not os.path.isfile(file):
-        raise ValueError(f"LoRA adapter {path!r} has no {WEIGHTS_FILE}")
+    file = _weights_file(path)
     try:
         with safe_open(file, framework="pt") as f:
             shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
