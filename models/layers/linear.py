@@ -154,6 +154,11 @@ class ColumnParallelLinear(QuantizableMatmul, LoRASlots):
     def _lora_out(self) -> int:
         return self.out_local
 
+    def _lora_slices(self):
+        """Each packed projection's (first feature, features), in the order of its rank columns."""
+        return tuple((offset, length) for offset, _, length, _ in self.shards.values()) if len(self.shards) > 1 \
+            else None
+
     def _lora_parts(self, shard_id, lora_a: torch.Tensor, lora_b: torch.Tensor):
         if shard_id not in self.shards:
             raise ValueError(f"no shard {shard_id!r} in this layer (it packs {list(self.shards)})")
@@ -230,6 +235,9 @@ class RowParallelLinear(QuantizableMatmul, LoRASlots):
 
     def _lora_out(self) -> int:
         return self.out_features
+
+    def _lora_slices(self):
+        return None  # one projection
 
     def _lora_parts(self, shard_id, lora_a: torch.Tensor, lora_b: torch.Tensor):
         check_shape("lora_A", lora_a, (lora_a.shape[0], self.in_features))

@@ -4,8 +4,9 @@ A layer that serves adapters keeps, for each of ``num_slots`` slots, its A and B
 slot rank: ``lora_a [slots, in, shards x rank]`` and ``lora_b [slots, shards x rank, out]``,
 this rank's part of each. Slot 0 stays zero (the base model). A packed layer (QKV, gate/up)
 holds each packed projection's adapter in its own ``rank`` columns of A and, block-diagonally,
-in the rows of B over that projection's output features, so one ``lora_matmul`` gives every
-projection's update. PEFT's scale goes into B when the slot is written.
+in the rows of B over that projection's output features (``lora_out_slices``: no product runs
+over the zeros between), so one ``lora_matmul`` gives every projection's update. PEFT's scale
+goes into B when the slot is written.
 
 Tensor parallelism splits the adapters as the layer's weight: a column-parallel layer keeps
 its output features' columns of B (A whole); a row-parallel layer its input features' rows of
@@ -22,7 +23,7 @@ from tpu_executor.kernels.lora_matmul.ops import lora_matmul
 
 class LoRASlots:
     """The adapter slots of a linear layer; mixed into the parallel linears, which say how
-    their adapters split (``_lora_shapes``, ``_lora_out``, ``_lora_parts``).
+    their adapters split (``_lora_shapes``, ``_lora_out``, ``_lora_parts``, ``_lora_slices``).
 
     The slots are written on the host, into ``lora_a_host`` and ``lora_b_host``; the buffers
     ``lora_a`` and ``lora_b`` that the model calls read are those tensors until the model moves
@@ -41,6 +42,7 @@ class LoRASlots:
         self.register_buffer("lora_a", self.lora_a_host, persistent=False)
         self.register_buffer("lora_b", self.lora_b_host, persistent=False)
         self.lora_rank = max_rank
+        self.lora_out_slices = self._lora_slices()
 
     def set_lora(self, slot: int, shard_id, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> None:
         """Write one projection's adapter into ``slot`` (on the host): ``lora_a [r, in]`` and
@@ -73,7 +75,7 @@ class LoRASlots:
         has no adapters."""
         if lora_slots is None or "lora_a" not in self._buffers:
             return None
-        return lora_matmul(x, self.lora_a, self.lora_b, lora_slots)
+        return lora_matmul(x, self.lora_a, self.lora_b, lora_slots, self.lora_out_slices)
 
 
 def check_shape(what: str, tensor: torch.Tensor, expected) -> None:
