@@ -2,10 +2,10 @@
 the base model alone, side by side in one run.
 
 For each batch size the same prompts run in one ``LLM.generate`` call on an engine without
-adapters (the base), then on one engine with ``enable_lora`` (``max_loras`` as large as the
-most adapters measured) with no adapter, then with the batch spread over 1, 4, 8... distinct
-random rank-``--rank`` adapters on every projection (``tools/lora_adapter.py``); each call is
-warmed up once first over the same adapters.
+adapters (the base), then on engines with ``enable_lora`` (``max_loras`` as many as the
+adapters in the batch, at least 1): with no adapter, then with the batch spread over 1, 4,
+8... distinct random rank-``--rank`` adapters on every projection (``tools/lora_adapter.py``);
+each call is warmed up once first over the same adapters.
 Random prompt ids, greedy, EOS ignored, prefix caching off. Prints tok/s and the overhead
 against the base, then a Markdown table.
 
@@ -91,17 +91,17 @@ def run(args: argparse.Namespace) -> None:
                                                                           rank=args.rank, seed=i))
                     for i in range(count)]
         for device in args.devices:
-            # The base model on an engine without LoRA, then every mix on one engine with it.
-            for max_loras, mixes in ((0, [None]), (max(count, 1), list(args.adapters))):
+            # The base model on an engine without LoRA, then each mix on an engine with as many
+            # slots as it has adapters (the one-hot form's work grows with the slots).
+            for adapters in [None, *args.adapters]:
+                max_loras = 0 if adapters is None else max(adapters, 1)
                 llm = engine(path, device, max_batch, max_loras, -(-(args.prompt_len + args.output_len) // 64) * 64)
                 try:
-                    for adapters in mixes:
-                        for batch in args.batch_sizes:
-                            rate = timed_rate(llm, prompts[:batch], spread(requests, batch, adapters or 0),
-                                              args.output_len)
-                            rows.append(dict(device=device, batch=batch, adapters=adapters, rate=rate))
-                            print(f"{device} batch {batch} adapters {'base' if adapters is None else adapters}: "
-                                  f"{rate:.1f} tok/s", flush=True)
+                    for batch in args.batch_sizes:
+                        rate = timed_rate(llm, prompts[:batch], spread(requests, batch, adapters or 0), args.output_len)
+                        rows.append(dict(device=device, batch=batch, adapters=adapters, rate=rate))
+                        print(f"{device} batch {batch} adapters {'base' if adapters is None else adapters}: "
+                              f"{rate:.1f} tok/s", flush=True)
                 finally:
                     llm.shutdown()
     print_table(rows)
