@@ -10,6 +10,7 @@ module where ``rank_pattern`` / ``alpha_pattern`` name it.
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -149,14 +150,43 @@ class AdapterSlots:
     base model): which adapter each holds and how many running requests use it. A request
     pins its adapter's slot while it runs; a slot nobody uses is given to another adapter,
     the one used longest ago first. The slots given out since the last ``take_loads`` are
-    what the workers must write before the step runs."""
+    what the workers must write before the step runs; the adapters of ``take_reads`` what they
+    start reading from disk, so that no step waits on a read."""
 
-    def __init__(self, max_loras: int):
+    def __init__(self, max_loras: int, max_cpu_loras: Optional[int] = None):
         self.holders: List[Optional[LoRARequest]] = [None] * (max_loras + 1)
         self.users = [0] * (max_loras + 1)
         self._last_used = [0] * (max_loras + 1)
         self._clock = 0
         self._loads: List[Tuple[int, LoRARequest]] = []
+        # The adapters the workers hold read on the host (or are reading), the latest last: as
+        # the workers' own ``max_cpu_loras`` cache (a difference only costs a read in a step).
+        self._read: "collections.OrderedDict[int, LoRARequest]" = collections.OrderedDict()
+        self.max_cpu_loras = max_cpu_loras or max_loras
+        self._reads: List[LoRARequest] = []
+
+    def is_read(self, lora: LoRARequest) -> bool:
+        """Whether the workers hold ``lora`` read, in a slot or on the host since an earlier
+        step. If not, they are asked to start reading it (``take_reads``) and a request for it
+        can run from the next step: the read overlaps the steps in between."""
+        if self.slot_of(lora.lora_int_id) is not None or (self._read.get(lora.lora_int_id) == lora
+                                                          and lora not in self._reads):
+            return True
+        if lora not in self._reads:
+            self._reads.append(lora)
+            self._note_read(lora)
+        return False
+
+    def take_reads(self) -> Tuple[LoRARequest, ...]:
+        """Adapters asked for since the last call, for the workers to read in the background."""
+        reads, self._reads = tuple(self._reads), []
+        return reads
+
+    def _note_read(self, lora: LoRARequest) -> None:
+        self._read[lora.lora_int_id] = lora
+        self._read.move_to_end(lora.lora_int_id)
+        while len(self._read) > self.max_cpu_loras:
+            self._read.popitem(last=False)
 
     def slot_of(self, lora_int_id: int) -> Optional[int]:
         """The slot holding adapter ``lora_int_id``, or None."""
@@ -177,6 +207,7 @@ class AdapterSlots:
             slot = min(idle, key=lambda s: (self.holders[s] is not None, self._last_used[s]))
             self.holders[slot] = lora
             self._loads.append((slot, lora))
+            self._note_read(lora)
         self.users[slot] += 1
         self._touch(slot)
         return slot
@@ -195,6 +226,7 @@ class AdapterSlots:
             return False
         if slot is not None:
             self.holders[slot] = None
+        self._read.pop(lora_int_id, None)
         return True
 
     @property

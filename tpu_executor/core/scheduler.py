@@ -49,7 +49,8 @@ class Scheduler:
     """Decides the prefill and decode work of each step and owns the request queues."""
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 max_chunk_tokens: int, drafter: Optional[Drafter] = None, max_loras: int = 0):
+                 max_chunk_tokens: int, drafter: Optional[Drafter] = None, max_loras: int = 0,
+                 max_cpu_loras: Optional[int] = None):
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
@@ -61,7 +62,7 @@ class Scheduler:
         self.spec = SpecCounts()
         self._verifying: Dict[str, int] = {}  # request id -> drafts in its verify in flight
         # Multi-LoRA: the device's adapter slots (None: the engine serves no adapters).
-        self.adapters = AdapterSlots(max_loras) if max_loras else None
+        self.adapters = AdapterSlots(max_loras, max_cpu_loras) if max_loras else None
 
     def add(self, request: Request) -> None:
         request.max_outputs = min(request.max_outputs, self.max_model_len - len(request.prompt_token_ids))
@@ -105,9 +106,10 @@ class Scheduler:
             prefills = self._schedule_prefills(budget, bool(decodes or verifies or chunks))
         if names_drafting:
             drafting.extend(w.request_id for w in chunks + prefills if w.is_last_chunk)
-        loads = self.adapters.take_loads() if self.adapters is not None else ()
+        loads, reads = (self.adapters.take_loads(), self.adapters.take_reads()) if self.adapters is not None \
+            else ((), ())
         return SchedulerOutput(prefills=tuple(chunks + prefills), decodes=tuple(decodes), verifies=tuple(verifies),
-                               drafting=tuple(drafting), lora_loads=loads)
+                               drafting=tuple(drafting), lora_loads=loads, lora_reads=reads)
 
     def _schedule_decodes(self, drafter: Optional[Drafter], names_drafting: bool
                           ) -> Tuple[List[DecodeWork], List[PrefillWork], List[Request], List[str]]:
@@ -243,14 +245,16 @@ class Scheduler:
 
     def _schedule_prefills(self, budget: int, has_work: bool) -> List[PrefillWork]:
         """New requests, in arrival order, while the budget, ``max_num_seqs`` and the free blocks
-        allow; one whose adapter finds no free slot waits, and the ones after it go first."""
+        allow; one whose adapter finds no free slot, or is still being read, waits, and the ones
+        after it go first."""
         prefills: List[PrefillWork] = []
         no_slot: List[Request] = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_in_flight:
                 break  # preempted with a token still coming: its prefill must include it
-            if not self._acquire_adapter(request):
+            # A new adapter is read while other work runs; with none, now (nothing waits on it).
+            if not self._acquire_adapter(request, read_ahead=has_work or bool(prefills)):
                 no_slot.append(self.waiting.popleft())
                 continue
             work = self._admit(request, budget, bool(prefills) or has_work)
@@ -285,10 +289,13 @@ class Scheduler:
         self.running.append(request)
         return self._chunk(request, num_new)
 
-    def _acquire_adapter(self, request: Request) -> bool:
-        """Give a request about to run its adapter's slot; False when no slot is free for it."""
+    def _acquire_adapter(self, request: Request, read_ahead: bool = False) -> bool:
+        """Give a request about to run its adapter's slot; False when no slot is free for it,
+        or (``read_ahead``) when its adapter is not read yet: the workers start reading it."""
         if request.lora_request is None or self.adapters is None:
             return True
+        if read_ahead and not self.adapters.is_read(request.lora_request):
+            return False
         slot = self.adapters.acquire(request.lora_request)
         if slot is None:
             return False

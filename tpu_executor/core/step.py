@@ -7,8 +7,9 @@ to build, which at hundreds of sequences is a visible share of the host's time p
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 # Kinds of a logits entry (``LogitsProcessing.entry_kinds``).
 ENTRY_BIAS = 0  # add the value to the token's logit
@@ -127,6 +128,9 @@ class SchedulerOutput:
     # Multi-LoRA: (slot, LoRARequest) the workers write before the step runs (adapters given a
     # device slot since the step before).
     lora_loads: Tuple[Tuple[int, Any], ...] = ()
+    # LoRARequests the workers start reading from disk in the background (the requests that
+    # need them run from a later step, whose ``lora_loads`` write them).
+    lora_reads: Tuple[Any, ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -251,3 +255,13 @@ class WorkerStats:
         return dataclasses.replace(ranks[0], graphs_compiled_at_warmup=max(s.graphs_compiled_at_warmup for s in ranks),
                                    graphs_compiled_after_warmup=max(s.graphs_compiled_after_warmup for s in ranks),
                                    compile_cache_misses=max(s.compile_cache_misses for s in ranks))
+
+
+def completed_future(call: Callable[[], Any]) -> Future:
+    """A future already holding ``call()``'s result, or the exception it raised."""
+    future: Future = Future()
+    try:
+        future.set_result(call())
+    except BaseException as err:  # noqa: BLE001 - handed to whoever reads the future
+        future.set_exception(err)
+    return future

@@ -27,12 +27,18 @@ from tpu_executor.core.kv_cache_manager import KVCacheManager
 from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.request import Request, RequestStatus
 from tpu_executor.core.scheduler import Scheduler
-from tpu_executor.core.step import ModelRunnerOutput, PromptLogprobs, SampledTokens, SchedulerOutput, WorkerStats
+from tpu_executor.core.step import (
+    ModelRunnerOutput,
+    PromptLogprobs,
+    SampledTokens,
+    SchedulerOutput,
+    WorkerStats,
+    completed_future,
+)
 from tpu_executor.engine.drafter import make_drafter
 from tpu_executor.engine.stats import EngineStats
 from tpu_executor.engine.structured_outputs import GrammarCompiler, GrammarMatchers
 from tpu_executor.executor import Executor, WorkerFailure
-from tpu_executor.executor.base import completed_future
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +97,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.max_model_len,
                                    BucketPlan.from_config(config).max_prefill_tokens,
                                    make_drafter(config.speculative),
-                                   config.lora.max_loras if config.lora.enable_lora else 0)
+                                   config.lora.max_loras if config.lora.enable_lora else 0, config.lora.max_cpu_loras)
         self._requests: Dict[str, Request] = {}  # sample id -> its request, until it finishes
         # Samples the front-end finished since the last step: the next output confirms them, so
         # a front-end in another process knows when no token of theirs can come any more.

@@ -14,7 +14,6 @@ cannot go on.
 from __future__ import annotations
 
 import abc
-from concurrent.futures import Future
 from typing import Any, Callable, List, Optional, Protocol, Sequence, runtime_checkable
 
 from tpu_executor.core.buckets import Graph
@@ -163,16 +162,6 @@ class StartedStep:
             outputs = self._collect()
         # A rank that failed to launch while another launched is out of step: agree_on_step raises.
         return agree_on_step([out if out is not None else ModelRunnerOutput() for out in outputs])
-
-
-def completed_future(call: Callable[[], Any]) -> Future:
-    """A future already holding ``call()``'s result, or the exception it raised."""
-    future: Future = Future()
-    try:
-        future.set_result(call())
-    except BaseException as err:  # noqa: BLE001 - handed to whoever reads the future
-        future.set_exception(err)
-    return future
 
 
 def agree_on_step(outputs: Sequence[ModelRunnerOutput]) -> ModelRunnerOutput:

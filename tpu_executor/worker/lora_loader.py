@@ -12,8 +12,9 @@ from __future__ import annotations
 import collections
 import os
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,6 +26,7 @@ from tpu_executor.core.lora import (
     module_path,
     projection_shapes,
 )
+from tpu_executor.core.step import completed_future
 from tpu_executor.models.layers.lora import LoRASlots
 
 # PEFT's names: base_model.model.<module>.lora_A.weight (or lora_B; an adapter name may sit
@@ -206,13 +208,22 @@ def _servable(name: str) -> bool:
 
 class AdapterStore:
     """A worker's adapters: read from disk once and kept on the host (the ``max_cpu_loras``
-    used last), written into the model's slots as the scheduler hands the slots out."""
+    used last), written into the model's slots as the scheduler hands the slots out. Reads the
+    scheduler asks for ahead (``read_ahead``) run on a thread of their own while steps run."""
 
     def __init__(self, model: torch.nn.Module, max_rank: int, max_cpu_loras: int,
                  push: Callable[[LoRASlots], None]):
         self.model, self.max_rank, self.max_cpu_loras = model, max_rank, max_cpu_loras
         self.push = push  # replaces a layer's device buffers by its host slots
-        self._read: "collections.OrderedDict[int, Adapter]" = collections.OrderedDict()
+        # lora_int_id -> the adapter read, or its read under way
+        self._read: "collections.OrderedDict[int, Tuple[str, Future]]" = collections.OrderedDict()
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-read")
+
+    def read_ahead(self, loras: Sequence[LoRARequest]) -> None:
+        """Start reading each of ``loras`` not read yet (a later ``write`` takes it)."""
+        for lora in loras:
+            if self._held(lora) is None:
+                self._keep(lora, self._reader.submit(read_adapter, lora.lora_path))
 
     def write(self, loads: Sequence[Tuple[int, LoRARequest]]) -> None:
         """Put each (slot, adapter) of ``loads`` in place, in order (a slot given twice holds
@@ -224,11 +235,25 @@ class AdapterStore:
                 self.push(layer)
 
     def _adapter(self, lora: LoRARequest) -> Adapter:
-        adapter = self._read.get(lora.lora_int_id)
-        if adapter is None or adapter.path != lora.lora_path:
-            adapter = read_adapter(lora.lora_path)
-            self._read[lora.lora_int_id] = adapter
-            while len(self._read) > self.max_cpu_loras:
-                self._read.popitem(last=False)
+        """``lora`` read (waiting for its read ahead if still under way; a failed read is
+        forgotten, so a later request reads it again)."""
+        held = self._held(lora)
+        if held is None:
+            held = completed_future(lambda: read_adapter(lora.lora_path))
+            self._keep(lora, held)
         self._read.move_to_end(lora.lora_int_id)
-        return adapter
+        try:
+            return held.result()
+        except Exception:
+            self._read.pop(lora.lora_int_id, None)
+            raise
+
+    def _held(self, lora: LoRARequest) -> Optional[Future]:
+        path, held = self._read.get(lora.lora_int_id, (None, None))
+        return held if path == lora.lora_path else None
+
+    def _keep(self, lora: LoRARequest, held: Future) -> None:
+        self._read[lora.lora_int_id] = (lora.lora_path, held)
+        self._read.move_to_end(lora.lora_int_id)
+        while len(self._read) > self.max_cpu_loras:
+            self._read.popitem(last=False)

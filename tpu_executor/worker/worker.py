@@ -372,6 +372,8 @@ class Worker:
     # ---- serving ------------------------------------------------------------------------
     def start_step(self, step: SchedulerOutput) -> LaunchedStep:
         """Hand one step to the device; its exceptions propagate."""
+        if step.lora_reads:
+            self.adapters.read_ahead(step.lora_reads)
         if step.lora_loads:  # host work: outside the device's context (torchax would take the host tensors)
             self.adapters.write(step.lora_loads)
         capture = self.drafter.capture() if self.drafter is not None else contextlib.nullcontext()

@@ -230,3 +230,33 @@ def test_a_chunk_never_preempts_a_request_already_scheduled_in_the_step():
     assert b.status is RequestStatus.WAITING and c.status is RequestStatus.RUNNING
     assert set(kv.block_ids("c")) >= set(out.decodes[1].block_ids)
     kv.check_invariants()
+
+
+def test_a_new_adapter_is_read_ahead_while_other_work_runs():
+    """With work running, a request whose adapter nobody has read waits one step while the
+    workers read it (``lora_reads``), and runs from the next (``lora_loads``); with nothing
+    else to run it is admitted at once; an adapter read before is not read again."""
+    from tpu_executor.core.lora import LoRARequest
+
+    kv = KVCacheManager(64, BLOCK, False)
+    scheduler = Scheduler(SchedulerConfig(8, 64), kv, max_model_len=1000, max_chunk_tokens=64, max_loras=2)
+    first, second = LoRARequest("a", 1, "/adapters/a"), LoRARequest("b", 2, "/adapters/b")
+    requests = {r.request_id: r for r in [
+        Request("r0", [1, 2, 3], SamplingParams(max_tokens=20), seed=0, lora_request=first),
+        Request("r1", [4, 5, 6], SamplingParams(max_tokens=20), seed=0, lora_request=second),
+        Request("r2", [7, 8, 9], SamplingParams(max_tokens=20), seed=0)]}
+    for request in requests.values():
+        scheduler.add(request)
+    out = scheduler.schedule()  # nothing runs yet: r0's adapter is read now; r1's waits for it
+    assert [w.request_id for w in out.prefills] == ["r0", "r2"]
+    assert [lora.lora_int_id for _, lora in out.lora_loads] == [1] and out.lora_reads == (second,)
+    scheduler.update(fake_model_tokens(out, requests), requests)
+    out = scheduler.schedule()
+    assert [w.request_id for w in out.prefills] == ["r1"] and out.lora_reads == ()
+    assert [(slot, lora.lora_int_id) for slot, lora in out.lora_loads] == [(2, 2)]
+    scheduler.update(fake_model_tokens(out, requests), requests)
+    late = Request("r3", [1, 1, 1], SamplingParams(max_tokens=2), seed=0, lora_request=first)
+    requests["r3"] = late
+    scheduler.add(late)
+    out = scheduler.schedule()  # adapter 1 is in its slot: no read, no load
+    assert "r3" in [w.request_id for w in out.prefills] and out.lora_reads == () and out.lora_loads == ()

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -160,6 +161,33 @@ def test_bad_adapters_are_refused_naming_the_problem(checkpoints, adapter_dirs, 
     with pytest.raises(ValueError, match="enable_lora=True"):
         lora_greedy(plain, PROMPTS[:1], [LoRARequest("a0", 1, dirs[0])], 4)
     plain.shutdown()
+
+
+def test_a_worker_reads_adapters_ahead_on_its_own_thread_once(checkpoints, adapter_dirs, monkeypatch):
+    """An adapter the scheduler asks to read ahead is read on the store's thread, once; its
+    write takes that read; a read that failed is forgotten, so the next write reads again."""
+    from tpu_executor.worker import lora_loader
+
+    reads = []
+
+    def recorded(path):
+        reads.append((path, threading.current_thread().name))
+        if len(reads) == 2:
+            raise OSError("disk gone")
+        return real(path)
+
+    real, (first, second) = lora_loader.read_adapter, adapter_dirs["llama"][:2]
+    monkeypatch.setattr(lora_loader, "read_adapter", recorded)
+    llm = LLM(model=checkpoints["llama"], device="cpu", enable_lora=True, max_loras=2, **tiny_engine_options())
+    store = llm.engine.core.executor.workers[0].adapters
+    store.read_ahead([LoRARequest("a", 1, first), LoRARequest("b", 2, second)])
+    store.write([(1, LoRARequest("a", 1, first))])
+    with pytest.raises(OSError, match="disk gone"):
+        store.write([(2, LoRARequest("b", 2, second))])
+    store.write([(2, LoRARequest("b", 2, second)), (1, LoRARequest("a", 1, first))])
+    assert [path for path, _ in reads] == [first, second, second]
+    assert [thread.startswith("lora-read") for _, thread in reads] == [True, True, False]
+    llm.shutdown()
 
 
 @pytest.mark.slow  # XLA compilation

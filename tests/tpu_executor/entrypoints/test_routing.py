@@ -1,5 +1,5 @@
-"""The replicated server's pieces that need no cluster: the router's prefix and session
-affinity, the replica config's checks, the replica deployment's options, per-replica metrics
+"""The replicated server's pieces that need no cluster: the router's prefix, session and
+adapter affinity, the replica config's checks, the replica deployment's options, per-replica metrics
 and request times moved onto the ingress's clock."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tpu_executor.entrypoints.openai.config import ReplicaConfig, ServerConfig
 from tpu_executor.entrypoints.openai.metrics import ServerMetrics
 from tpu_executor.entrypoints.ray_serve.app import replica_deployment_options
 from tpu_executor.entrypoints.ray_serve.replicas import in_local_time
-from tpu_executor.entrypoints.ray_serve.routing import PrefixAffinity, block_hashes
+from tpu_executor.entrypoints.ray_serve.routing import Preference, PrefixAffinity, block_hashes
 
 SYSTEM = list(range(100, 164))  # four blocks of 16
 
@@ -43,6 +43,21 @@ def test_a_session_sticks_to_its_replica_until_that_replica_is_gone():
     assert (choice.replica, choice.reason) == ("a", "session")  # the session wins over the prefix
     affinity.forget("a")
     assert affinity.preferred(SYSTEM, "s1", ["a", "b"]).replica == "b"  # a's entries are gone
+
+
+def test_an_adapters_requests_go_where_it_went_and_its_prefixes_hash_apart():
+    """A prefix sent under adapter 1 is no prefix of the base model's (their KV differs); with
+    no prefix known, a request goes where its adapter went last, until that replica is gone."""
+    affinity = PrefixAffinity(block_size=16)
+    assert block_hashes(SYSTEM, 16, adapter=1) != block_hashes(SYSTEM, 16)
+    affinity.record(SYSTEM, None, "a", adapter=1)
+    affinity.record([5] * 16, None, "b", adapter=2)
+    assert affinity.preferred(SYSTEM, None, ["a", "b"], adapter=1) == Preference("a", "prefix")
+    assert affinity.preferred(SYSTEM, None, ["a", "b"]).reason == "least_loaded"  # the base's own prefix
+    assert affinity.preferred([7] * 40, None, ["a", "b"], adapter=2) == Preference("b", "adapter")
+    assert affinity.preferred([7] * 40, None, ["a", "b"], adapter=3).reason == "least_loaded"
+    affinity.forget("b")
+    assert affinity.preferred([7] * 40, None, ["a", "b"], adapter=2).reason == "least_loaded"
 
 
 def test_the_tables_keep_only_the_most_recent_entries():

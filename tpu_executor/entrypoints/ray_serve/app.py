@@ -27,7 +27,7 @@ HEALTH_CHECK_PERIOD_S = 2.0
 
 
 class RoutingCollector:
-    """The router's decisions in this process, by reason (session, prefix, least_loaded)."""
+    """The router's decisions in this process, by reason (session, prefix, adapter, least_loaded)."""
 
     def collect(self):
         family = CounterMetricFamily(PREFIX + "routed_requests", "Requests routed to a replica, by reason.",
