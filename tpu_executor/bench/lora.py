@@ -41,12 +41,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def engine(path: str, device: str, max_batch: int, max_loras: int, max_model_len: int):
-    """An engine for the run (``max_loras`` 0: no LoRA at all)."""
+def engine(path: str, device: str, batch_sizes: Sequence[int], max_loras: int, max_model_len: int):
+    """An engine for the run (``max_loras`` 0: no LoRA at all), a decode bucket at every batch
+    size measured (a smaller batch padded to a larger bucket would pay for its padding)."""
     from tpu_executor.entrypoints.llm import LLM
 
+    max_batch = max(batch_sizes)
     options = dict(device=device, max_model_len=max_model_len, max_num_seqs=max_batch, enable_prefix_caching=False,
-                   prefill_buckets=(64, 128, 256), decode_buckets=tuple(sorted({8, max_batch})),
+                   prefill_buckets=(64, 128, 256), decode_buckets=tuple(sorted({8, *batch_sizes})),
                    decode_context_buckets=(max_model_len,), max_num_batched_tokens=max(2048, max_batch),
                    show_progress=False)
     if max_loras:
@@ -95,7 +97,8 @@ def run(args: argparse.Namespace) -> None:
             # slots as it has adapters (the one-hot form's work grows with the slots).
             for adapters in [None, *args.adapters]:
                 max_loras = 0 if adapters is None else max(adapters, 1)
-                llm = engine(path, device, max_batch, max_loras, -(-(args.prompt_len + args.output_len) // 64) * 64)
+                llm = engine(path, device, args.batch_sizes, max_loras,
+                             -(-(args.prompt_len + args.output_len) // 64) * 64)
                 try:
                     for batch in args.batch_sizes:
                         rate = timed_rate(llm, prompts[:batch], spread(requests, batch, adapters or 0), args.output_len)
