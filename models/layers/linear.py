@@ -19,6 +19,8 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from tpu_executor.kernels.w4a16_matmul.ops import w4a16_matmul
+from tpu_executor.kernels.w4a16_matmul.reference import quantize_int4
 from tpu_executor.kernels.w8a16_matmul.ops import w8a16_matmul
 from tpu_executor.kernels.w8a16_matmul.reference import quantize_per_channel
 from tpu_executor.models.layers.cpu_matmul import (
@@ -60,25 +62,44 @@ def narrow_checked(loaded: torch.Tensor, dim: int, start: int, length: int, full
 OutputShard = Tuple[int, int, int, int]
 
 
-def quantize_parameter(module: nn.Module, name: str) -> None:
-    """Replace parameter ``name`` (``[..., in, out]``) by ``{name}_q`` (int8) and
-    ``{name}_scale`` (fp32, one per output channel)."""
-    weight_q, scale = quantize_per_channel(getattr(module, name).data)
+# Input features per INT4 scale, the largest of these that divides half a weight's inputs.
+INT4_GROUPS = (128, 64, 32)
+
+
+def quantize_parameter(module: nn.Module, name: str, scheme: str = "int8") -> None:
+    """Replace parameter ``name`` (``[..., in, out]``) by its quantized form: ``int8``:
+    ``{name}_q`` (int8) and ``{name}_scale`` (fp32, one per output channel); ``int4``:
+    ``{name}_q4`` (two weights a byte, ``w4a16_matmul``'s layout) and ``{name}_scale`` (fp32,
+    one per group of ``INT4_GROUPS`` inputs and output), symmetric."""
+    weight = getattr(module, name).data
+    if scheme == "int8":
+        tensors = dict(zip(("_q", "_scale"), quantize_per_channel(weight)))
+    elif scheme == "int4":
+        half = weight.shape[-2] // 2
+        group = next((g for g in INT4_GROUPS if weight.shape[-2] % 2 == 0 and half % g == 0), None)
+        if group is None:
+            raise ValueError(f"INT4 needs an even number of input features whose half a group of {INT4_GROUPS} "
+                             f"divides; {type(module).__name__}.{name} has {weight.shape[-2]}")
+        packed, scale, _ = quantize_int4(weight, group)
+        tensors = {"_q4": packed, "_scale": scale}
+    else:
+        raise ValueError(f"unknown quantization scheme {scheme!r}")
     delattr(module, name)
-    module.register_parameter(f"{name}_q", nn.Parameter(weight_q, requires_grad=False))
-    module.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+    for suffix, tensor in tensors.items():
+        module.register_parameter(name + suffix, nn.Parameter(tensor, requires_grad=False))
 
 
 class QuantizableMatmul(nn.Module):
-    """``x @ weight`` that can switch, after loading, to INT8 weights with per-output-channel
-    scales (W8A16): the matmul then goes through the ``w8a16_matmul`` op; or, on a CPU, to the
-    matmul forms measured faster there (``cpu_matmul.py``)."""
+    """``x @ weight`` that can switch, after loading, to quantized weights: INT8 with
+    per-output-channel scales (W8A16, the ``w8a16_matmul`` op) or INT4 with group-wise scales
+    (W4A16, ``w4a16_matmul``); or, on a CPU, to the matmul forms measured faster there
+    (``cpu_matmul.py``)."""
 
     quantizable = True
 
-    def quantize_int8(self) -> None:
-        """Replace ``weight`` by ``weight_q`` (int8) and ``weight_scale`` (fp32, one per output)."""
-        quantize_parameter(self, "weight")
+    def quantize(self, scheme: str) -> None:
+        """Replace ``weight`` by its ``scheme`` form (see ``quantize_parameter``)."""
+        quantize_parameter(self, "weight", scheme)
 
     def pack_for_cpu(self) -> bool:
         """Replace an fp32 CPU ``weight`` by ``weight_packed`` (``cpu_matmul.cpu_packed``'s form,
@@ -104,6 +125,8 @@ class QuantizableMatmul(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if "weight_q" in self._parameters:
             return w8a16_matmul(x, self.weight_q, self.weight_scale)
+        if "weight_q4" in self._parameters:
+            return w4a16_matmul(x, self.weight_q4, self.weight_scale)
         if "weight_packed" in self._buffers:
             return cpu_packed_matmul(x, self.weight_packed, self.packed_out_features)
         if "weight_out_in" in self._buffers:

@@ -33,8 +33,8 @@ class LoRASlots:
 
     def enable_lora(self, num_slots: int, max_rank: int, dtype: torch.dtype) -> None:
         """Zeroed adapter slots (slot 0 stays zero: the base model)."""
-        if "weight_q" in self._parameters:
-            raise ValueError("LoRA adapters over an INT8-quantized model are not served: load the base model "
+        if "weight_q" in self._parameters or "weight_q4" in self._parameters:
+            raise ValueError("LoRA adapters over a quantized model are not served: load the base model "
                              "unquantized to serve adapters")
         (in_rows, columns), out = self._lora_shapes(max_rank), self._lora_out()
         self.lora_a_host = torch.zeros(num_slots, in_rows, columns, dtype=dtype)

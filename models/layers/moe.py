@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tpu_executor.kernels.gmm.ops import gmm, padded_rows
+from tpu_executor.kernels.w4a16_matmul.reference import dequantize as dequantize_int4
 from tpu_executor.kernels.w8a16_matmul.reference import dequantize
 from tpu_executor.models.layers.linear import ColumnParallelLinear, copy_from_hf, narrow_checked, quantize_parameter
 from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup, divide
@@ -92,15 +93,18 @@ class ExpertWeights(nn.Module):
         columns = narrow_checked(loaded, 1, self.tp.rank * self.local, self.local, self.intermediate_size)
         copy_from_hf(param[shard_id], columns)
 
-    def quantize_int8(self) -> None:
-        """INT8 experts with one scale per (expert, output channel)."""
-        quantize_parameter(self, "w13")
-        quantize_parameter(self, "w2")
+    def quantize(self, scheme: str) -> None:
+        """Quantized experts (``quantize_parameter``'s schemes, per expert)."""
+        quantize_parameter(self, "w13", scheme)
+        quantize_parameter(self, "w2", scheme)
 
     def weights(self, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) in ``dtype``: dequantized on the fly when stored as INT8."""
+        """(w13, w2) in ``dtype``: dequantized on the fly when stored as INT8 or INT4."""
         if "w13_q" in self._parameters:
             return (dequantize(self.w13_q, self.w13_scale, dtype), dequantize(self.w2_q, self.w2_scale, dtype))
+        if "w13_q4" in self._parameters:
+            return (dequantize_int4(self.w13_q4, self.w13_scale, None, dtype),
+                    dequantize_int4(self.w2_q4, self.w2_scale, None, dtype))
         return self.w13, self.w2
 
 

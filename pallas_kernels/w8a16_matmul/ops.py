@@ -22,13 +22,15 @@ def fake(x, weight, scale):
 
 
 def generate_case(rng: np.random.Generator) -> OpCase:
-    """Random activations and a quantized random weight."""
+    """Random activations and a quantized random weight (per channel, or in groups)."""
     dtype = torch.bfloat16 if rng.random() < 0.5 else torch.float32
-    t, k, n = int(rng.choice([1, 8, 37])), int(rng.choice([64, 128])), int(rng.choice([32, 256]))
+    t, k, n = int(rng.choice([1, 8, 37])), int(rng.choice([128, 256])), int(rng.choice([32, 256]))
+    group = int(rng.choice([0, 32, 128]))  # 0: per output channel
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
-    weight, scale = reference.quantize_per_channel(torch.randn(k, n, generator=gen) / k ** 0.5)
+    w = torch.randn(k, n, generator=gen) / k ** 0.5
+    weight, scale = reference.quantize_groups(w, group) if group else reference.quantize_per_channel(w)
     x = torch.randn(t, k, generator=gen).to(dtype)
-    return OpCase((x, weight, scale), {}, f"t={t} k={k} n={n} {dtype}")
+    return OpCase((x, weight, scale), {}, f"t={t} k={k} n={n} group={group or 'channel'} {dtype}")
 
 
 SPEC = OpSpec(

@@ -14,7 +14,7 @@ from tpu_executor.models.layers.cpu_matmul import (
     onednn_matmul,
     onednn_packed,
 )
-from tpu_executor.worker.model_loader import load_model, pack_for_cpu, quantize_int8, use_xla_cpu_forms
+from tpu_executor.worker.model_loader import load_model, pack_for_cpu, quantize, use_xla_cpu_forms
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # fp32, another summation order
 
@@ -60,7 +60,7 @@ def test_onednn_matmul_equals_the_plain_product_at_every_row_count(rows):
 
 def test_quantized_and_bf16_weights_are_not_packed(checkpoints):
     quantized = load_model(checkpoints["llama"], torch.float32)
-    quantize_int8(quantized)
+    quantize(quantized, "int8")
     assert all(not hasattr(m, "weight_packed") for m in quantized.modules() if hasattr(m, "weight_q"))
     assert pack_for_cpu(load_model(checkpoints["llama"], torch.bfloat16)) == 0
 

@@ -19,7 +19,7 @@ from tpu_executor.core.speculative import SpeculativeConfig
 # "xla": compiled graphs through torch_xla; any other torch device runs the native eager path.
 DEVICE_PATTERN = re.compile(r"^(xla|jax|cpu|cuda(:\d+)?)$")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
 
 
 def tpu_attached() -> bool:
@@ -93,7 +93,9 @@ class ModelConfig:
     ``max_model_len`` caps prompt + output tokens; ``None`` takes the checkpoint's context
     length, lowered at start-up to what the KV cache holds (``fit_max_model_len``).
     ``quantization="int8"`` stores the linear and expert weights as INT8 with one scale per
-    output channel, quantized at load time (weight-only: activations stay in ``dtype``).
+    output channel, ``"int4"`` as INT4 with one scale per group of 128 inputs (or 64, 32 where
+    128 does not divide), both quantized at load time (weight-only: activations stay in
+    ``dtype``).
     """
 
     model: str
@@ -102,7 +104,8 @@ class ModelConfig:
     max_model_len: Optional[int] = option(None, "prompt + output tokens per sequence", none_means=(
         "the checkpoint's context length, lowered to what the KV cache holds"))
     seed: int = option(0, "seed of the engine (draws the seeds of unseeded requests)")
-    quantization: Optional[str] = option(None, "int8: weight-only INT8 linears and experts (W8A16)")
+    quantization: Optional[str] = option(None, "int8: weight-only INT8 linears and experts (W8A16); int4: "
+                                               "INT4 in groups of 128 inputs (W4A16)")
 
     def __post_init__(self):
         _require(isinstance(self.model, str) and self.model != "", "model must be a checkpoint path")

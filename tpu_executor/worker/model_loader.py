@@ -124,11 +124,12 @@ def load_weights(model: torch.nn.Module, files: List[str]) -> None:
                               f"{' ...' if len(unexpected) > 8 else ''}")
 
 
-def quantize_int8(model: torch.nn.Module) -> int:
-    """Turn every quantizable layer (linears, experts) to INT8 weights; returns how many."""
+def quantize(model: torch.nn.Module, scheme: str) -> int:
+    """Turn every quantizable layer (linears, experts) to ``scheme``'s weights (``int8``,
+    ``int4``); returns how many."""
     layers = [m for m in model.modules() if getattr(m, "quantizable", False)]
     for layer in layers:
-        layer.quantize_int8()
+        layer.quantize(scheme)
     return len(layers)
 
 
@@ -146,7 +147,7 @@ def use_xla_cpu_forms(model: torch.nn.Module) -> int:
 
 def quantizable_bytes(model: torch.nn.Module) -> int:
     """Bytes of the quantizable layers' weights (INT8 weights and their scales once quantized;
-    biases excluded): what ``quantization="int8"`` shrinks."""
+    biases excluded): what ``quantization`` shrinks."""
     return sum(p.numel() * p.element_size() for m in model.modules() if getattr(m, "quantizable", False)
                for name, p in m.named_parameters(recurse=False) if name != "bias")
 
@@ -162,8 +163,8 @@ def load_model(path: str, dtype: torch.dtype, tp: Optional[TensorParallelGroup] 
         model = model_class(hf_config, tp)
     load_weights(model, files)
     model = model.to(dtype).eval()
-    if quantization == "int8":
-        quantize_int8(model)
+    if quantization is not None:
+        quantize(model, quantization)
     return model
 
 
@@ -213,6 +214,6 @@ def build_model_shapes(path: str, dtype: torch.dtype, quantization: Optional[str
     with torch.device("meta"):
         model = model_class(hf_config, None)
     model = model.to(dtype).eval()
-    if quantization == "int8":
-        quantize_int8(model)
+    if quantization is not None:
+        quantize(model, quantization)
     return model

@@ -1,0 +1,47 @@
+"""The ``w4a16_matmul`` op: weight-only INT4 matmul, group-wise scales (and zero points). Its
+spec and its providers."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tpu_executor.kernels.registry import REGISTRY, Provider
+from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
+from tpu_executor.kernels.w4a16_matmul import reference
+
+OP_NAME = "w4a16_matmul"
+
+
+def fake(x, packed, scale, zero=None):
+    """Output shape and dtype."""
+    return x.new_empty(x.shape[0], packed.shape[1])
+
+
+def generate_case(rng: np.random.Generator) -> OpCase:
+    """Random activations and a random weight quantized in groups of 32 to 128 input features,
+    symmetric or with zero points."""
+    dtype = torch.bfloat16 if rng.random() < 0.5 else torch.float32
+    t, k, n = int(rng.choice([1, 8, 37])), int(rng.choice([256, 512])), int(rng.choice([128, 384]))
+    group = int(rng.choice([32, 64, 128]))
+    symmetric = bool(rng.random() < 0.5)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    packed, scale, zero = reference.quantize_int4(torch.randn(k, n, generator=gen) / k ** 0.5, group, symmetric)
+    x = torch.randn(t, k, generator=gen).to(dtype)
+    return OpCase((x, packed, scale, zero), {}, f"t={t} k={k} n={n} group={group} symmetric={symmetric} {dtype}")
+
+
+SPEC = OpSpec(
+    name=OP_NAME, reference=reference.w4a16_matmul, fake=fake, generate=generate_case,
+    # fp32: summation order over k <= 512 terms of size ~1. bf16: the weight rounded to bf16
+    # after dequantizing (2**-8 relative) and the output's own rounding.
+    tolerances={torch.float32: Tolerance(atol=1e-4, rtol=1e-4),
+                torch.bfloat16: Tolerance(atol=3e-2, rtol=3e-2)})
+
+
+def register(registry=REGISTRY) -> None:
+    registry.register(OP_NAME, Provider("reference", reference.w4a16_matmul, priority=0, is_reference=True))
+
+
+def w4a16_matmul(x, packed, scale, zero=None):
+    """``x @ ((unpack(packed) - zero) * scale)``; see ``reference.w4a16_matmul``."""
+    return REGISTRY.dispatch(OP_NAME, x, packed, scale, zero)
