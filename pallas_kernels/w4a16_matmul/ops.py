@@ -1,5 +1,6 @@
 """The ``w4a16_matmul`` op: weight-only INT4 matmul, group-wise scales (and zero points). Its
-spec and its providers."""
+spec and its providers: the Pallas kernel on a TPU (``w8a16_matmul/kernel.py``, both paths),
+the reference (unpack, dequantize, then matmul) elsewhere."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,8 +9,15 @@ import torch
 from tpu_executor.kernels.registry import REGISTRY, Provider
 from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
 from tpu_executor.kernels.w4a16_matmul import reference
+from tpu_executor.kernels.w8a16_matmul import binding
 
 OP_NAME = "w4a16_matmul"
+KERNEL_MODULE = binding.KERNEL_MODULE
+
+
+def shape_problem(*args, **kwargs):
+    """Why the Pallas kernel cannot take this call (None: it can)."""
+    return binding.shape_problem(4, *args, **kwargs)
 
 
 def fake(x, packed, scale, zero=None):
@@ -27,7 +35,8 @@ def generate_case(rng: np.random.Generator) -> OpCase:
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     packed, scale, zero = reference.quantize_int4(torch.randn(k, n, generator=gen) / k ** 0.5, group, symmetric)
     x = torch.randn(t, k, generator=gen).to(dtype)
-    return OpCase((x, packed, scale, zero), {}, f"t={t} k={k} n={n} group={group} symmetric={symmetric} {dtype}")
+    args = (x, packed, scale) + (() if zero is None else (zero,))  # as the op passes them on
+    return OpCase(args, {}, f"t={t} k={k} n={n} group={group} symmetric={symmetric} {dtype}")
 
 
 SPEC = OpSpec(
@@ -39,9 +48,12 @@ SPEC = OpSpec(
 
 
 def register(registry=REGISTRY) -> None:
+    for provider in binding.providers(OP_NAME, 4, fake):
+        registry.register(OP_NAME, provider)
     registry.register(OP_NAME, Provider("reference", reference.w4a16_matmul, priority=0, is_reference=True))
 
 
 def w4a16_matmul(x, packed, scale, zero=None):
-    """``x @ ((unpack(packed) - zero) * scale)``; see ``reference.w4a16_matmul``."""
-    return REGISTRY.dispatch(OP_NAME, x, packed, scale, zero)
+    """``x @ ((unpack(packed) - zero) * scale)``; see ``reference.w4a16_matmul``. (``zero``
+    is passed on only when there is one: kernels take tensors, not None.)"""
+    return REGISTRY.dispatch(OP_NAME, x, packed, scale, *(() if zero is None else (zero,)))

@@ -1,9 +1,5 @@
-"""The ``w8a16_matmul`` op: weight-only INT8 matmul. Its spec and its provider.
-
-Only the reference provider exists so far (dequantize, then matmul: XLA fuses the
-dequantize into the dot's operand on TPU); a Pallas kernel that dequantizes tiles in VMEM
-would register here with a higher priority.
-"""
+"""The ``w8a16_matmul`` op: weight-only INT8 matmul. Its spec and its providers: the Pallas
+kernel on a TPU (``kernel.py``, both paths), the reference (dequantize, then matmul) elsewhere."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,9 +7,15 @@ import torch
 
 from tpu_executor.kernels.registry import REGISTRY, Provider
 from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
-from tpu_executor.kernels.w8a16_matmul import reference
+from tpu_executor.kernels.w8a16_matmul import binding, reference
 
 OP_NAME = "w8a16_matmul"
+KERNEL_MODULE = binding.KERNEL_MODULE
+
+
+def shape_problem(*args, **kwargs):
+    """Why the Pallas kernel cannot take this call (None: it can)."""
+    return binding.shape_problem(8, *args, **kwargs)
 
 
 def fake(x, weight, scale):
@@ -40,6 +42,8 @@ SPEC = OpSpec(
 
 
 def register(registry=REGISTRY) -> None:
+    for provider in binding.providers(OP_NAME, 8, fake):
+        registry.register(OP_NAME, provider)
     registry.register(OP_NAME, Provider("reference", reference.w8a16_matmul, priority=0, is_reference=True))
 
 

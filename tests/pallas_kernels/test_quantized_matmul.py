@@ -1,5 +1,6 @@
 """The weight-only quantized matmul kernel (INT8 per channel or in groups, INT4 symmetric or
-with zero points) against THE references on generated cases in TPU interpret mode; its cost
+with zero points) against THE references on generated cases in TPU interpret mode, directly
+and through torch_xla's binding (the JAX path's provider: ``test_jax_providers.py``); its cost
 estimate against a count of the tiles its grid fetches; libtpu compiles it for v5e and v6e at
 Llama-3.1-8B's decode and prefill shapes."""
 from __future__ import annotations
@@ -37,12 +38,12 @@ def run_interpreted() -> list:
     from tpu_executor.kernels.w8a16_matmul.kernel import quantized_matmul
 
     def on_jax(t):
-        return None if t is None else jnp.asarray(t.float().numpy()).astype(str(t.dtype).removeprefix("torch."))
+        return jnp.asarray(t.float().numpy()).astype(str(t.dtype).removeprefix("torch."))
 
     results = []
     for spec, bits in ((w8a16_ops.SPEC, 8), (w4a16_ops.SPEC, 4)):
         for case in kernel_cases(spec):
-            args = [on_jax(a) if a is None or a.is_floating_point() else jnp.asarray(a.numpy()) for a in case.args]
+            args = [on_jax(a) if a.is_floating_point() else jnp.asarray(a.numpy()) for a in case.args]
             out = quantized_matmul(*args, bits=bits, interpret=True).astype(jnp.float32)
             got = torch.from_numpy(np.asarray(out)).to(case.args[0].dtype)
             spec.assert_close(got, case.run(spec.reference), case.label)
@@ -123,3 +124,23 @@ def compile_for_tpus() -> dict:
 def test_libtpu_compiles_every_form_for_v5e_and_v6e_at_8b_shapes():
     results = in_fresh_process(compile_for_tpus)
     assert len(results) == 24 and all(results.values()), [key for key, ok in results.items() if not ok]
+
+
+def test_the_torch_xla_binding_matches_the_reference_eagerly_and_compiled():
+    """Both ops' torch_xla binding (interpret mode) on XLA tensors, eagerly and under
+    torch.compile(openxla), INT4 with and without zero points: the reference's products."""
+    import torch_xla
+
+    from tpu_executor.kernels.w8a16_matmul import binding
+
+    device = torch_xla.device()
+    for spec, ops_module, bits in ((w8a16_ops.SPEC, w8a16_ops, 8), (w4a16_ops.SPEC, w4a16_ops, 4)):
+        op = binding.torch_op(ops_module.OP_NAME, bits, ops_module.fake)
+        cases = [c for c in kernel_cases(spec) if c.args[0].dtype == torch.float32][:2]
+        for case in cases:
+            args = [a.to(device) for a in case.args]
+            expected = case.run(spec.reference)
+            spec.assert_close(op(*args, interpret=True).cpu(), expected, case.label)
+            compiled = torch.compile(lambda *a: op(*a, interpret=True) * 2, backend="openxla", fullgraph=True)
+            spec.assert_close(compiled(*args).cpu(), expected * 2, case.label)
+        assert len(cases) == 2

@@ -96,12 +96,11 @@ def test_every_op_registers_pallas_first_and_the_reference_last():
     assert registry.ops() == ["act_and_mul", "gmm", "lora_matmul", "packed_matmul", "paged_attention",
                               "prefill_attention", "rms_norm", "rotary_embedding", "w4a16_matmul", "w8a16_matmul",
                               "write_kv_cache"]
-    # Without a Pallas kernel: w8a16_matmul and w4a16_matmul (yet: the references dequantize,
-    # then multiply), the elementwise ops (XLA fuses them itself; their C kernels are the
-    # CPU's) and the CPU's panel matmul (no TPU layer packs its weights so); lora_matmul (two
-    # small dense matmuls: XLA's own; the C kernel on the native path).
-    first = {"w8a16_matmul": "reference", "w4a16_matmul": "reference", "act_and_mul": "cpu_c", "rms_norm": "cpu_c",
-             "rotary_embedding": "cpu_c", "write_kv_cache": "cpu_c", "packed_matmul": "cpu_c", "lora_matmul": "cpu_c"}
+    # Without a Pallas kernel: the elementwise ops (XLA fuses them itself; their C kernels are
+    # the CPU's) and the CPU's panel matmul (no TPU layer packs its weights so); lora_matmul
+    # (two small dense matmuls: XLA's own; the C kernel on the native path).
+    first = {"act_and_mul": "cpu_c", "rms_norm": "cpu_c", "rotary_embedding": "cpu_c", "write_kv_cache": "cpu_c",
+             "packed_matmul": "cpu_c", "lora_matmul": "cpu_c"}
     for op in registry.ops():
         names = [p.name for p in registry.providers(op)]
         assert names[-1] == "reference", names
