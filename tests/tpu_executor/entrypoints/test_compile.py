@@ -22,7 +22,7 @@ def compile_command(args, cwd, expect_ok=True):
     return result
 
 
-def model_graph_kernels(target_name: str, architectures, root: str) -> dict:
+def model_graph_kernels(target_name: str, architectures, root: str, quantization=None) -> dict:
     """{architecture: {graph: Pallas ops}} for the largest prefill and decode graphs of a small
     plan, each compiled by libtpu for ``target_name`` over the slice's chips."""
     from tpu_executor.core.buckets import BucketPlan
@@ -37,7 +37,7 @@ def model_graph_kernels(target_name: str, architectures, root: str) -> dict:
     for arch in architectures:
         config = engine_config(write_config(os.path.join(root, arch), arch), target, dict(
             max_model_len=512, max_num_seqs=8, prefill_buckets=(128,), decode_buckets=(8,),
-            decode_context_buckets=(512,), cache_dir=None))
+            decode_context_buckets=(512,), cache_dir=None, quantization=quantization))
         worker = TargetWorker(config, devices)
         worker.init_device()
         worker.load_model()
@@ -57,6 +57,16 @@ def test_architectures_compile_for_a_tpu_with_their_pallas_kernels(target, archi
         moe = ["gmm"] if arch in MOE else []
         prefill, decode = found[arch]["prefill tokens=128 keys=512"], found[arch]["decode rows=8 blocks=32"]
         assert (prefill, decode) == (sorted(moe + ["prefill_attention"]), sorted(moe + ["paged_attention"])), arch
+
+
+@pytest.mark.slow  # libtpu compiles 2 graphs of each quantization
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_models_compile_with_the_weight_only_kernel(quantization, tmp_path):
+    found = in_fresh_process(model_graph_kernels, "v5e-1", ("llama", "qwen3_moe"), str(tmp_path), quantization)
+    op = "w8a16_matmul" if quantization == "int8" else "w4a16_matmul"
+    for arch, moe in (("llama", []), ("qwen3_moe", ["gmm"])):  # experts: dequantized before the gmm
+        assert found[arch]["decode rows=8 blocks=32"] == sorted(moe + ["paged_attention", op]), arch
+        assert found[arch]["prefill tokens=128 keys=512"] == sorted(moe + ["prefill_attention", op]), arch
 
 
 @pytest.mark.slow  # libtpu compiles a whole plan (about a minute)
