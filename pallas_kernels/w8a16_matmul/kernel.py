@@ -14,9 +14,10 @@ feature i in the low nibble and i + k/2 in the high one: x is passed twice with 
 half apart, so the two nibbles of a tile meet their own activations without any relayout.
 
 TPU constraints (``problem`` names the first one shapes break): tk a multiple of 128 (and of
-the group) dividing k (INT4: half of k); tn a multiple of 128 dividing n; tm the whole m or a
-multiple of 16 dividing it; groups of a multiple of 128 input features; blocks within the VMEM
-budget (double-buffered x, weight and output tiles, the accumulator and the dequantized tile).
+the group) dividing k (INT4: half of k); tn a multiple of 128 dividing n, as wide as VMEM
+allows (x is fetched again for each n-tile); tm the whole m or a multiple of 16 dividing it;
+groups of a multiple of 128 input features; blocks within the VMEM budget (double-buffered x,
+weight and output tiles, the accumulator and the tile's values in fp32).
 The cost estimate counts the bytes the grid DMAs: x once per n-tile, the quantized weight and
 scales once per m-tile, the output once.
 """
@@ -41,22 +42,35 @@ def _divisor_tile(dim: int, multiple: int, largest: int) -> Optional[int]:
     return None
 
 
-def tiles(m: int, k_rows: int, n: int, group: int) -> Tuple[Optional[int], Optional[int], Optional[int]]:
-    """Default (tm, tk, tn): ``k_rows`` is the weight's stored rows (INT4: half of k)."""
+def tiles(m: int, k_rows: int, n: int, group: int,
+          itemsize: int = 2) -> Tuple[Optional[int], Optional[int], Optional[int]]:
+    """Default (tm, tk, tn): ``k_rows`` is the weight's stored rows (INT4: half of k). tn is
+    as wide as VMEM allows (up to 2,048): each n-tile reads x again."""
     tm = m if m <= 256 else _divisor_tile(m, 16, 256)
     tk = _divisor_tile(k_rows, max(LANES, group if group < k_rows else LANES), 512)
-    return tm, tk, _divisor_tile(n, LANES, 512)
+    tn = None
+    for largest in (2048, 1024, 512, 256, 128):
+        tn = _divisor_tile(n, LANES, largest)
+        if tm is None or tk is None or tn is None or vmem_bytes(tm, tk, tn, itemsize) <= VMEM_BUDGET_BYTES:
+            break
+    return tm, tk, tn
+
+
+def vmem_bytes(tm: int, tk: int, tn: int, itemsize: int) -> int:
+    """Double-buffered x (both halves), weight and output tiles, the fp32 accumulator and the
+    tile's integer values in fp32."""
+    return 2 * (2 * tm * tk * itemsize + tk * tn + tm * tn * itemsize) + tm * tn * 4 + 2 * tk * tn * 4
 
 
 def problem(m: int, k_rows: int, n: int, group: int, itemsize: int) -> Optional[str]:
     """Why the kernel cannot take these shapes (None: it can). ``group``: input features per
     scale (``k`` for per-channel scales)."""
-    tm, tk, tn = tiles(m, k_rows, n, group)
+    tm, tk, tn = tiles(m, k_rows, n, group, itemsize)
     if group < k_rows and group % LANES:
         return f"groups of {group} input features are not whole lanes (a multiple of {LANES})"
     if tm is None or tk is None or tn is None:
         return f"no tiling of m={m}, k={k_rows} stored rows, n={n} in multiples of (16, {LANES}, {LANES})"
-    need = 2 * (2 * tm * tk * itemsize + tk * tn + 2 * tm * tn * itemsize) + tm * tn * 4 + 2 * tk * tn * 4
+    need = vmem_bytes(tm, tk, tn, itemsize)
     if need > VMEM_BUDGET_BYTES:
         return f"tiles ({tm}, {tk}, {tn}) need {need} bytes of VMEM, over {VMEM_BUDGET_BYTES}"
     return None
@@ -141,7 +155,7 @@ def quantized_matmul(x: jax.Array, weight: jax.Array, scale: jax.Array, zero: Op
     reason = problem(m, k_rows, n, group, x.dtype.itemsize)
     if reason is not None:
         raise ValueError(f"quantized_matmul: {reason}")
-    tm, tk, tn = tiles(m, k_rows, n, group)
+    tm, tk, tn = tiles(m, k_rows, n, group, x.dtype.itemsize)
     operands, in_specs = _inputs(x, weight, scale, zero, (tm, tk, tn), group, halves)
     kernel = functools.partial(_kernel, bits=bits, group=group, per_channel=per_channel, has_zero=zero is not None)
     pin_mosaic_ir_version()

@@ -71,6 +71,7 @@ def test_the_cost_estimate_counts_the_tiles_the_grid_fetches():
     for m, k, n, bits in [(64, 4096, 6144, 4), (512, 2048, 1024, 8), (16, 1024, 2048, 4)]:
         k_rows = k // 2 if bits == 4 else k
         tm, tk, tn = tiles(m, k_rows, n, 128)
+        assert n // tn <= 3  # as wide as VMEM allows: x is fetched again for each n-tile
         steps, halves = k_rows // tk, 2 if bits == 4 else 1
         scale, zero = jnp.zeros((k // 128, n), jnp.float32), jnp.zeros((k // 128, n), jnp.float32)
         blocks = {}  # operand -> (last index, bytes fetched)

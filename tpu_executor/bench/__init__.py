@@ -10,7 +10,8 @@ in the batch against the base model), ``sampler`` (the
 sampler, plain and with logits processing), ``structured`` (JSON-schema outputs against
 unconstrained ones), ``kernels`` (the Pallas kernels against their references), ``cpu-matmul``
 (the native CPU path's matmul forms side by side), ``cpu-kernels`` (its other C kernels
-against the forms that serve their ops without them).
+against the forms that serve their ops without them), ``weight-bytes`` (a decode step's
+linear-weight bytes, bf16 against INT8 and INT4, from the TPU compiler).
 """
 from __future__ import annotations
 
@@ -30,10 +31,11 @@ from tpu_executor.bench import (
     startup,
     structured,
     throughput,
+    weight_bytes,
 )
 
 COMMANDS = (throughput, startup, serve, replicas, host, chunked, speculative, lora, sampler, structured, kernels,
-            cpu_matmul, cpu_kernels)
+            cpu_matmul, cpu_kernels, weight_bytes)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -41,7 +43,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "bench", help="benchmarks: offline throughput, start-up, a server under load, replicas, host work, "
                       "chunked prefill, speculative decoding, LoRA adapters, the sampler, structured outputs, kernels, "
-                      "CPU matmul forms")
+                      "CPU matmul forms, quantized weight bytes")
     benchmarks = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for module in COMMANDS:
         module.add_parser(benchmarks)
