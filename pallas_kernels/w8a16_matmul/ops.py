@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tpu_executor.kernels import cpu_library
 from tpu_executor.kernels.registry import REGISTRY, Provider
 from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
-from tpu_executor.kernels.w8a16_matmul import binding, reference
+from tpu_executor.kernels.w8a16_matmul import binding, cpu_native, reference
 
 OP_NAME = "w8a16_matmul"
 KERNEL_MODULE = binding.KERNEL_MODULE
@@ -26,7 +27,7 @@ def fake(x, weight, scale):
 def generate_case(rng: np.random.Generator) -> OpCase:
     """Random activations and a quantized random weight (per channel, or in groups)."""
     dtype = torch.bfloat16 if rng.random() < 0.5 else torch.float32
-    t, k, n = int(rng.choice([1, 8, 37])), int(rng.choice([128, 256])), int(rng.choice([32, 256]))
+    t, k, n = int(rng.choice([1, 8, 37])), int(rng.choice([128, 256])), int(rng.choice([32, 40, 256]))
     group = int(rng.choice([0, 32, 128]))  # 0: per output channel
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     w = torch.randn(k, n, generator=gen) / k ** 0.5
@@ -42,6 +43,7 @@ SPEC = OpSpec(
 
 
 def register(registry=REGISTRY) -> None:
+    registry.register(OP_NAME, cpu_library.c_provider(cpu_native.INT8, cpu_native.int8_matmul))
     for provider in binding.providers(OP_NAME, 8, fake):
         registry.register(OP_NAME, provider)
     registry.register(OP_NAME, Provider("reference", reference.w8a16_matmul, priority=0, is_reference=True))
