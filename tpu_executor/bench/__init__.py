@@ -10,7 +10,8 @@ in the batch against the base model), ``sampler`` (the
 sampler, plain and with logits processing), ``structured`` (JSON-schema outputs against
 unconstrained ones), ``kernels`` (the Pallas kernels against their references), ``cpu-matmul``
 (the native CPU path's matmul forms side by side), ``cpu-kernels`` (its other C kernels
-against the forms that serve their ops without them), ``weight-bytes`` (a decode step's
+against the forms that serve their ops without them), ``quantized`` (native-path decode speed
+and log-prob error of INT8 and INT4 weights against fp32), ``weight-bytes`` (a decode step's
 linear-weight bytes, bf16 against INT8 and INT4, from the TPU compiler).
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tpu_executor.bench import (
     host,
     kernels,
     lora,
+    quantized,
     replicas,
     sampler,
     serve,
@@ -35,7 +37,7 @@ from tpu_executor.bench import (
 )
 
 COMMANDS = (throughput, startup, serve, replicas, host, chunked, speculative, lora, sampler, structured, kernels,
-            cpu_matmul, cpu_kernels, weight_bytes)
+            cpu_matmul, cpu_kernels, quantized, weight_bytes)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
