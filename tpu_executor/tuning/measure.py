@@ -122,7 +122,7 @@ def check_cost_model(engine: LLMEngine, shape: ModelShape, chip: Chip, graphs: L
     """Time ``graphs`` on ``engine``'s device and estimate them with the roofline of ``chip``
     (fp32 weights and activations, as the CPU runs them; the reference attention reads the
     full context width)."""
-    cost = CostModel(shape, chip, tp=1, weight_bytes=4, act_bytes=4,
+    cost = CostModel(shape, chip, tp=1, weight_bytes=4, act_bytes=4, head_bytes=4,
                      max_logit_rows=engine.config.compile.max_prefill_seqs)
     measured = engine.core.executor.time_graphs(graphs)
     bs = engine.config.cache.block_size

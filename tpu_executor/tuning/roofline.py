@@ -51,16 +51,26 @@ class ModelShape:
     def expert_params(self) -> int:
         return 3 * self.hidden * self.intermediate
 
+    def layer_params(self) -> int:
+        """The decoder layers' linear parameters (what quantization shrinks)."""
+        return self.layers * (self.attention_params + self.experts * self.expert_params)
+
     def weight_params(self) -> int:
         """Every parameter: layers, embedding and LM head (counted apart: untied or not, the
         head is read each step)."""
-        per_layer = self.attention_params + self.experts * self.expert_params
-        return self.layers * per_layer + 2 * self.vocab * self.hidden
+        return self.layer_params() + 2 * self.vocab * self.hidden
 
     def kv_bytes_per_token(self, dtype_bytes: int, tp: int) -> float:
         """K and V of one token on one chip (KV heads split over ranks, replicated past them)."""
         kv_heads = max(1, self.kv_heads // tp) if tp <= self.kv_heads else 1
         return 2 * self.layers * kv_heads * self.head_dim * dtype_bytes
+
+
+def linear_bytes_per_weight(quantization: Optional[str], dtype_bytes: float = 2) -> float:
+    """Bytes a decoder layer's linear weight takes per parameter: the dtype's; INT8 a byte (its
+    channel's scale is a few bytes per thousands of weights); INT4 half a byte plus an fp32 scale
+    per group of 128 inputs."""
+    return {None: dtype_bytes, "int8": 1.0, "int4": 0.5 + 4 / 128}[quantization]
 
 
 @dataclass(frozen=True)
@@ -70,8 +80,9 @@ class CostModel:
     model: ModelShape
     chip: Chip
     tp: int
-    weight_bytes: int = 2  # per parameter: 2 bf16, 1 int8, 4 fp32
+    weight_bytes: float = 2  # per layer parameter: 2 bf16, 4 fp32, quantized: ``linear_bytes_per_weight``
     act_bytes: int = 2
+    head_bytes: float = 2  # per embedding and LM-head parameter (never quantized)
     max_logit_rows: int = 8  # a prefill call computes logits for its packed prompts only
 
     def _expert_fraction(self, tokens: int) -> float:
@@ -110,7 +121,7 @@ class CostModel:
         themselves)."""
         t = graph.num_tokens
         flops = self._linear_flops(t, self.max_logit_rows) + self._attention_flops(t, graph.keys - t / 2)
-        head = self.model.vocab * self.model.hidden * self.weight_bytes / self.tp
+        head = self.model.vocab * self.model.hidden * self.head_bytes / self.tp
         moved = self._layer_weight_bytes(t) + head + t * self.model.kv_bytes_per_token(self.act_bytes, self.tp)
         return self._roofline(flops, moved, t)
 
@@ -121,7 +132,7 @@ class CostModel:
         rows, tokens = graph.num_rows, graph.num_tokens
         keys = context_tokens if context_tokens is not None else graph.context_blocks * block_size
         flops = self._linear_flops(tokens, tokens) + self._attention_flops(tokens, keys)
-        head = self.model.vocab * self.model.hidden * self.weight_bytes / self.tp
+        head = self.model.vocab * self.model.hidden * self.head_bytes / self.tp
         moved = (self._layer_weight_bytes(tokens) + head
                  + rows * keys * self.model.kv_bytes_per_token(self.act_bytes, self.tp))
         return self._roofline(flops, moved, tokens)
@@ -148,7 +159,7 @@ def hbm_fit(cost: CostModel, max_num_seqs: int, max_model_len: int, max_prefill_
     """Weights + a KV cache for ``max_num_seqs`` full-length sequences + the largest prefill's
     activations (about 4 hidden-wide and 2 MLP-wide tensors live at once) on one chip."""
     m = cost.model
-    weights = m.weight_params() * cost.weight_bytes / cost.tp
+    weights = (m.layer_params() * cost.weight_bytes + 2 * m.vocab * m.hidden * cost.head_bytes) / cost.tp
     per_token = m.kv_bytes_per_token(cost.act_bytes, cost.tp)
     kv = max_num_seqs * max_model_len * per_token
     activations = max_prefill_tokens * (4 * m.hidden + 2 * m.intermediate / cost.tp) * cost.act_bytes

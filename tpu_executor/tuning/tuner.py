@@ -16,7 +16,7 @@ from tpu_executor.core.buckets import BucketPlan, DecodeCall, DecodeGraph, Prefi
 from tpu_executor.core.config import EngineConfig
 from tpu_executor.tuning.lowering import kernel_support, lower_graphs
 from tpu_executor.tuning.replay import ReplayResult, replay
-from tpu_executor.tuning.roofline import CostModel, HbmFit, ModelShape, Target, hbm_fit
+from tpu_executor.tuning.roofline import CostModel, HbmFit, ModelShape, Target, hbm_fit, linear_bytes_per_weight
 from tpu_executor.tuning.schemes import Dimension, Plan, optimal_tables, recipe_plans, round_up, split_budget
 from tpu_executor.tuning.traces import TraceRequest
 
@@ -124,6 +124,12 @@ def tune(config: EngineConfig, trace: Sequence[TraceRequest], vocab_size: int, m
     return report
 
 
+def target_cost(shape: ModelShape, target: Target, tp: int, config: EngineConfig) -> CostModel:
+    """The roofline of ``shape`` on ``target`` over ``tp`` chips, its layers' weights in the
+    bytes ``config``'s quantization gives them (bf16 otherwise)."""
+    return CostModel(shape, target.chip, tp, weight_bytes=linear_bytes_per_weight(config.model.quantization))
+
+
 def _arrival_clock(config: EngineConfig, trace: Sequence[TraceRequest], target: Optional[Target],
                    shape: Optional[ModelShape]):
     """With arrival times and a target, the replay's clock advances by each step's roofline
@@ -131,7 +137,7 @@ def _arrival_clock(config: EngineConfig, trace: Sequence[TraceRequest], target: 
     either, every request arrives at once (the saturated case)."""
     if target is None or shape is None or any(r.arrival_s is None for r in trace):
         return None
-    cost, bs = CostModel(shape, target.chip, target.num_chips), config.cache.block_size
+    cost, bs = target_cost(shape, target, target.num_chips, config), config.cache.block_size
 
     def step_seconds(calls) -> float:
         return sum(cost.prefill_seconds(c.graph) if isinstance(c, PrefillCall) else
@@ -148,7 +154,7 @@ def _check_on_target(report: TuneReport, config: EngineConfig, shape: ModelShape
         report.lowering_notes.append(unsupported)
     else:
         _drop_unlowerable(report, config, shape, tp, show_progress)
-    cost = CostModel(shape, target.chip, tp)
+    cost = target_cost(shape, target, tp, config)
     report.fit = hbm_fit(cost, config.scheduler.max_num_seqs, config.max_model_len,
                          report.chosen.plan.prefill[-1], config.cache.block_size, config.cache.memory_utilization)
     for candidate in report.candidates:

@@ -135,6 +135,24 @@ def test_roofline_verify_reads_each_sequences_kv_once():
     assert cost.decode_seconds(DecodeGraph(64 * 5, 256), 16) > 3 * decode
 
 
+def test_roofline_and_hbm_fit_take_quantized_weight_bytes():
+    """INT8 and INT4 layers (the LM head and embedding stay bf16): a Llama-3.1-8B decode of one
+    row reads about half and a third of bf16's bytes, and the freed memory holds more KV blocks."""
+    from tpu_executor.tuning.roofline import hbm_fit, linear_bytes_per_weight
+
+    with model_directory("llama-3.1-8b") as path:
+        from tpu_executor.worker.model_loader import load_hf_config
+        shape = ModelShape.from_hf_config(load_hf_config(path))
+    chip = Target.parse("v6e-1").chip
+    costs = {q: CostModel(shape, chip, tp=1, weight_bytes=linear_bytes_per_weight(q)) for q in (None, "int8", "int4")}
+    decode = {q: cost.decode_seconds(DecodeGraph(1, 1), 16) for q, cost in costs.items()}
+    assert 0.5 < decode["int8"] / decode[None] < 0.6 and 0.3 < decode["int4"] / decode[None] < 0.4
+    blocks = {q: hbm_fit(cost, 64, 4096, 512, 16).max_kv_blocks for q, cost in costs.items()}
+    assert blocks[None] < blocks["int8"] < blocks["int4"]
+    weights = {q: hbm_fit(cost, 64, 4096, 512, 16).weight_bytes for q, cost in costs.items()}
+    assert weights["int4"] / 2 ** 30 == pytest.approx(5.3, abs=0.3)  # the compile report: 5.41 GiB
+
+
 # Parameter counts the model cards publish (billions; Gemma-3-27B's language model).
 PUBLISHED_BILLIONS = {"llama-3-8b": 8.03, "llama-3.1-8b": 8.03, "llama-3.3-70b": 70.6, "qwen3-8b": 8.19,
                       "qwen3-32b": 32.8, "qwen3-30b-a3b": 30.5, "gemma-7b": 8.54, "gemma-3-27b": 27.0}
