@@ -63,7 +63,7 @@ OutputShard = Tuple[int, int, int, int]
 
 
 # Input features per INT4 scale, the largest of these that divides half a weight's inputs.
-INT4_GROUPS = (128, 64, 32)
+INT4_GROUPS = (128, 64, 32, 16)
 
 
 def quantize_parameter(module: nn.Module, name: str, scheme: str = "int8") -> None:
