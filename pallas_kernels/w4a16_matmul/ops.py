@@ -6,11 +6,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tpu_executor.kernels import cpu_library
-from tpu_executor.kernels.registry import REGISTRY, Provider
+from tpu_executor.kernels.registry import REGISTRY
 from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
 from tpu_executor.kernels.w4a16_matmul import reference
-from tpu_executor.kernels.w8a16_matmul import binding, cpu_native
+from tpu_executor.kernels.w8a16_matmul import binding
 
 OP_NAME = "w4a16_matmul"
 KERNEL_MODULE = binding.KERNEL_MODULE
@@ -49,10 +48,7 @@ SPEC = OpSpec(
 
 
 def register(registry=REGISTRY) -> None:
-    registry.register(OP_NAME, cpu_library.c_provider(cpu_native.INT4, cpu_native.int4_matmul))
-    for provider in binding.providers(OP_NAME, 4, fake):
-        registry.register(OP_NAME, provider)
-    registry.register(OP_NAME, Provider("reference", reference.w4a16_matmul, priority=0, is_reference=True))
+    binding.register(registry, OP_NAME, 4, fake, reference.w4a16_matmul)
 
 
 def w4a16_matmul(x, packed, scale, zero=None):

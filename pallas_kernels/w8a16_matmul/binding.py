@@ -56,12 +56,20 @@ def torch_op(op_name: str, bits: int, fake):
     return lambda *args, **kwargs: ops[len(args)](*args, **kwargs)
 
 
-def providers(op_name: str, bits: int, fake):
-    """(torch_xla's provider, the JAX path's) of the kernel for ``op_name``."""
+def register(registry, op_name: str, bits: int, fake, reference) -> None:
+    """Both weight-only ops' providers: the Pallas kernel on a TPU (torch_xla's binding, the
+    JAX path's inline call), the native path's C kernel (``cpu_native.py``), the reference."""
+    from tpu_executor.kernels import cpu_library
+    from tpu_executor.kernels.registry import Provider
+    from tpu_executor.kernels.w8a16_matmul import cpu_native
+
     def problem(*args, **kwargs):
         return shape_problem(bits, *args, **kwargs)
 
-    return (tpu_provider("pallas", 20, functools.partial(torch_op, op_name, bits, fake), problem,
-                         sources=(KERNEL_MODULE, __name__)),
-            jax_tpu_provider("pallas_jax", 20, int8_matmul if bits == 8 else int4_matmul, problem,
-                             sources=(KERNEL_MODULE,)))
+    native = (cpu_native.INT8, cpu_native.int8_matmul) if bits == 8 else (cpu_native.INT4, cpu_native.int4_matmul)
+    registry.register(op_name, cpu_library.c_provider(*native))
+    registry.register(op_name, tpu_provider("pallas", 20, functools.partial(torch_op, op_name, bits, fake), problem,
+                                            sources=(KERNEL_MODULE, __name__)))
+    registry.register(op_name, jax_tpu_provider("pallas_jax", 20, int8_matmul if bits == 8 else int4_matmul, problem,
+                                                sources=(KERNEL_MODULE,)))
+    registry.register(op_name, Provider("reference", reference, priority=0, is_reference=True))

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tpu_executor.kernels import cpu_library
-from tpu_executor.kernels.registry import REGISTRY, Provider
+from tpu_executor.kernels.registry import REGISTRY
 from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
-from tpu_executor.kernels.w8a16_matmul import binding, cpu_native, reference
+from tpu_executor.kernels.w8a16_matmul import binding, reference
 
 OP_NAME = "w8a16_matmul"
 KERNEL_MODULE = binding.KERNEL_MODULE
@@ -43,10 +42,7 @@ SPEC = OpSpec(
 
 
 def register(registry=REGISTRY) -> None:
-    registry.register(OP_NAME, cpu_library.c_provider(cpu_native.INT8, cpu_native.int8_matmul))
-    for provider in binding.providers(OP_NAME, 8, fake):
-        registry.register(OP_NAME, provider)
-    registry.register(OP_NAME, Provider("reference", reference.w8a16_matmul, priority=0, is_reference=True))
+    binding.register(registry, OP_NAME, 8, fake, reference.w8a16_matmul)
 
 
 def w8a16_matmul(x, weight, scale):
