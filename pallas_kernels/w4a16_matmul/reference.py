@@ -22,7 +22,9 @@ import torch
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     """The int8 weights ``[k, n]`` (each in [-8, 7]) held in ``packed [k // 2, n]``."""
-    low = torch.bitwise_right_shift(torch.bitwise_left_shift(packed, 4), 4)  # sign-extends the low nibble
+    # The low nibble sign-extended without a left shift: torch_xla's int8 shift left does not
+    # wrap at 8 bits (measured: (x << 4) >> 4 gave x back).
+    low = torch.bitwise_xor(torch.bitwise_and(packed, 0x0F), 0x08) - 0x08
     return torch.cat([low, torch.bitwise_right_shift(packed, 4)], dim=-2)
 
 
