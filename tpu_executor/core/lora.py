@@ -145,6 +145,15 @@ class AdapterConfig:
         return max([self.r, *map(int, self.rank_pattern.values())])
 
 
+def keep_recent(table: "collections.OrderedDict", key, value, capacity: int) -> None:
+    """``table[key] = value`` as the most recent entry, the oldest dropped past ``capacity``
+    (the adapters held read, here and in each worker)."""
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > capacity:
+        table.popitem(last=False)
+
+
 class AdapterSlots:
     """The scheduler's view of the device's adapter slots (1 to ``max_loras``; slot 0 is the
     base model): which adapter each holds and how many running requests use it. A request
@@ -169,24 +178,19 @@ class AdapterSlots:
         """Whether the workers hold ``lora`` read, in a slot or on the host since an earlier
         step. If not, they are asked to start reading it (``take_reads``) and a request for it
         can run from the next step: the read overlaps the steps in between."""
-        if self.slot_of(lora.lora_int_id) is not None or (self._read.get(lora.lora_int_id) == lora
-                                                          and lora not in self._reads):
+        if self.slot_of(lora.lora_int_id) is not None or self._read.get(lora.lora_int_id) == lora:
             return True
         if lora not in self._reads:
             self._reads.append(lora)
-            self._note_read(lora)
         return False
 
     def take_reads(self) -> Tuple[LoRARequest, ...]:
-        """Adapters asked for since the last call, for the workers to read in the background."""
+        """Adapters asked for since the last call, for the workers to read in the background
+        (from now on the workers hold them read)."""
         reads, self._reads = tuple(self._reads), []
+        for lora in reads:
+            keep_recent(self._read, lora.lora_int_id, lora, self.max_cpu_loras)
         return reads
-
-    def _note_read(self, lora: LoRARequest) -> None:
-        self._read[lora.lora_int_id] = lora
-        self._read.move_to_end(lora.lora_int_id)
-        while len(self._read) > self.max_cpu_loras:
-            self._read.popitem(last=False)
 
     def slot_of(self, lora_int_id: int) -> Optional[int]:
         """The slot holding adapter ``lora_int_id``, or None."""
@@ -207,7 +211,7 @@ class AdapterSlots:
             slot = min(idle, key=lambda s: (self.holders[s] is not None, self._last_used[s]))
             self.holders[slot] = lora
             self._loads.append((slot, lora))
-            self._note_read(lora)
+            keep_recent(self._read, lora.lora_int_id, lora, self.max_cpu_loras)
         self.users[slot] += 1
         self._touch(slot)
         return slot

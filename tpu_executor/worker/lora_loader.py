@@ -23,6 +23,7 @@ from tpu_executor.core.lora import (
     WEIGHTS_FILE,
     AdapterConfig,
     LoRARequest,
+    keep_recent,
     module_path,
     projection_shapes,
 )
@@ -223,7 +224,8 @@ class AdapterStore:
         """Start reading each of ``loras`` not read yet (a later ``write`` takes it)."""
         for lora in loras:
             if self._held(lora) is None:
-                self._keep(lora, self._reader.submit(read_adapter, lora.lora_path))
+                future = self._reader.submit(read_adapter, lora.lora_path)
+                keep_recent(self._read, lora.lora_int_id, (lora.lora_path, future), self.max_cpu_loras)
 
     def write(self, loads: Sequence[Tuple[int, LoRARequest]]) -> None:
         """Put each (slot, adapter) of ``loads`` in place, in order (a slot given twice holds
@@ -237,11 +239,8 @@ class AdapterStore:
     def _adapter(self, lora: LoRARequest) -> Adapter:
         """``lora`` read (waiting for its read ahead if still under way; a failed read is
         forgotten, so a later request reads it again)."""
-        held = self._held(lora)
-        if held is None:
-            held = completed_future(lambda: read_adapter(lora.lora_path))
-            self._keep(lora, held)
-        self._read.move_to_end(lora.lora_int_id)
+        held = self._held(lora) or completed_future(lambda: read_adapter(lora.lora_path))
+        keep_recent(self._read, lora.lora_int_id, (lora.lora_path, held), self.max_cpu_loras)
         try:
             return held.result()
         except Exception:
@@ -251,9 +250,3 @@ class AdapterStore:
     def _held(self, lora: LoRARequest) -> Optional[Future]:
         path, held = self._read.get(lora.lora_int_id, (None, None))
         return held if path == lora.lora_path else None
-
-    def _keep(self, lora: LoRARequest, held: Future) -> None:
-        self._read[lora.lora_int_id] = (lora.lora_path, held)
-        self._read.move_to_end(lora.lora_int_id)
-        while len(self._read) > self.max_cpu_loras:
-            self._read.popitem(last=False)
