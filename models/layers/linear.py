@@ -66,6 +66,12 @@ OutputShard = Tuple[int, int, int, int]
 INT4_GROUPS = (128, 64, 32, 16)
 
 
+def int4_group(in_features: int) -> Optional[int]:
+    """The INT4 group of a weight with ``in_features`` inputs (None: no group fits)."""
+    half = in_features // 2
+    return next((g for g in INT4_GROUPS if in_features % 2 == 0 and half % g == 0), None)
+
+
 def quantize_parameter(module: nn.Module, name: str, scheme: str = "int8") -> None:
     """Replace parameter ``name`` (``[..., in, out]``) by its quantized form: ``int8``:
     ``{name}_q`` (int8) and ``{name}_scale`` (fp32, one per output channel); ``int4``:
@@ -75,8 +81,7 @@ def quantize_parameter(module: nn.Module, name: str, scheme: str = "int8") -> No
     if scheme == "int8":
         tensors = dict(zip(("_q", "_scale"), quantize_per_channel(weight)))
     elif scheme == "int4":
-        half = weight.shape[-2] // 2
-        group = next((g for g in INT4_GROUPS if weight.shape[-2] % 2 == 0 and half % g == 0), None)
+        group = int4_group(weight.shape[-2])
         if group is None:
             raise ValueError(f"INT4 needs an even number of input features whose half a group of {INT4_GROUPS} "
                              f"divides; {type(module).__name__}.{name} has {weight.shape[-2]}")

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from tests.common import greedy_tokens, hf_greedy, mixed_prompts, tiny_engine_options
 from tpu_executor import LLM
 from tpu_executor.kernels.w4a16_matmul.reference import dequantize, pack, quantize_int4, unpack
-from tpu_executor.models.layers.linear import INT4_GROUPS
+from tpu_executor.models.layers.linear import int4_group
 from tpu_executor.worker.model_loader import load_model, quantizable_bytes
 
 # The checkpoint tensors our engines quantize: the attention and MLP projections and the
@@ -49,8 +49,7 @@ def dequantized_checkpoint(src: str, dst: str) -> str:
         tensors = load_file(path)
         for name, weight in tensors.items():
             if QUANTIZED.match(name):  # Hugging Face's [out, in]; ours [in, out], grouped along in
-                group = next(g for g in INT4_GROUPS if (weight.shape[1] // 2) % g == 0)
-                packed, scale, _ = quantize_int4(weight.float().t(), group)
+                packed, scale, _ = quantize_int4(weight.float().t(), int4_group(weight.shape[1]))
                 tensors[name] = dequantize(packed, scale, None, torch.float32).t().contiguous().to(weight.dtype)
         save_file(tensors, path, metadata={"format": "pt"})
     return dst

@@ -94,8 +94,8 @@ class ModelConfig:
     length, lowered at start-up to what the KV cache holds (``fit_max_model_len``).
     ``quantization="int8"`` stores the linear and expert weights as INT8 with one scale per
     output channel, ``"int4"`` as INT4 with one scale per group of 128 inputs (or 64, 32, 16
-    where 128 does not divide half a layer's inputs), both quantized at load time (weight-only: activations stay in
-    ``dtype``).
+    where 128 does not divide half a layer's inputs), both quantized at load time (weight-only:
+    activations stay in ``dtype``).
     """
 
     model: str
