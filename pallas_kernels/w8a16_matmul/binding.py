@@ -47,9 +47,11 @@ def int4_matmul(x, packed, scale, zero=None, *, interpret: bool = False):
     return quantized_matmul(x, packed, scale, zero, bits=4, interpret=interpret)
 
 
+@functools.lru_cache(maxsize=None)
 def torch_op(op_name: str, bits: int, fake):
     """The kernel as torch ops bound through torch_xla's call_jax (``interpret=True`` runs it
-    in TPU interpret mode): called with or without ``zero``, it picks the op of that form."""
+    in TPU interpret mode): called with or without ``zero``, it picks the op of that form.
+    Built once per op (the provider asks for it on every call)."""
     jax_fn = int8_matmul if bits == 8 else int4_matmul
     ops = {count: jax_backed_op(f"{op_name}_pallas{'_zero' if count == 4 else ''}", schema, jax_fn, fake)
            for count, schema in SCHEMAS.items() if bits == 4 or count == 3}
