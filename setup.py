@@ -61,8 +61,11 @@ setup(
         # The tests compile for TPU slices with libtpu, the TPU's compiler (it runs without a
         # TPU): the very version torch_xla[tpu]==2.9.0 pins, so one libtpu serves both paths.
         # ruff is pinned: CI runs `ruff check` before the tests, and its rules move between versions.
-        # peft is the oracle the LoRA tests compare with (transformers + peft, fp32).
-        "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40", "libtpu==0.0.21", "ruff==0.17.6", "peft==0.21.2"],
+        # peft is the oracle the LoRA tests compare with (transformers + peft, fp32);
+        # compressed-tensors writes the quantized test checkpoints transformers reads back (its
+        # later releases require a newer torch than the 2.9.0 pinned here).
+        "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40", "libtpu==0.0.21", "ruff==0.17.6", "peft==0.21.2",
+                 "compressed-tensors==0.15.0.1"],
         # On a TPU VM, and to compile for one (`tpu-executor compile`): libtpu 0.0.21.
         "tpu": ["torch_xla[tpu]==2.9.0"],
     },

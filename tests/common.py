@@ -33,6 +33,20 @@ def hf_greedy(path: str, prompts: List[List[int]], max_new_tokens: int) -> Tuple
     return tokens, logprobs
 
 
+# Log-probs of the top tokens, ours vs transformers, fp32 on both sides.
+LOGPROB_ATOL = 1e-3
+
+
+def assert_same_as_reference(outs, ref_tokens, ref_logprobs, atol: float = LOGPROB_ATOL):
+    """Greedy tokens equal to transformers' (``hf_greedy``), top log-probs within ``atol``."""
+    for out, expected, expected_lp in zip(outs, ref_tokens, ref_logprobs):
+        completion = out.outputs[0]
+        assert completion.token_ids == expected
+        for step, top in enumerate(completion.logprobs):
+            ids = torch.tensor(list(top))
+            torch.testing.assert_close(torch.tensor(list(top.values())), expected_lp[step][ids], atol=atol, rtol=0)
+
+
 def random_processing(rng: random.Random, i: int, max_tokens: int) -> dict:
     """Logits-processing parameters for about half the requests, every kind mixed in (grammars
     too)."""

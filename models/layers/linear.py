@@ -14,6 +14,7 @@ and writes this rank's shard. Packed layers (QKV, gate/up) hold several checkpoi
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -56,6 +57,40 @@ def narrow_checked(loaded: torch.Tensor, dim: int, start: int, length: int, full
     if loaded.shape[dim] != full:
         raise ValueError(f"dimension {dim} is {loaded.shape[dim]} in the checkpoint, the model expects {full}")
     return loaded.narrow(dim, start, length)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one checkpoint tensor (Hugging Face layout, ``[out, in]``) goes in a layer: the
+    slice of it along ``dim`` this rank keeps, and the view of our parameter (``[..., in, out]``)
+    it fills: expert ``expert``'s, output features ``[offset, offset + width)`` (None: all)."""
+
+    dim: int
+    start: int
+    length: int
+    full: int
+    expert: Optional[int] = None
+    offset: int = 0
+    width: Optional[int] = None
+
+    def take(self, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``loaded``."""
+        return narrow_checked(loaded, self.dim, self.start, self.length, self.full)
+
+    def view(self, param: torch.Tensor) -> torch.Tensor:
+        """The part of ``param`` the slice fills."""
+        part = param if self.expert is None else param[self.expert]
+        return part if self.width is None else part.narrow(-1, self.offset, self.width)
+
+    def coarser(self, per: int) -> "Placement":
+        """The placement of a tensor with one entry per ``per`` input features (group scales)."""
+        if self.dim == 0:
+            return self
+        return replace(self, start=self.start // per, length=self.length // per, full=self.full // per)
+
+    def copy(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        """Copy this rank's slice of ``loaded`` into its view of ``param``."""
+        copy_from_hf(self.view(param), self.take(loaded))
 
 
 # (offset in our shard, start in the checkpoint tensor, length, checkpoint size), along outputs
@@ -128,10 +163,12 @@ class QuantizableMatmul(nn.Module):
         return True
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if "input_order" in self._buffers:  # an act-order checkpoint's weight, rows sorted by group
+            x = x.index_select(-1, self.input_order)
         if "weight_q" in self._parameters:
             return w8a16_matmul(x, self.weight_q, self.weight_scale)
         if "weight_q4" in self._parameters:
-            return w4a16_matmul(x, self.weight_q4, self.weight_scale)
+            return w4a16_matmul(x, self.weight_q4, self.weight_scale, self._parameters.get("weight_zero"))
         if "weight_packed" in self._buffers:
             return cpu_packed_matmul(x, self.weight_packed, self.packed_out_features)
         if "weight_out_in" in self._buffers:
@@ -164,11 +201,15 @@ class ColumnParallelLinear(QuantizableMatmul, LoRASlots):
                 param.weight_loader = self._load
                 param.shard_ids = tuple(shards)
 
-    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    def placement(self, name: str, shard_id=None) -> Placement:
+        """Where checkpoint tensor ``shard_id`` of ``name`` (weight or bias) goes: its rows."""
         if shard_id not in self.shards:
             raise ValueError(f"no shard {shard_id!r} in this layer (it packs {list(self.shards)})")
         offset, start, length, full = self.shards[shard_id]
-        copy_from_hf(param.narrow(-1, offset, length), narrow_checked(loaded, 0, start, length, full))
+        return Placement(0, start, length, full, offset=offset, width=length)
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        self.placement("weight", shard_id).copy(param, loaded)
 
     def forward(self, x: torch.Tensor, lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         y = self.matmul(x)
@@ -248,9 +289,12 @@ class RowParallelLinear(QuantizableMatmul, LoRASlots):
         if self.bias is not None:
             self.bias.weight_loader = copy_weight
 
+    def placement(self, name: str, shard_id=None) -> Placement:
+        """Where the checkpoint's weight goes: its columns of this rank's input features."""
+        return Placement(1, self.tp.rank * self.in_local, self.in_local, self.in_features)
+
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-        start = self.tp.rank * self.in_local
-        copy_from_hf(param, narrow_checked(loaded, 1, start, self.in_local, self.in_features))
+        self.placement("weight").copy(param, loaded)
 
     def forward(self, x: torch.Tensor, lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         y = self.matmul(x)

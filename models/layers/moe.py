@@ -21,7 +21,7 @@ from torch import nn
 from tpu_executor.kernels.gmm.ops import gmm, padded_rows
 from tpu_executor.kernels.w4a16_matmul.reference import dequantize as dequantize_int4
 from tpu_executor.kernels.w8a16_matmul.reference import dequantize
-from tpu_executor.models.layers.linear import ColumnParallelLinear, copy_from_hf, narrow_checked, quantize_parameter
+from tpu_executor.models.layers.linear import ColumnParallelLinear, Placement, quantize_parameter
 from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup, divide
 
 
@@ -84,14 +84,20 @@ class ExpertWeights(nn.Module):
             (e, j) for e in range(num_experts) for j in (0, 1))
         self.w2.weight_loader, self.w2.shard_ids = self._load_w2, tuple(range(num_experts))
 
+    def placement(self, name: str, shard_id) -> Placement:
+        """Where expert tensor ``shard_id`` of ``name`` goes: gate/up (``w13``, shard ``(e, 0|1)``)
+        by their rows, down (``w2``, shard ``e``) by its columns of this rank's slice."""
+        start = self.tp.rank * self.local
+        if name == "w13":
+            expert, which = shard_id
+            return Placement(0, start, self.local, self.intermediate_size, expert, which * self.local, self.local)
+        return Placement(1, start, self.local, self.intermediate_size, shard_id)
+
     def _load_w13(self, param: torch.Tensor, loaded: torch.Tensor, shard_id) -> None:
-        expert, which = shard_id
-        rows = narrow_checked(loaded, 0, self.tp.rank * self.local, self.local, self.intermediate_size)
-        copy_from_hf(param[expert].narrow(-1, which * self.local, self.local), rows)
+        self.placement("w13", shard_id).copy(param, loaded)
 
     def _load_w2(self, param: torch.Tensor, loaded: torch.Tensor, shard_id) -> None:
-        columns = narrow_checked(loaded, 1, self.tp.rank * self.local, self.local, self.intermediate_size)
-        copy_from_hf(param[shard_id], columns)
+        self.placement("w2", shard_id).copy(param, loaded)
 
     def quantize(self, scheme: str) -> None:
         """Quantized experts (``quantize_parameter``'s schemes, per expert)."""
@@ -103,8 +109,9 @@ class ExpertWeights(nn.Module):
         if "w13_q" in self._parameters:
             return (dequantize(self.w13_q, self.w13_scale, dtype), dequantize(self.w2_q, self.w2_scale, dtype))
         if "w13_q4" in self._parameters:
-            return (dequantize_int4(self.w13_q4, self.w13_scale, None, dtype),
-                    dequantize_int4(self.w2_q4, self.w2_scale, None, dtype))
+            zeros = self._parameters.get("w13_zero"), self._parameters.get("w2_zero")
+            return (dequantize_int4(self.w13_q4, self.w13_scale, zeros[0], dtype),
+                    dequantize_int4(self.w2_q4, self.w2_scale, zeros[1], dtype))
         return self.w13, self.w2
 
 

@@ -70,14 +70,3 @@ def test_an_int4_engine_equals_transformers_on_the_dequantized_checkpoint(checkp
     ratio = quantizable_bytes(model) / quantizable_bytes(load_model(path, torch.float32))
     assert ratio <= 0.20, ratio
     assert {p.dtype for n, p in model.named_parameters() if n.endswith("_q4")} == {torch.int8}
-
-
-@pytest.mark.slow  # XLA compilation
-@pytest.mark.parametrize("device", ["xla", "jax"])
-def test_compiled_int4_engines_equal_transformers_on_the_dequantized_checkpoint(checkpoints, device, tmp_path):
-    path = dequantized_checkpoint(checkpoints["llama"], str(tmp_path / "llama"))
-    prompts = mixed_prompts(4, 5, 40, vocab=500, seed=5)
-    expected, _ = hf_greedy(path, prompts, 12)
-    llm = LLM(path, device=device, quantization="int4", **tiny_engine_options())
-    assert greedy_tokens(llm, prompts, 12) == expected
-    llm.shutdown()

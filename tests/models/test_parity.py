@@ -5,13 +5,17 @@ GPU where torch sees one) and of two architectures each on the XLA and JAX paths
 import pytest
 import torch
 
-from tests.common import assert_nothing_compiled_after_warmup, hf_greedy, mixed_prompts, tiny_engine_options
+from tests.common import (
+    assert_nothing_compiled_after_warmup,
+    assert_same_as_reference,
+    hf_greedy,
+    mixed_prompts,
+    tiny_engine_options,
+)
 from tpu_executor import LLM, SamplingParams
 from tpu_executor.tools.random_checkpoint import ARCHITECTURES
 
 NEW_TOKENS = 64
-# Log-probs of the top tokens, ours vs transformers, fp32 on both sides.
-LOGPROB_ATOL = 1e-3
 
 _references = {}
 
@@ -20,17 +24,6 @@ def reference(path, prompts):
     if path not in _references:
         _references[path] = hf_greedy(path, prompts, NEW_TOKENS)
     return _references[path]
-
-
-def assert_same_as_reference(outs, ref_tokens, ref_logprobs):
-    """Greedy tokens equal to transformers', top log-probs within ``LOGPROB_ATOL``."""
-    for out, expected, expected_lp in zip(outs, ref_tokens, ref_logprobs):
-        completion = out.outputs[0]
-        assert completion.token_ids == expected
-        for step, top in enumerate(completion.logprobs):
-            ids = torch.tensor(list(top))
-            torch.testing.assert_close(torch.tensor(list(top.values())), expected_lp[step][ids],
-                                       atol=LOGPROB_ATOL, rtol=0)
 
 
 NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA GPU")

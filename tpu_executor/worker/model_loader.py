@@ -9,13 +9,21 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
 from tpu_executor.models import model_class_for
 from tpu_executor.models.layers.linear import weight_loader
 from tpu_executor.models.layers.parallel import TensorParallelGroup
+from tpu_executor.models.layers.quantized import QuantizedWeight, finish_quantized, prepare_quantized
+from tpu_executor.worker.checkpoint_formats import (
+    CheckpointScheme,
+    UnsupportedQuantization,
+    checkpoint_scheme,
+    quantized_weights,
+    read_quantized,
+)
 
 # Checkpoint tensors that carry no weights of ours (recomputed or tied).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -92,21 +100,22 @@ def tensor_names(files: List[str]) -> List[str]:
     return names
 
 
-def load_weights(model: torch.nn.Module, files: List[str]) -> None:
-    """Load the checkpoint into ``model``: every parameter (every shard of a packed one) must
-    come from it exactly once.
+def load_weights(model: torch.nn.Module, tensors: Iterable[Tuple[str, object]]) -> None:
+    """Load the checkpoint's ``tensors`` into ``model``: every parameter (every shard of a
+    packed one) must come from it exactly once.
 
     Each parameter's own ``weight_loader`` takes its (tensor-parallel) shard of the checkpoint
-    tensor in its layout.
+    tensor in its layout; a ``QuantizedWeight`` goes to the levels of a layer built for it.
     """
     expected = dict(model.named_parameters())
     tied = getattr(model, "tie_word_embeddings", False)
     loaded, unexpected = set(), []
-    for name, tensor in iterate_tensors(files):
+    for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight") or \
                 model.skips_checkpoint_tensor(name):
             continue
         param_name, shard_id = model.checkpoint_target(name)
+        param_name += "_q" if isinstance(tensor, QuantizedWeight) else ""
         param = expected.get(param_name)
         if param is None:
             unexpected.append(name)
@@ -155,17 +164,64 @@ def quantizable_bytes(model: torch.nn.Module) -> int:
 def load_model(path: str, dtype: torch.dtype, tp: Optional[TensorParallelGroup] = None,
                quantization: Optional[str] = None) -> torch.nn.Module:
     """Build the model named by the checkpoint's config for one rank of ``tp``, load its
-    shard of the weights (on the CPU) and quantize them when asked."""
+    shard of the weights (on the CPU) and quantize them when asked. A published quantized
+    checkpoint (its config's ``quantization_config``) loads into layers built for its format."""
     hf_config = load_hf_config(path)
     model_class = model_class_for(getattr(hf_config, "architectures", None))
     files = safetensors_files(path)
+    scheme = published_scheme(hf_config, path, quantization)
     with torch.device("cpu"):
         model = model_class(hf_config, tp)
-    load_weights(model, files)
-    model = model.to(dtype).eval()
-    if quantization is not None:
-        quantize(model, quantization)
+    if scheme is None:
+        load_weights(model, iterate_tensors(files))
+        model = model.to(dtype).eval()
+        if quantization is not None:
+            quantize(model, quantization)
+        return model
+    model = model.to(dtype).eval()  # before the staging parameters: their scales stay fp32
+    names = tensor_names(files)
+    layers = prepare_published(model, scheme, quantized_weights(scheme, names))
+    try:
+        load_weights(model, read_quantized(scheme, iterate_tensors(files), names))
+        for module, name in layers:
+            finish_quantized(module, name)
+    except ValueError as err:
+        raise CheckpointError(f"{path!r} ({scheme.method}, {scheme.format}): {err}") from err
     return model
+
+
+def published_scheme(hf_config, path: str, quantization: Optional[str]) -> Optional[CheckpointScheme]:
+    """The quantization a checkpoint was published in (None: none), refused when it is a
+    format we do not load or when ``quantization`` asks to quantize it again."""
+    try:
+        scheme = checkpoint_scheme(hf_config)
+    except UnsupportedQuantization as err:
+        raise CheckpointError(f"{path!r}: {err}") from err
+    if scheme is not None and quantization is not None:
+        raise CheckpointError(f"{path!r} is already quantized ({scheme.method}, {scheme.layout.bits}-bit); "
+                              f"leave quantization unset (it asked for {quantization!r})")
+    return scheme
+
+
+def prepare_published(model: torch.nn.Module, scheme: CheckpointScheme,
+                      weights: Optional[set] = None) -> List[Tuple[torch.nn.Module, str]]:
+    """Build the layers whose weights the checkpoint quantized (``weights``: their checkpoint
+    names; None: every quantizable layer) for ``scheme``'s tensors; returns (layer, parameter)."""
+    targets = {model.checkpoint_target(name)[0] for name in weights} if weights is not None else \
+        {f"{m}.{p}" for m, layer in model.named_modules() if getattr(layer, "quantizable", False)
+         for p, _ in layer.named_parameters(recurse=False) if p != "bias"}
+    layers = []
+    for target in sorted(targets):
+        module_name, _, param = target.rpartition(".")
+        module = model.get_submodule(module_name)
+        if not getattr(module, "quantizable", False):
+            raise CheckpointError(f"the checkpoint quantized {target}, which this engine keeps unquantized")
+        try:
+            prepare_quantized(module, param, scheme.layout)
+        except ValueError as err:
+            raise CheckpointError(f"{target}: {err}") from err
+        layers.append((module, param))
+    return layers
 
 
 def load_eagle3_head(path: str, target: torch.nn.Module, dtype: torch.dtype,
@@ -173,7 +229,7 @@ def load_eagle3_head(path: str, target: torch.nn.Module, dtype: torch.dtype,
     """The EAGLE-3 head at ``path`` for one rank of ``tp`` over the loaded ``target`` (whose
     embedding it shares unless it carries one), refused where its shapes do not fit the target."""
     head, files = _eagle3_head(path, target, tp, torch.device("cpu"))
-    load_weights(head, files)
+    load_weights(head, iterate_tensors(files))
     return head.to(dtype).eval()
 
 
@@ -211,9 +267,15 @@ def build_model_shapes(path: str, dtype: torch.dtype, quantization: Optional[str
     another machine needs, for a model of any size."""
     hf_config = load_hf_config(path)
     model_class = model_class_for(getattr(hf_config, "architectures", None))
+    scheme = published_scheme(hf_config, path, quantization)
     with torch.device("meta"):
         model = model_class(hf_config, None)
     model = model.to(dtype).eval()
-    if quantization is not None:
+    if scheme is not None:
+        files = glob.glob(os.path.join(path, "*.safetensors"))
+        weights = quantized_weights(scheme, tensor_names(files)) if files else None
+        for module, name in prepare_published(model, scheme, weights):
+            finish_quantized(module, name)
+    elif quantization is not None:
         quantize(model, quantization)
     return model
