@@ -60,6 +60,11 @@ class QuantizedLayout:
     symmetric: bool = True
     act_order: bool = False
 
+    def bytes_per_weight(self) -> float:
+        """Bytes a weight takes as loaded: its bits, and its group's fp32 scale (and zero)."""
+        per_group = 4 * (1 if self.symmetric else 2) / self.group if self.group else 0.0
+        return self.bits / 8 + per_group
+
 
 def prepare_quantized(module: nn.Module, name: str, layout: QuantizedLayout) -> None:
     """Swap parameter ``name`` (``[..., in, out]``) of ``module`` for the staging parameters a

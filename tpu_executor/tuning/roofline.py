@@ -30,18 +30,24 @@ class ModelShape:
     vocab: int
     experts: int = 1
     experts_per_token: int = 1
+    checkpoint_weight_bytes: Optional[float] = None  # a published quantized checkpoint's, per layer weight
 
     @classmethod
     def from_hf_config(cls, hf) -> "ModelShape":
         """The shape of a (text) config; a mixture of experts counts its expert size (Mixtral's
-        ``intermediate_size``, Qwen3-MoE's ``moe_intermediate_size``) on every layer."""
+        ``intermediate_size``, Qwen3-MoE's ``moe_intermediate_size``) on every layer. A quantized
+        checkpoint's layer weights take the bytes its format stores them in."""
+        from tpu_executor.worker.checkpoint_formats import checkpoint_scheme
+
+        scheme = checkpoint_scheme(hf)
         heads = hf.num_attention_heads
         experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 1
         intermediate = (getattr(hf, "moe_intermediate_size", None) if experts > 1 else None) or hf.intermediate_size
         return cls(layers=hf.num_hidden_layers, hidden=hf.hidden_size, intermediate=intermediate,
                    heads=heads, kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
                    head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads, vocab=hf.vocab_size,
-                   experts=experts, experts_per_token=getattr(hf, "num_experts_per_tok", 1) or 1)
+                   experts=experts, experts_per_token=getattr(hf, "num_experts_per_tok", 1) or 1,
+                   checkpoint_weight_bytes=None if scheme is None else scheme.layout.bytes_per_weight())
 
     @property
     def attention_params(self) -> int:

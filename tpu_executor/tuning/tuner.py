@@ -126,8 +126,9 @@ def tune(config: EngineConfig, trace: Sequence[TraceRequest], vocab_size: int, m
 
 def target_cost(shape: ModelShape, target: Target, tp: int, config: EngineConfig) -> CostModel:
     """The roofline of ``shape`` on ``target`` over ``tp`` chips, its layers' weights in the
-    bytes ``config``'s quantization gives them (bf16 otherwise)."""
-    return CostModel(shape, target.chip, tp, weight_bytes=linear_bytes_per_weight(config.model.quantization))
+    bytes its quantized checkpoint or ``config``'s quantization gives them (bf16 otherwise)."""
+    weight_bytes = shape.checkpoint_weight_bytes or linear_bytes_per_weight(config.model.quantization)
+    return CostModel(shape, target.chip, tp, weight_bytes=weight_bytes)
 
 
 def _arrival_clock(config: EngineConfig, trace: Sequence[TraceRequest], target: Optional[Target],

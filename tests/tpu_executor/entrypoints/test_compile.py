@@ -24,7 +24,8 @@ def compile_command(args, cwd, expect_ok=True):
 
 def model_graph_kernels(target_name: str, architectures, root: str, quantization=None) -> dict:
     """{architecture: {graph: Pallas ops}} for the largest prefill and decode graphs of a small
-    plan, each compiled by libtpu for ``target_name`` over the slice's chips."""
+    plan, each compiled by libtpu for ``target_name`` over the slice's chips. ``quantization``:
+    a scheme to quantize at load, or a published checkpoint's ``quantization_config``."""
     from tpu_executor.core.buckets import BucketPlan
     from tpu_executor.core.tpu_slices import Target
     from tpu_executor.entrypoints.compile_job import _largest_graphs, engine_config
@@ -35,9 +36,16 @@ def model_graph_kernels(target_name: str, architectures, root: str, quantization
     devices = target_devices(target)
     found = {}
     for arch in architectures:
-        config = engine_config(write_config(os.path.join(root, arch), arch), target, dict(
+        path = write_config(os.path.join(root, arch), arch)
+        if isinstance(quantization, dict):
+            with open(os.path.join(path, "config.json")) as f:
+                hf_config = json.load(f)
+            with open(os.path.join(path, "config.json"), "w") as f:
+                json.dump({**hf_config, "quantization_config": quantization}, f)
+        config = engine_config(path, target, dict(
             max_model_len=512, max_num_seqs=8, prefill_buckets=(128,), decode_buckets=(8,),
-            decode_context_buckets=(512,), cache_dir=None, quantization=quantization))
+            decode_context_buckets=(512,), cache_dir=None,
+            quantization=None if isinstance(quantization, dict) else quantization))
         worker = TargetWorker(config, devices)
         worker.init_device()
         worker.load_model()
@@ -59,9 +67,15 @@ def test_architectures_compile_for_a_tpu_with_their_pallas_kernels(target, archi
         assert (prefill, decode) == (sorted(moe + ["prefill_attention"]), sorted(moe + ["paged_attention"])), arch
 
 
+# A GPTQ checkpoint's config (4-bit levels with zero points in groups of 128): compiling reads
+# no weights, so every layer is built for its format.
+GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False, "desc_act": False}
+
+
 @pytest.mark.slow  # libtpu compiles 2 graphs of each model (INT8 takes the same kernel: test_quantized_matmul.py)
-def test_quantized_models_compile_with_the_weight_only_kernel(tmp_path):
-    found = in_fresh_process(model_graph_kernels, "v5e-1", ("llama", "qwen3_moe"), str(tmp_path), "int4")
+@pytest.mark.parametrize("quantization", ["int4", GPTQ_CONFIG], ids=["int4", "gptq"])
+def test_quantized_models_compile_with_the_weight_only_kernel(tmp_path, quantization):
+    found = in_fresh_process(model_graph_kernels, "v5e-1", ("llama", "qwen3_moe"), str(tmp_path), quantization)
     op = "w4a16_matmul"
     for arch, moe in (("llama", []), ("qwen3_moe", ["gmm"])):  # experts: dequantized before the gmm
         assert found[arch]["decode rows=8 blocks=32"] == sorted(moe + ["paged_attention", op]), arch

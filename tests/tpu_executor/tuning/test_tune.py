@@ -2,6 +2,8 @@
 buckets meet the waste target on sharegpt-like, bucket files drive every engine, and an engine
 started from one compiles exactly its graphs and never again while serving the trace."""
 import json
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -151,6 +153,24 @@ def test_roofline_and_hbm_fit_take_quantized_weight_bytes():
     assert blocks[None] < blocks["int8"] < blocks["int4"]
     weights = {q: hbm_fit(cost, 64, 4096, 512, 16).weight_bytes for q, cost in costs.items()}
     assert weights["int4"] / 2 ** 30 == pytest.approx(5.3, abs=0.3)  # the compile report: 5.41 GiB
+
+
+def test_a_published_quantized_checkpoint_is_costed_in_its_own_bytes(tmp_path):
+    """A GPTQ 4-bit checkpoint (groups of 128, zero points) needs no --quantization: its layer
+    weights cost half a byte plus a scale and a zero per 128 inputs."""
+    from tpu_executor.tuning.tuner import target_cost
+    from tpu_executor.worker.model_loader import load_hf_config
+
+    with model_directory("llama-3.1-8b") as path:
+        shutil.copy(os.path.join(path, "config.json"), tmp_path / "config.json")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False,
+                                     "desc_act": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = ModelShape.from_hf_config(load_hf_config(str(tmp_path)))
+    assert shape.checkpoint_weight_bytes == pytest.approx(0.5 + 8 / 128)
+    engine_config = build_engine_config(str(tmp_path), max_model_len=4096)
+    assert target_cost(shape, Target.parse("v6e-1"), 1, engine_config).weight_bytes == shape.checkpoint_weight_bytes
 
 
 # Parameter counts the model cards publish (billions; Gemma-3-27B's language model).
