@@ -231,11 +231,14 @@ def with_int32_indices(op_factory: Callable) -> Callable:
 
 
 def torch_to_host(tensor: torch.Tensor):
-    """A CPU torch tensor as a NumPy array of the same dtype (bf16 through fp32, exactly)."""
+    """A CPU torch tensor as a NumPy array of the same dtype (bf16 through fp32, FP8 through
+    its bytes: NumPy has neither type of its own)."""
     import ml_dtypes
 
     if tensor.dtype == torch.bfloat16:
         return tensor.float().numpy().astype(ml_dtypes.bfloat16)
+    if tensor.dtype == torch.float8_e4m3fn:
+        return tensor.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
     return tensor.numpy()
 
 

@@ -29,7 +29,8 @@ from tpu_executor.models.layers.linear import Placement, copy_weight
 class QuantizedWeight:
     """One quantized weight of a checkpoint, ``(values - zero) * scale``, Hugging Face layout.
 
-    ``values``: int8 ``[out, in]``, signed levels (``[-8, 7]`` for 4 bits); ``scale``: fp32
+    ``values``: int8 ``[out, in]``, signed levels (``[-8, 7]`` for 4 bits; FP8 E4M3 values for
+    an FP8 checkpoint); ``scale``: fp32
     ``[out, in // group]``; ``zero``: fp32 like ``scale`` (the signed level of 0) or None
     (symmetric); ``groups``: int64 ``[in]``, each input feature's group for act-order weights
     (None: feature ``i`` is in group ``i // group``)."""
@@ -59,6 +60,7 @@ class QuantizedLayout:
     group: Optional[int]
     symmetric: bool = True
     act_order: bool = False
+    floating: bool = False  # FP8 (E4M3) values, not integer levels
 
     def bytes_per_weight(self) -> float:
         """Bytes a weight takes as loaded: its bits, and its group's fp32 scale (and zero)."""
@@ -76,7 +78,8 @@ def prepare_quantized(module: nn.Module, name: str, layout: QuantizedLayout) -> 
     kept = math.gcd(layout.group, halves) if layout.group else halves
     if layout.act_order and lead:
         raise ValueError(f"act-order weights load into dense linears only, not {type(module).__name__}.{name}")
-    q = nn.Parameter(torch.empty(*lead, in_local, out, dtype=torch.int8, device=weight.device), requires_grad=False)
+    dtype = torch.float8_e4m3fn if layout.floating else torch.int8
+    q = nn.Parameter(torch.empty(*lead, in_local, out, dtype=dtype, device=weight.device), requires_grad=False)
     q.weight_loader = lambda param, loaded, shard_id=None: load_quantized(module, name, loaded, shard_id)
     q.shard_ids = getattr(weight, "shard_ids", (None,))
     delattr(module, name)
@@ -95,8 +98,9 @@ def load_quantized(module: nn.Module, name: str, loaded: QuantizedWeight, shard_
     through the layer's ``placement``: the levels as the weight, scales and zeros by group."""
     if not isinstance(loaded, QuantizedWeight):
         raise ValueError("the layer was built for a quantized weight; the checkpoint holds a plain tensor")
-    if loaded.bits != module.quantized_bits:
-        raise ValueError(f"{loaded.bits}-bit weights in a layer built for {module.quantized_bits} bits")
+    if loaded.bits != module.quantized_bits or loaded.values.dtype != getattr(module, name + "_q").dtype:
+        raise ValueError(f"{loaded.bits}-bit {loaded.values.dtype} weights in a layer built for "
+                         f"{module.quantized_bits}-bit {getattr(module, name + '_q').dtype}")
     placement = module.placement(name, shard_id)
     if (loaded.groups is not None) != ("input_order" in module._buffers):
         raise ValueError("act-order group indices where the checkpoint's config says none, or the reverse")

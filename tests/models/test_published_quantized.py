@@ -41,16 +41,19 @@ def run_greedy(path: str, **options):
     return outs
 
 
-def assert_quantized(path: str, bits: int) -> None:
-    """Our model holds the checkpoint's levels: INT4 packed two a byte, INT8 as int8."""
-    names = {n for n, _ in load_model(path, torch.float32).named_parameters()}
-    assert any(n.endswith("qkv_proj.weight_q4" if bits == 4 else "qkv_proj.weight_q") for n in names), names
-    assert not any(n.endswith("qkv_proj.weight") for n in names)
+def assert_quantized(path: str, bits: int, dtype=torch.int8) -> None:
+    """Our model holds the checkpoint's levels: INT4 packed two a byte, INT8 as int8, FP8 as FP8."""
+    params = dict(load_model(path, torch.float32).named_parameters())
+    levels = "qkv_proj.weight_q4" if bits == 4 else "qkv_proj.weight_q"
+    held = {p.dtype for n, p in params.items() if n.endswith(levels)}
+    assert held == {dtype}, held
+    assert not any(n.endswith("qkv_proj.weight") for n in params)
 
 
 # (arch, bits, group (None: per channel), symmetric, format)
 COMPRESSED = [("llama", 4, 32, True, "pack-quantized"), ("qwen3", 4, 32, False, "pack-quantized"),
-              ("gemma2", 8, None, True, "pack-quantized"), ("mistral", 8, 32, True, "int-quantized")]
+              ("gemma2", 8, None, True, "pack-quantized"), ("mistral", 8, 32, True, "int-quantized"),
+              ("qwen2", 8, None, True, "float-quantized")]
 
 
 @pytest.mark.parametrize("arch,bits,group,symmetric,fmt", COMPRESSED)
@@ -59,7 +62,7 @@ def test_compressed_tensors_checkpoints_equal_transformers(checkpoints, tmp_path
     expected_tokens, expected_logprobs = hf_greedy(path, PROMPTS, NEW_TOKENS)  # transformers decompresses
     assert len({t for tokens in expected_tokens for t in tokens}) > 4  # context-dependent outputs
     assert_same_as_reference(run_greedy(path, device="cpu"), expected_tokens, expected_logprobs)
-    assert_quantized(path, bits)
+    assert_quantized(path, bits, torch.float8_e4m3fn if fmt == "float-quantized" else torch.int8)
 
 
 def unpack_fields(words: np.ndarray, bits: int) -> np.ndarray:
@@ -167,10 +170,15 @@ def test_unsupported_formats_and_requantizing_are_refused(checkpoints, tmp_path)
 
 
 @pytest.mark.slow  # XLA compilation
-@pytest.mark.parametrize("device", ["xla", "jax"])
-def test_compiled_engines_run_act_order_gptq_checkpoints(checkpoints, tmp_path, device):
-    """Zero points and the act-order input gather through the torch_xla and JAX graphs."""
-    path = write_gptq_or_awq(checkpoints["llama"], str(tmp_path / "llama"), "gptq", 4, 32, act_order=True)
-    expected_tokens, expected_logprobs = hf_greedy(dequantized_copy(path, str(tmp_path / "ref"), "gptq"), PROMPTS,
-                                                   NEW_TOKENS)
+@pytest.mark.parametrize("device,fmt", [("xla", "fp8"), ("jax", "gptq")])
+def test_compiled_engines_run_published_checkpoints(checkpoints, tmp_path, device, fmt):
+    """FP8 weights (upcast in the matmul), and GPTQ's zero points and act-order input gather,
+    through the torch_xla and JAX graphs (each runs both here: one of each keeps the suite short)."""
+    if fmt == "fp8":
+        path = write_compressed_tensors(checkpoints["llama"], str(tmp_path / "llama"), 8, None, True, "float-quantized")
+        expected_tokens, expected_logprobs = hf_greedy(path, PROMPTS, NEW_TOKENS)
+    else:
+        path = write_gptq_or_awq(checkpoints["llama"], str(tmp_path / "llama"), "gptq", 4, 32, act_order=True)
+        expected_tokens, expected_logprobs = hf_greedy(dequantized_copy(path, str(tmp_path / "ref"), "gptq"), PROMPTS,
+                                                       NEW_TOKENS)
     assert_same_as_reference(run_greedy(path, device=device), expected_tokens, expected_logprobs)

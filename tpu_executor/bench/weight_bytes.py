@@ -1,12 +1,13 @@
 """``tpu-executor bench weight-bytes``: the bytes a decode step reads for a model's linear
-layers' weights, bf16 against INT8 and INT4, from the TPU compiler (libtpu, no TPU needed).
+layers' weights, bf16 against INT8, INT4 and FP8, from the TPU compiler (libtpu, no TPU needed).
 
 Each projection's matmul at a decode's row count (QKV, output, gate/up, down; the LM head and
 the embedding are not linear layers here and stay bf16) is compiled for ``--target`` alone,
 in each form the engine can run: bf16 (XLA's dot), INT8 and INT4 through the weight-only
 Pallas kernel (the compiler takes the kernel's own count of the tiles it fetches: a Mosaic
 call is opaque to XLA's cost model), and INT8/INT4 through the references (dequantize, then
-dot: whether XLA's fused convert reads the quantized bytes is the compiler's own analysis).
+dot: whether XLA's fused convert reads the quantized bytes is the compiler's own analysis),
+FP8 (an FP8 checkpoint's per-channel weights) through the INT8 reference, the form it runs in.
 Prints each form's bytes per decode step over every layer and its ratio to bf16; the whole
 step's bytes and the KV-cache blocks that fit come from ``tpu-executor compile``'s report.
 
@@ -72,6 +73,7 @@ def forms() -> Dict[str, Tuple[Callable, Callable]]:
         "INT8 reference": (int8_reference, int8_shapes),
         "INT4 kernel": (functools.partial(quantized_matmul, bits=4), int4_shapes),
         "INT4 reference": (int4_reference, int4_shapes),
+        "FP8 reference": (int8_reference, lambda k, n: [((k, n), jnp.float8_e4m3fn), ((n,), jnp.float32)]),
     }
 
 

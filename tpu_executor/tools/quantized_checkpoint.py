@@ -126,7 +126,8 @@ def _set_quantization_config(path: str, config: dict) -> None:
 def write_compressed_tensors(src: str, dst: str, bits: int = 4, group: Optional[int] = 32,
                              symmetric: bool = True, fmt: str = "pack-quantized") -> str:
     """A copy of ``src`` quantized and saved by the compressed-tensors library: ``bits``-bit
-    integer weights of every decoder Linear, by ``group`` (None: by output channel)."""
+    weights of every decoder Linear, by ``group`` (None: by output channel); integers, or FP8
+    (E4M3) for ``fmt`` ``float-quantized``."""
     from compressed_tensors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -137,7 +138,7 @@ def write_compressed_tensors(src: str, dst: str, bits: int = 4, group: Optional[
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
+    args = QuantizationArgs(num_bits=bits, type="float" if fmt == "float-quantized" else "int", symmetric=symmetric,
                             strategy="group" if group else "channel", group_size=group)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
@@ -172,13 +173,16 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("src")
     parser.add_argument("dst")
-    parser.add_argument("--format", choices=["gptq", "awq", "compressed-tensors"], required=True)
+    parser.add_argument("--format", choices=["gptq", "awq", "compressed-tensors", "fp8"], required=True)
     parser.add_argument("--bits", type=int, default=4, choices=[4, 8])
     parser.add_argument("--group", type=int, default=32)
     parser.add_argument("--act-order", action="store_true", help="GPTQ: desc_act")
     args = parser.parse_args(argv)
-    if args.format == "compressed-tensors":
-        write_compressed_tensors(args.src, args.dst, args.bits, args.group)
+    if args.format in ("compressed-tensors", "fp8"):
+        float_weights = args.format == "fp8"
+        write_compressed_tensors(args.src, args.dst, 8 if float_weights else args.bits,
+                                 None if float_weights else args.group,
+                                 fmt="float-quantized" if float_weights else "pack-quantized")
     else:
         write_gptq_or_awq(args.src, args.dst, args.format, args.bits, args.group, args.act_order)
     print(args.dst)

@@ -5,8 +5,9 @@ Hugging Face layout) for the layers of ``models/layers/quantized.py``.
 - compressed-tensors (llm-compressor): ``pack-quantized`` (``weight_packed`` int32, levels
   offset to unsigned and packed low bits first along the input features; ``weight_shape``;
   asymmetric zero points ``weight_zero_point`` packed along the output features),
-  ``int-quantized`` / ``naive-quantized`` (``weight`` int8); ``weight_scale`` ``[out, in /
-  group]`` (``[out, 1]`` per channel); ``weight_g_idx`` with ``actorder: group``.
+  ``int-quantized`` / ``naive-quantized`` (``weight`` int8), ``float-quantized`` (``weight``
+  FP8 E4M3); ``weight_scale`` ``[out, in / group]`` (``[out, 1]`` per channel, one value per
+  tensor); ``weight_g_idx`` with ``actorder: group``.
 - GPTQ (AutoGPTQ / GPTQModel): ``qweight`` int32 ``[in / (32 / bits), out]`` packed along the
   input features, ``qzeros`` int32 ``[in / group, out / (32 / bits)]`` packed along the
   output features, storing zero - 1 (``checkpoint_format: gptq``; ``gptq_v2`` stores zero),
@@ -73,13 +74,15 @@ def _compressed_tensors_scheme(config: dict) -> CheckpointScheme:
     if not groups or any(w is None for w in weights) or any(w != weights[0] for w in weights):
         raise UnsupportedQuantization("compressed-tensors checkpoints with several weight schemes (or none) "
                                       "are not supported: one weight scheme for every quantized layer")
-    if any(g.get("input_activations") for g in groups):
-        raise UnsupportedQuantization("compressed-tensors with quantized activations (W8A8, FP8 activations) "
-                                      "is not supported: weight-only schemes (W8A16, W4A16) load")
     args, fmt = weights[0], groups[0].get("format") or config.get("format")
-    if args.get("type", "int") != "int" or fmt not in CT_FORMATS:
+    if args.get("type", "int") == "float":
+        return _fp8_scheme(args, fmt, [g.get("input_activations") for g in groups])
+    if any(g.get("input_activations") for g in groups):
+        raise UnsupportedQuantization("compressed-tensors with quantized integer activations (W8A8) is not "
+                                      "supported: weight-only schemes (W8A16, W4A16) and FP8 load")
+    if fmt not in CT_FORMATS:
         raise UnsupportedQuantization(f"compressed-tensors format {fmt!r} with {args.get('type')} weights is not "
-                                      f"supported: integer weights in {CT_FORMATS} load")
+                                      f"supported: integer weights in {CT_FORMATS} load, and FP8")
     strategy = args.get("strategy")
     if strategy not in ("group", "channel") or args.get("num_bits") not in (4, 8):
         raise UnsupportedQuantization(f"compressed-tensors {args.get('num_bits')}-bit weights quantized by "
@@ -87,6 +90,19 @@ def _compressed_tensors_scheme(config: dict) -> CheckpointScheme:
     layout = QuantizedLayout(args["num_bits"], args.get("group_size") if strategy == "group" else None,
                              bool(args.get("symmetric", True)), args.get("actorder") == "group")
     return CheckpointScheme("compressed-tensors", fmt, layout)
+
+
+def _fp8_scheme(args: dict, fmt: str, activations) -> CheckpointScheme:
+    """FP8 (E4M3) weights, one scale per output channel or per tensor. Activations quantized
+    dynamically (FP8_DYNAMIC) run unquantized: the weights are upcast inside the matmul."""
+    if args.get("num_bits") != 8 or fmt not in ("float-quantized", "naive-quantized") or \
+            args.get("strategy") not in ("channel", "tensor"):
+        raise UnsupportedQuantization(f"compressed-tensors {args.get('num_bits')}-bit float weights in {fmt!r} by "
+                                      f"{args.get('strategy')!r} are not supported: FP8 by channel or tensor loads")
+    if any(a and not a.get("dynamic") for a in activations):
+        raise UnsupportedQuantization("FP8 with static activation scales is not supported: weight-only FP8 and "
+                                      "FP8 with dynamic activation scales (run unquantized) load")
+    return CheckpointScheme("compressed-tensors", "float-quantized", QuantizedLayout(8, None, floating=True))
 
 
 def _gptq_scheme(config: dict) -> CheckpointScheme:
@@ -158,8 +174,10 @@ def _compressed_tensors(scheme: CheckpointScheme, parts: Dict[str, torch.Tensor]
         out, k = (int(v) for v in parts["weight_shape"])
         values = (unpack_int32(parts["weight_packed"], bits, 1)[:, :k] - offset).to(torch.int8)
     else:
-        values = parts["weight"].to(torch.int8)
+        values = parts["weight"].to(torch.float8_e4m3fn if scheme.layout.floating else torch.int8)
     scale = parts["weight_scale"].float()
+    if scale.numel() == 1:  # one scale for the tensor: the same for every output channel
+        scale = scale.reshape(1, 1).expand(values.shape[0], 1)
     zero = parts.get("weight_zero_point")
     if zero is not None and scheme.format == "pack-quantized":
         zero = unpack_int32(zero, bits, 0)[:values.shape[0]] - offset
