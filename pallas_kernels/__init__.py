@@ -16,11 +16,12 @@ def register_all(registry: OpRegistry = REGISTRY) -> OpRegistry:
     from tpu_executor.kernels.rms_norm import ops as norm_ops
     from tpu_executor.kernels.rotary_embedding import ops as rotary_ops
     from tpu_executor.kernels.w4a16_matmul import ops as w4a16_ops
+    from tpu_executor.kernels.w8a8_matmul import ops as w8a8_ops
     from tpu_executor.kernels.w8a16_matmul import ops as w8a16_ops
     from tpu_executor.kernels.write_kv_cache import ops as write_ops
 
     for module in (act_ops, gmm_ops, lora_ops, packed_ops, paged_ops, prefill_ops, norm_ops, rotary_ops,
-                   w4a16_ops, w8a16_ops, write_ops):
+                   w4a16_ops, w8a16_ops, w8a8_ops, write_ops):
         if module.OP_NAME not in registry.ops():
             module.register(registry)
     registry.refresh()

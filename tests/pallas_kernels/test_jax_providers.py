@@ -11,7 +11,7 @@ from tpu_executor.kernels import register_all
 from tpu_executor.kernels.binding import torchax_env
 from tpu_executor.kernels.registry import OpRegistry
 
-KERNEL_OPS = ("paged_attention", "prefill_attention", "gmm", "w8a16_matmul", "w4a16_matmul")
+KERNEL_OPS = ("paged_attention", "prefill_attention", "gmm", "w8a16_matmul", "w4a16_matmul", "w8a8_matmul")
 CASES_PER_OP = 6
 
 

@@ -95,7 +95,7 @@ def test_every_op_registers_pallas_first_and_the_reference_last():
     registry = register_all(OpRegistry())
     assert registry.ops() == ["act_and_mul", "gmm", "lora_matmul", "packed_matmul", "paged_attention",
                               "prefill_attention", "rms_norm", "rotary_embedding", "w4a16_matmul", "w8a16_matmul",
-                              "write_kv_cache"]
+                              "w8a8_matmul", "write_kv_cache"]
     # Without a Pallas kernel: the elementwise ops (XLA fuses them itself; their C kernels are
     # the CPU's) and the CPU's panel matmul (no TPU layer packs its weights so); lora_matmul
     # (two small dense matmuls: XLA's own; the C kernel on the native path).
