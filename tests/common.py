@@ -18,11 +18,15 @@ def mixed_prompts(count: int, low: int, high: int, vocab: int, seed: int = 0) ->
 
 
 @torch.no_grad()
-def hf_greedy(path: str, prompts: List[List[int]], max_new_tokens: int) -> Tuple[List[List[int]], List[torch.Tensor]]:
-    """Greedy tokens and per-step log-softmax of the raw logits ``[steps, vocab]`` per prompt."""
+def hf_greedy(path: str, prompts: List[List[int]], max_new_tokens: int,
+              prepare=None) -> Tuple[List[List[int]], List[torch.Tensor]]:
+    """Greedy tokens and per-step log-softmax of the raw logits ``[steps, vocab]`` per prompt
+    (``prepare(model)``, if given, changes the transformers model first)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    if prepare is not None:
+        prepare(model)
     tokens, logprobs = [], []
     for prompt in prompts:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,

@@ -22,6 +22,7 @@ from torch import nn
 
 from tpu_executor.kernels.w4a16_matmul.ops import w4a16_matmul
 from tpu_executor.kernels.w4a16_matmul.reference import quantize_int4
+from tpu_executor.kernels.w8a8_matmul.ops import w8a8_matmul
 from tpu_executor.kernels.w8a16_matmul.ops import w8a16_matmul
 from tpu_executor.kernels.w8a16_matmul.reference import quantize_per_channel
 from tpu_executor.models.layers.cpu_matmul import (
@@ -113,7 +114,7 @@ def quantize_parameter(module: nn.Module, name: str, scheme: str = "int8") -> No
     ``{name}_q4`` (two weights a byte, ``w4a16_matmul``'s layout) and ``{name}_scale`` (fp32,
     one per group of ``INT4_GROUPS`` inputs and output), symmetric."""
     weight = getattr(module, name).data
-    if scheme == "int8":
+    if scheme in ("int8", "w8a8"):  # w8a8: the layer's ``activation_bits`` says the rest
         tensors = dict(zip(("_q", "_scale"), quantize_per_channel(weight)))
     elif scheme == "int4":
         group = int4_group(weight.shape[-2])
@@ -131,15 +132,18 @@ def quantize_parameter(module: nn.Module, name: str, scheme: str = "int8") -> No
 
 class QuantizableMatmul(nn.Module):
     """``x @ weight`` that can switch, after loading, to quantized weights: INT8 with
-    per-output-channel scales (W8A16, the ``w8a16_matmul`` op) or INT4 with group-wise scales
-    (W4A16, ``w4a16_matmul``); or, on a CPU, to the matmul forms measured faster there
-    (``cpu_matmul.py``)."""
+    per-output-channel scales (W8A16, the ``w8a16_matmul`` op; with INT8 activations, W8A8,
+    ``w8a8_matmul``) or INT4 with group-wise scales (W4A16, ``w4a16_matmul``); or, on a CPU,
+    to the matmul forms measured faster there (``cpu_matmul.py``)."""
 
     quantizable = True
+    activation_bits: Optional[int] = None  # 8: activations quantized per token (W8A8)
 
     def quantize(self, scheme: str) -> None:
-        """Replace ``weight`` by its ``scheme`` form (see ``quantize_parameter``)."""
+        """Replace ``weight`` by its ``scheme`` form (see ``quantize_parameter``); ``w8a8``
+        also quantizes the layer's activations."""
         quantize_parameter(self, "weight", scheme)
+        self.activation_bits = 8 if scheme == "w8a8" else None
 
     def pack_for_cpu(self) -> bool:
         """Replace an fp32 CPU ``weight`` by ``weight_packed`` (``cpu_matmul.cpu_packed``'s form,
@@ -166,7 +170,8 @@ class QuantizableMatmul(nn.Module):
         if "input_order" in self._buffers:  # an act-order checkpoint's weight, rows sorted by group
             x = x.index_select(-1, self.input_order)
         if "weight_q" in self._parameters:
-            return w8a16_matmul(x, self.weight_q, self.weight_scale)
+            matmul = w8a8_matmul if self.activation_bits == 8 else w8a16_matmul
+            return matmul(x, self.weight_q, self.weight_scale)
         if "weight_q4" in self._parameters:
             return w4a16_matmul(x, self.weight_q4, self.weight_scale, self._parameters.get("weight_zero"))
         if "weight_packed" in self._buffers:

@@ -61,6 +61,7 @@ class QuantizedLayout:
     symmetric: bool = True
     act_order: bool = False
     floating: bool = False  # FP8 (E4M3) values, not integer levels
+    activation_bits: Optional[int] = None  # 8: INT8 activations per token (W8A8; linears, not experts)
 
     def bytes_per_weight(self) -> float:
         """Bytes a weight takes as loaded: its bits, and its group's fp32 scale (and zero)."""
@@ -91,6 +92,8 @@ def prepare_quantized(module: nn.Module, name: str, layout: QuantizedLayout) -> 
     if layout.act_order:
         module.register_buffer("input_order", torch.full((in_local,), -1, device=weight.device))
     module.quantized_bits = layout.bits
+    if hasattr(module, "activation_bits"):
+        module.activation_bits = layout.activation_bits
 
 
 def load_quantized(module: nn.Module, name: str, loaded: QuantizedWeight, shard_id) -> None:

@@ -39,7 +39,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                                      "INT4", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--models", nargs="+", default=["gemma-100m", "smollm2"], choices=MODELS)
     parser.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4"],
-                        choices=["none", "int8", "int4"])
+                        choices=["none", "int8", "int4", "w8a8"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--text-len", type=int, default=256, help="tokens of the fixed text scored for accuracy")

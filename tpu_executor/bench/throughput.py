@@ -96,7 +96,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--devices", nargs="+", default=["xla", "cpu"], help="xla, jax, cpu, cuda, ...")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1])
-    parser.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "int8", "int4"])
+    parser.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "int8", "int4", "w8a8"])
     parser.add_argument("--scheduling", nargs="+", default=["default"], choices=list(SCHEDULING),
                         help="the device's default (asynchronous, synchronous on cpu), asynchronous and/or "
                              "synchronous scheduling, side by side")

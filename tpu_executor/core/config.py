@@ -19,7 +19,7 @@ from tpu_executor.core.speculative import SpeculativeConfig
 # "xla": compiled graphs through torch_xla; any other torch device runs the native eager path.
 DEVICE_PATTERN = re.compile(r"^(xla|jax|cpu|cuda(:\d+)?)$")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "w8a8")
 
 
 def tpu_attached() -> bool:
@@ -95,7 +95,10 @@ class ModelConfig:
     ``quantization="int8"`` stores the linear and expert weights as INT8 with one scale per
     output channel, ``"int4"`` as INT4 with one scale per group of 128 inputs (or 64, 32, 16
     where 128 does not divide half a layer's inputs), both quantized at load time (weight-only:
-    activations stay in ``dtype``).
+    activations stay in ``dtype``); ``"w8a8"`` stores INT8 weights as ``int8`` does and also
+    quantizes the linears' activations to INT8 per token, so the matmul runs in INT8 (experts
+    stay weight-only). A checkpoint published quantized (its config's ``quantization_config``:
+    compressed-tensors, GPTQ, AWQ) loads in its own scheme and takes no ``quantization``.
     """
 
     model: str
@@ -105,7 +108,8 @@ class ModelConfig:
         "the checkpoint's context length, lowered to what the KV cache holds"))
     seed: int = option(0, "seed of the engine (draws the seeds of unseeded requests)")
     quantization: Optional[str] = option(None, "int8: weight-only INT8 linears and experts (W8A16); int4: "
-                                               "INT4 in groups of 128 inputs (W4A16)")
+                                               "INT4 in groups of 128 inputs (W4A16); w8a8: INT8 weights and "
+                                               "per-token INT8 activations in the linears")
 
     def __post_init__(self):
         _require(isinstance(self.model, str) and self.model != "", "model must be a checkpoint path")

@@ -124,10 +124,11 @@ def _set_quantization_config(path: str, config: dict) -> None:
 
 
 def write_compressed_tensors(src: str, dst: str, bits: int = 4, group: Optional[int] = 32,
-                             symmetric: bool = True, fmt: str = "pack-quantized") -> str:
+                             symmetric: bool = True, fmt: str = "pack-quantized", activations: bool = False) -> str:
     """A copy of ``src`` quantized and saved by the compressed-tensors library: ``bits``-bit
     weights of every decoder Linear, by ``group`` (None: by output channel); integers, or FP8
-    (E4M3) for ``fmt`` ``float-quantized``."""
+    (E4M3) for ``fmt`` ``float-quantized``; ``activations``: with INT8 activations quantized
+    per token at run time (W8A8, as llm-compressor's preset)."""
     from compressed_tensors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -140,7 +141,8 @@ def write_compressed_tensors(src: str, dst: str, bits: int = 4, group: Optional[
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     args = QuantizationArgs(num_bits=bits, type="float" if fmt == "float-quantized" else "int", symmetric=symmetric,
                             strategy="group" if group else "channel", group_size=group)
-    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    dynamic = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=dynamic if activations else None)
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
                                                         ignore=["lm_head", "re:.*mlp.gate$"]))
     for module in model.modules():

@@ -76,7 +76,7 @@ def linear_bytes_per_weight(quantization: Optional[str], dtype_bytes: float = 2)
     """Bytes a decoder layer's linear weight takes per parameter: the dtype's; INT8 a byte (its
     channel's scale is a few bytes per thousands of weights); INT4 half a byte plus an fp32 scale
     per group of 128 inputs."""
-    return {None: dtype_bytes, "int8": 1.0, "int4": 0.5 + 4 / 128}[quantization]
+    return {None: dtype_bytes, "int8": 1.0, "w8a8": 1.0, "int4": 0.5 + 4 / 128}[quantization]
 
 
 @dataclass(frozen=True)

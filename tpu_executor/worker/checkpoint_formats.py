@@ -77,9 +77,8 @@ def _compressed_tensors_scheme(config: dict) -> CheckpointScheme:
     args, fmt = weights[0], groups[0].get("format") or config.get("format")
     if args.get("type", "int") == "float":
         return _fp8_scheme(args, fmt, [g.get("input_activations") for g in groups])
-    if any(g.get("input_activations") for g in groups):
-        raise UnsupportedQuantization("compressed-tensors with quantized integer activations (W8A8) is not "
-                                      "supported: weight-only schemes (W8A16, W4A16) and FP8 load")
+    activations = [g.get("input_activations") for g in groups]
+    activation_bits = _int8_activations(activations, args) if any(activations) else None
     if fmt not in CT_FORMATS:
         raise UnsupportedQuantization(f"compressed-tensors format {fmt!r} with {args.get('type')} weights is not "
                                       f"supported: integer weights in {CT_FORMATS} load, and FP8")
@@ -88,8 +87,26 @@ def _compressed_tensors_scheme(config: dict) -> CheckpointScheme:
         raise UnsupportedQuantization(f"compressed-tensors {args.get('num_bits')}-bit weights quantized by "
                                       f"{strategy!r} are not supported: 4 or 8 bits, by group or by channel")
     layout = QuantizedLayout(args["num_bits"], args.get("group_size") if strategy == "group" else None,
-                             bool(args.get("symmetric", True)), args.get("actorder") == "group")
+                             bool(args.get("symmetric", True)), args.get("actorder") == "group",
+                             activation_bits=activation_bits)
     return CheckpointScheme("compressed-tensors", fmt, layout)
+
+
+def _int8_activations(activations, weights: dict) -> int:
+    """8 for W8A8 as llm-compressor writes it (INT8 activations quantized per token,
+    dynamically and symmetrically, over INT8 weights per channel); any other activation
+    scheme is refused, naming what it is."""
+    args = activations[0]
+    w8a8 = all(a == args for a in activations) and args.get("type", "int") == "int" and args.get("num_bits") == 8 \
+        and args.get("strategy") == "token" and args.get("dynamic") and args.get("symmetric", True) \
+        and weights.get("num_bits") == 8 and weights.get("strategy") == "channel" and weights.get("symmetric", True)
+    if not w8a8:
+        raise UnsupportedQuantization(
+            f"compressed-tensors activations {args.get('num_bits')}-bit {args.get('type')} by {args.get('strategy')!r} "
+            f"(dynamic: {args.get('dynamic')}) over {weights.get('num_bits')}-bit weights by "
+            f"{weights.get('strategy')!r} are not supported: W8A8 loads as INT8 weights per channel with dynamic, "
+            "symmetric INT8 activations per token")
+    return 8
 
 
 def _fp8_scheme(args: dict, fmt: str, activations) -> CheckpointScheme:
