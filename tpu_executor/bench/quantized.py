@@ -1,15 +1,16 @@
-"""``tpu-executor bench quantized``: decode speed and accuracy of weight-only INT8 and INT4
-against the unquantized model on the native path, side by side in one run.
+"""``tpu-executor bench quantized``: decode and prefill speed and accuracy of INT8, INT4 and
+W8A8 against the unquantized model on the native path, side by side in one run.
 
 For each model and scheme (``none``: the checkpoint's own fp32 weights) one engine runs, for
 each batch size, ``batch`` random prompts of 16 tokens to ``--output-len`` new tokens in one
 ``LLM.generate`` (greedy, EOS ignored, prefix caching off; warmed up once first), and prints
-output tok/s. Accuracy: each token's log-prob in a fixed text of ``--text-len`` tokens (an
-English paragraph where the checkpoint has a tokenizer, seeded random ids where it has none;
-the same ids for every scheme) and their mean |difference| from the unquantized model's, in
-nats. Then a Markdown table for docs/benchmarks.md.
+output tok/s; then ``--prefill-prompts`` random prompts of ``--prefill-len`` tokens to one new
+token each (prompt tok/s: where W8A8's INT8 matmul pays). Accuracy: each token's log-prob in a
+fixed text of ``--text-len`` tokens (an English paragraph where the checkpoint has a
+tokenizer, seeded random ids where it has none; the same ids for every scheme) and their mean
+|difference| from the unquantized model's, in nats. Then a Markdown table for docs/benchmarks.md.
 
-    tpu-executor bench quantized --models gemma-100m smollm2 --batch-sizes 1 32
+    tpu-executor bench quantized --models gemma-100m smollm2 --batch-sizes 1 32 --quantizations none int8 int4 w8a8
 """
 from __future__ import annotations
 
@@ -35,14 +36,17 @@ TEXT = ("The lighthouse keeper climbed the spiral stairs each evening before the
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("quantized", help="native-path decode tok/s and log-prob error, fp32 vs INT8 vs "
-                                                     "INT4", description=__doc__, formatter_class=HelpFormatter)
+    parser = subparsers.add_parser("quantized", help="native-path decode and prefill tok/s and log-prob error, fp32 "
+                                                     "vs INT8, INT4, W8A8", description=__doc__,
+                                   formatter_class=HelpFormatter)
     parser.add_argument("--models", nargs="+", default=["gemma-100m", "smollm2"], choices=MODELS)
     parser.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4"],
                         choices=["none", "int8", "int4", "w8a8"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--text-len", type=int, default=256, help="tokens of the fixed text scored for accuracy")
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--prefill-prompts", type=int, default=4)
     parser.set_defaults(run=run)
     return parser
 
@@ -58,6 +62,20 @@ def decode_rate(llm, batch: int, output_len: int, vocab: int) -> float:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+
+
+def prefill_rate(llm, prompts: int, length: int, vocab: int) -> float:
+    """Prompt tok/s of ``prompts`` random prompts of ``length`` tokens, one new token each
+    (after an untimed call; prefix caching is off, so nothing is reused)."""
+    from tpu_executor.core.sampling_params import SamplingParams
+
+    rng = random.Random(length)
+    batch = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length)]} for _ in range(prompts)]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate(batch, params, use_tqdm=False)
+    start = time.perf_counter()
+    llm.generate(batch, params, use_tqdm=False)
+    return prompts * length / (time.perf_counter() - start)
 
 
 def fixed_text(llm, length: int, vocab: int) -> List[int]:
@@ -91,7 +109,7 @@ def run(args: argparse.Namespace) -> None:
         for quantization in args.quantizations:
             llm = LLM(path, device="cpu", quantization=None if quantization == "none" else quantization,
                       max_num_seqs=max(args.batch_sizes), enable_prefix_caching=False, show_progress=False,
-                      max_model_len=max(args.text_len, PROMPT_LEN + args.output_len) + 16)
+                      max_model_len=max(args.text_len, args.prefill_len, PROMPT_LEN + args.output_len) + 16)
             try:
                 vocab = min(llm.engine.vocab_size, 32000)
                 text = fixed_text(llm, args.text_len, vocab)
@@ -102,6 +120,10 @@ def run(args: argparse.Namespace) -> None:
                     rows.append(dict(model=name, scheme=quantization, batch=batch, error=error,
                                      rate=decode_rate(llm, batch, args.output_len, vocab)))
                     print(f"{name} {quantization} batch {batch}: {rows[-1]['rate']:.1f} tok/s", flush=True)
+                label = f"prefill {args.prefill_prompts} x {args.prefill_len}"
+                rows.append(dict(model=name, scheme=quantization, batch=label, error=error,
+                                 rate=prefill_rate(llm, args.prefill_prompts, args.prefill_len, vocab)))
+                print(f"{name} {quantization} {label}: {rows[-1]['rate']:.1f} prompt tok/s", flush=True)
             finally:
                 llm.shutdown()
     print_table(rows)
