@@ -9,6 +9,8 @@ import glob
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import numpy as np
@@ -169,16 +171,51 @@ def test_unsupported_formats_and_requantizing_are_refused(checkpoints, tmp_path)
             load_model(path, torch.float32)
 
 
+# The JAX engine over two virtual CPU devices (SPMD, the quantized weights split over them):
+# transformers' greedy tokens on the dequantized copy, log-probs within 1e-3.
+SPMD_RUN = """
+import sys
+from tests.common import assert_same_as_reference, hf_greedy
+from tests.models.test_published_quantized import NEW_TOKENS, PROMPTS, run_greedy
+path, reference = sys.argv[1:]
+expected_tokens, expected_logprobs = hf_greedy(reference, PROMPTS, NEW_TOKENS)
+assert_same_as_reference(run_greedy(path, device="jax", tensor_parallel_size=2), expected_tokens, expected_logprobs)
+"""
+
+
 @pytest.mark.slow  # XLA compilation
 @pytest.mark.parametrize("device,fmt", [("xla", "fp8"), ("jax", "gptq")])
 def test_compiled_engines_run_published_checkpoints(checkpoints, tmp_path, device, fmt):
-    """FP8 weights (upcast in the matmul), and GPTQ's zero points and act-order input gather,
-    through the torch_xla and JAX graphs (each runs both here: one of each keeps the suite short)."""
+    """FP8 weights (upcast in the matmul) on torch_xla; GPTQ's zero points and act-order input
+    gather on the JAX path at tp = 2 (SPMD). One format a path keeps the suite short."""
     if fmt == "fp8":
         path = write_compressed_tensors(checkpoints["llama"], str(tmp_path / "llama"), 8, None, True, "float-quantized")
         expected_tokens, expected_logprobs = hf_greedy(path, PROMPTS, NEW_TOKENS)
-    else:
-        path = write_gptq_or_awq(checkpoints["llama"], str(tmp_path / "llama"), "gptq", 4, 32, act_order=True)
-        expected_tokens, expected_logprobs = hf_greedy(dequantized_copy(path, str(tmp_path / "ref"), "gptq"), PROMPTS,
-                                                       NEW_TOKENS)
-    assert_same_as_reference(run_greedy(path, device=device), expected_tokens, expected_logprobs)
+        assert_same_as_reference(run_greedy(path, device=device), expected_tokens, expected_logprobs)
+        return
+    path = write_gptq_or_awq(checkpoints["llama"], str(tmp_path / "llama"), "gptq", 4, 32, act_order=True)
+    reference = dequantized_copy(path, str(tmp_path / "ref"), "gptq")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    result = subprocess.run([sys.executable, "-c", SPMD_RUN, path, reference], env=env, capture_output=True,
+                            text=True, timeout=900, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+def test_the_jax_mesh_splits_quantized_weights_as_megatron_splits_their_layers(checkpoints, tmp_path):
+    """Under SPMD every quantized layer's levels, scales and zeros are split over the chips, not
+    copied to each: column-parallel ones by output features, row-parallel INT8 by input features
+    (per-channel scales replicated), row-parallel packed INT4 by output features."""
+    from tpu_executor.worker.jax.runtime import split_dim
+
+    gptq = write_gptq_or_awq(checkpoints["llama"], str(tmp_path / "gptq"), "gptq", 4, 32)
+    splits = {}
+    for path, quantization in ((gptq, None), (checkpoints["llama"], "int8")):
+        model = load_model(path, torch.float32, quantization=quantization)
+        layer = model.model.layers[0]
+        for module_name, module in (("qkv", layer.self_attn.qkv_proj), ("down", layer.mlp.down_proj)):
+            for name, param in module.named_parameters():
+                splits[(quantization or "gptq", module_name, name)] = split_dim(module, name, tuple(param.shape), 2)
+    assert splits == {
+        ("gptq", "qkv", "weight_q4"): 1, ("gptq", "qkv", "weight_scale"): 1, ("gptq", "qkv", "weight_zero"): 1,
+        ("gptq", "down", "weight_q4"): 1, ("gptq", "down", "weight_scale"): 1, ("gptq", "down", "weight_zero"): 1,
+        ("int8", "qkv", "weight_q"): 1, ("int8", "qkv", "weight_scale"): 0,
+        ("int8", "down", "weight_q"): 0, ("int8", "down", "weight_scale"): None}

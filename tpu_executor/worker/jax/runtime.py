@@ -36,6 +36,17 @@ SPLIT_DIMS = {
     ("ColumnParallelLinear", "lora_b"): 2, ("MergedColumnParallelLinear", "lora_b"): 2,
     ("QKVParallelLinear", "lora_b"): 2, ("RowParallelLinear", "lora_a"): 1,
 }
+# Quantized levels, by the dimension counted from the end: the column-parallel family's output
+# features; a row-parallel layer's input features for INT8, its output features for packed INT4
+# (a byte holds inputs i and i + k/2, so an input split would regroup the unpacked weight);
+# experts as their unquantized weights. Scales and zeros follow their levels (``split_dim``).
+_COLUMNS = ("ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear")
+QUANTIZED_SPLIT_DIMS = {
+    **{(layer, name): -1 for layer in _COLUMNS for name in ("weight_q", "weight_q4")},
+    ("RowParallelLinear", "weight_q"): -2, ("RowParallelLinear", "weight_q4"): -1,
+    ("ExpertWeights", "w13_q"): -1, ("ExpertWeights", "w13_q4"): -1,
+    ("ExpertWeights", "w2_q"): -2, ("ExpertWeights", "w2_q4"): -1,
+}
 LIBRARIES = ("jax", "jaxlib", "torch", "torchax")
 
 
@@ -43,9 +54,22 @@ def split_dim(module: torch.nn.Module, name: str, shape: Tuple[int, ...], ranks:
     """The dimension of ``module.<name>`` split over ``ranks`` chips, or None (replicated):
     layers Megatron does not split (norms, the router), and sizes that do not divide evenly."""
     dim = SPLIT_DIMS.get((type(module).__name__, name))
+    if name.endswith(("_q", "_q4", "_scale", "_zero")):
+        dim = _quantized_split(module, name, len(shape))
     if ranks == 1 or dim is None or shape[dim] % ranks:
         return None
     return dim
+
+
+def _quantized_split(module: torch.nn.Module, name: str, rank: int) -> Optional[int]:
+    """The split dimension of a quantized layer's levels, scales or zeros (None: replicated):
+    scales and zeros split as their levels, except per-channel scales of levels split by input."""
+    base = name.rsplit("_", 1)[0]
+    levels = next((f"{base}{s}" for s in ("_q", "_q4") if f"{base}{s}" in module._parameters), None)
+    from_end = QUANTIZED_SPLIT_DIMS.get((type(module).__name__, levels))
+    if from_end is None or (from_end == -2 and rank < module._parameters[levels].dim()):
+        return None
+    return rank + from_end
 
 
 def compile_cache_key(parts: Tuple, checkpoint: str) -> str:
