@@ -5,7 +5,8 @@ A kernel is an opaque custom call that XLA's partitioner cannot split, so a mesh
 chips either runs it per chip on operands split the way the model's weights and caches are
 placed (``worker.jax.runtime.SPLIT_DIMS``), or falls back to the op's reference. Each split says
 whether a call can be split over the chips, what one chip's operands look like (the kernel's
-own shape checks run on them), and how to wrap the kernel.
+own shape checks run on them), and how to wrap the kernel: attention over its heads, grouped
+matmul over the experts' split features, quantized linears over their split features.
 """
 from __future__ import annotations
 
@@ -91,5 +92,56 @@ class OverExpertWeights:
                              check_vma=False)
 
 
+class OverLinearWeights:
+    """A quantized linear's matmul ``(x, weight [k_rows, n], scale[, zero])`` over weights split
+    as Megatron splits the layer (``tp_split``): ``"columns"``, by output features (x whole,
+    the output split like the weights); ``"rows"``, by input features (x split the same way,
+    each chip's partial sums added over the mesh). Packed INT4 (two input features a byte, half
+    of k apart) splits by columns only, and so do activations quantized per token
+    (``by_rows=False``: a token's scale is its whole row's maximum). Scales and zeros split with
+    their weight's features (per-channel scales of a row split stay whole)."""
+
+    def __init__(self, by_rows: bool = True):
+        self.by_rows = by_rows
+
+    def problem(self, chips: int, args: Sequence, kwargs) -> Optional[str]:
+        split, (x, weight) = kwargs.get("tp_split"), args[:2]
+        if split not in ("columns", "rows"):
+            return f"tp_split={split!r}: the caller did not say how the weights are split"
+        if split == "rows" and not self.by_rows:
+            return "activations quantized per token need each token's whole row on one chip"
+        if split == "rows" and x.shape[-1] != weight.shape[0]:
+            return "packed INT4 weights split by input features would part each byte's two halves"
+        dim = 1 if split == "columns" else 0
+        if weight.shape[dim] % chips or any(t.dim() == 2 and t.shape[dim] % chips for t in args[2:]):
+            return f"weights {list(weight.shape)} and their scales do not split over {chips} chips on dim {dim}"
+        return None
+
+    def local_args(self, chips: int, args: Sequence, kwargs) -> list:
+        x, weight, *side = args
+        if kwargs.get("tp_split") == "columns":
+            return [x, _local(weight, 1, chips), *[_local(t, t.dim() - 1, chips) for t in side]]
+        return [_local(x, 1, chips), _local(weight, 0, chips), *[t if t.dim() == 1 else _local(t, 0, chips)
+                                                                 for t in side]]
+
+    def wrap(self, fn: Callable, mesh, args: Sequence, kwargs) -> Callable:
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        axis = mesh.axis_names[0]
+        side = args[2:]
+        if kwargs.get("tp_split") == "columns":
+            specs = (P(), P(None, axis)) + tuple(P(*[None] * (t.dim() - 1), axis) for t in side)
+            return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(None, axis), check_vma=False)
+
+        def summed(*arrays):
+            return jax.lax.psum(fn(*arrays), axis)
+
+        specs = (P(None, axis), P(axis, None)) + tuple(P() if t.dim() == 1 else P(axis, None) for t in side)
+        return jax.shard_map(summed, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
+
+
 HEADS = OverHeads()
 EXPERT_WEIGHTS = OverExpertWeights()
+LINEAR_WEIGHTS = OverLinearWeights()
+TOKEN_QUANTIZED_LINEAR_WEIGHTS = OverLinearWeights(by_rows=False)

@@ -138,6 +138,7 @@ class QuantizableMatmul(nn.Module):
 
     quantizable = True
     activation_bits: Optional[int] = None  # 8: activations quantized per token (W8A8)
+    tp_split = "columns"  # how a mesh splits the weight (JAX SPMD): by output or input ("rows") features
 
     def quantize(self, scheme: str) -> None:
         """Replace ``weight`` by its ``scheme`` form (see ``quantize_parameter``); ``w8a8``
@@ -171,9 +172,10 @@ class QuantizableMatmul(nn.Module):
             x = x.index_select(-1, self.input_order)
         if "weight_q" in self._parameters:
             matmul = w8a8_matmul if self.activation_bits == 8 else w8a16_matmul
-            return matmul(x, self.weight_q, self.weight_scale)
-        if "weight_q4" in self._parameters:
-            return w4a16_matmul(x, self.weight_q4, self.weight_scale, self._parameters.get("weight_zero"))
+            return matmul(x, self.weight_q, self.weight_scale, tp_split=self.tp_split)
+        if "weight_q4" in self._parameters:  # packed bytes split by output features on a mesh
+            return w4a16_matmul(x, self.weight_q4, self.weight_scale, self._parameters.get("weight_zero"),
+                                tp_split="columns")
         if "weight_packed" in self._buffers:
             return cpu_packed_matmul(x, self.weight_packed, self.packed_out_features)
         if "weight_out_in" in self._buffers:
@@ -281,6 +283,8 @@ class RowParallelLinear(QuantizableMatmul, LoRASlots):
     The bias is added once, after the sum; a LoRA update's partial product joins the base
     layer's before it.
     """
+
+    tp_split = "rows"
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallelGroup, bias: bool = False):
         super().__init__()

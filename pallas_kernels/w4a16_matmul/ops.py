@@ -20,7 +20,7 @@ def shape_problem(*args, **kwargs):
     return binding.shape_problem(4, *args, **kwargs)
 
 
-def fake(x, packed, scale, zero=None):
+def fake(x, packed, scale, zero=None, *, tp_split=None):
     """Output shape and dtype."""
     return x.new_empty(x.shape[0], packed.shape[1])
 
@@ -51,7 +51,8 @@ def register(registry=REGISTRY) -> None:
     binding.register(registry, OP_NAME, 4, fake, reference.w4a16_matmul)
 
 
-def w4a16_matmul(x, packed, scale, zero=None):
+def w4a16_matmul(x, packed, scale, zero=None, tp_split=None):
     """``x @ ((unpack(packed) - zero) * scale)``; see ``reference.w4a16_matmul``. (``zero``
-    is passed on only when there is one: kernels take tensors, not None.)"""
-    return REGISTRY.dispatch(OP_NAME, x, packed, scale, *(() if zero is None else (zero,)))
+    is passed on only when there is one: kernels take tensors, not None.) ``tp_split``: as
+    ``w8a16_matmul``'s."""
+    return REGISTRY.dispatch(OP_NAME, x, packed, scale, *(() if zero is None else (zero,)), tp_split=tp_split)

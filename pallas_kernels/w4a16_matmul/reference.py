@@ -51,7 +51,8 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.T
 
 
 def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                 zero: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 zero: Optional[torch.Tensor] = None, *, tp_split: Optional[str] = None) -> torch.Tensor:
+    """``tp_split``: as ``w8a16_matmul``'s, nothing here."""
     return x @ dequantize(packed, scale, zero, x.dtype)
 
 

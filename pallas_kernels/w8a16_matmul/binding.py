@@ -11,13 +11,15 @@ from typing import Optional
 import torch
 
 from tpu_executor.kernels.binding import jax_backed_op, jax_tpu_provider, tpu_provider
+from tpu_executor.kernels.mesh_split import LINEAR_WEIGHTS
 
 KERNEL_MODULE = "tpu_executor.kernels.w8a16_matmul.kernel"
-SCHEMAS = {3: "(Tensor x, Tensor weight, Tensor scale, *, bool interpret=False) -> Tensor",
-           4: "(Tensor x, Tensor weight, Tensor scale, Tensor zero, *, bool interpret=False) -> Tensor"}
+SCHEMAS = {3: "(Tensor x, Tensor weight, Tensor scale, *, str? tp_split=None, bool interpret=False) -> Tensor",
+           4: "(Tensor x, Tensor weight, Tensor scale, Tensor zero, *, str? tp_split=None, bool interpret=False) "
+              "-> Tensor"}
 
 
-def shape_problem(bits: int, x, weight, scale, zero=None) -> Optional[str]:
+def shape_problem(bits: int, x, weight, scale, zero=None, *, tp_split=None) -> Optional[str]:
     """Why the kernel cannot take this call (None: it can)."""
     from tpu_executor.kernels.w8a16_matmul.kernel import problem
 
@@ -33,14 +35,14 @@ def shape_problem(bits: int, x, weight, scale, zero=None) -> Optional[str]:
     return problem(x.shape[0], weight.shape[0], weight.shape[1], group, x.element_size())
 
 
-def int8_matmul(x, weight, scale, *, interpret: bool = False):
+def int8_matmul(x, weight, scale, *, tp_split=None, interpret: bool = False):
     """The kernel, INT8 (JAX arrays)."""
     from tpu_executor.kernels.w8a16_matmul.kernel import quantized_matmul
 
     return quantized_matmul(x, weight, scale, bits=8, interpret=interpret)
 
 
-def int4_matmul(x, packed, scale, zero=None, *, interpret: bool = False):
+def int4_matmul(x, packed, scale, zero=None, *, tp_split=None, interpret: bool = False):
     """The kernel, INT4 (JAX arrays)."""
     from tpu_executor.kernels.w8a16_matmul.kernel import quantized_matmul
 
@@ -73,5 +75,5 @@ def register(registry, op_name: str, bits: int, fake, reference) -> None:
     registry.register(op_name, tpu_provider("pallas", 20, functools.partial(torch_op, op_name, bits, fake), problem,
                                             sources=(KERNEL_MODULE, __name__)))
     registry.register(op_name, jax_tpu_provider("pallas_jax", 20, int8_matmul if bits == 8 else int4_matmul, problem,
-                                                sources=(KERNEL_MODULE,)))
+                                                sources=(KERNEL_MODULE,), split=LINEAR_WEIGHTS))
     registry.register(op_name, Provider("reference", reference, priority=0, is_reference=True))

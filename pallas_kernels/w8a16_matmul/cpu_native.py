@@ -23,7 +23,7 @@ _ARGTYPES = (ctypes.c_void_p, ctypes.c_int64) + (ctypes.c_void_p,) * 4 + (ctypes
 KERNEL = cpu_library.CFunction(SOURCE, "quantized_matmul_f32", _ARGTYPES)
 
 
-def _fits(bits: int, x=None, weight=None, scale=None, zero=None) -> bool:
+def _fits(bits: int, x=None, weight=None, scale=None, zero=None, *, tp_split=None) -> bool:
     """fp32 x [m, k] with unit feature stride, a contiguous int8 weight of k (INT4: k / 2)
     stored rows, fp32 scales per channel [n] or in groups [k / group, n] (zeros likewise)."""
     if not (cpu_library.untraced_fp32_cpu(x, scale) and isinstance(weight, torch.Tensor)
@@ -51,12 +51,12 @@ def _matmul(bits: int, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     return out
 
 
-def int8_matmul(x, weight, scale):
+def int8_matmul(x, weight, scale, *, tp_split=None):
     """Same contract as ``w8a16_matmul/reference.w8a16_matmul`` (fp32 CPU tensors)."""
     return _matmul(8, x, weight, scale)
 
 
-def int4_matmul(x, packed, scale, zero=None):
+def int4_matmul(x, packed, scale, zero=None, *, tp_split=None):
     """Same contract as ``w4a16_matmul/reference.w4a16_matmul`` (fp32 CPU tensors)."""
     return _matmul(4, x, packed, scale, zero)
 

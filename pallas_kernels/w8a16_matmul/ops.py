@@ -18,7 +18,7 @@ def shape_problem(*args, **kwargs):
     return binding.shape_problem(8, *args, **kwargs)
 
 
-def fake(x, weight, scale):
+def fake(x, weight, scale, *, tp_split=None):
     """Output shape and dtype."""
     return x.new_empty(x.shape[0], weight.shape[1])
 
@@ -45,6 +45,7 @@ def register(registry=REGISTRY) -> None:
     binding.register(registry, OP_NAME, 8, fake, reference.w8a16_matmul)
 
 
-def w8a16_matmul(x, weight, scale):
-    """``x @ (weight * scale)``; see ``reference.w8a16_matmul`` for the contract."""
-    return REGISTRY.dispatch(OP_NAME, x, weight, scale)
+def w8a16_matmul(x, weight, scale, tp_split=None):
+    """``x @ (weight * scale)``; see ``reference.w8a16_matmul`` for the contract. ``tp_split``
+    says how a mesh splits the weight (the JAX path's kernel runs per chip as it says)."""
+    return REGISTRY.dispatch(OP_NAME, x, weight, scale, tp_split=tp_split)

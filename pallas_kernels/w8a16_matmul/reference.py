@@ -10,6 +10,8 @@ Returns [t, n] in x's dtype: dequantize the weight to x's dtype, then matmul.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -21,7 +23,10 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return weight.to(dtype) * scale.to(dtype).unsqueeze(-2)
 
 
-def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
+                 tp_split: Optional[str] = None) -> torch.Tensor:
+    """``tp_split`` (how a mesh splits the weight: ``"columns"``, ``"rows"``) changes nothing
+    here: XLA partitions this."""
     return x @ dequantize(weight, scale, x.dtype)
 
 

@@ -12,6 +12,7 @@ import torch
 
 from tpu_executor.kernels.binding import jax_backed_op, jax_tpu_provider, tpu_provider
 from tpu_executor.kernels.cpu_library import untraced_fp32_cpu
+from tpu_executor.kernels.mesh_split import TOKEN_QUANTIZED_LINEAR_WEIGHTS
 from tpu_executor.kernels.registry import REGISTRY, Provider
 from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
 from tpu_executor.kernels.w8a8_matmul import reference
@@ -19,10 +20,10 @@ from tpu_executor.kernels.w8a16_matmul.reference import quantize_per_channel
 
 OP_NAME = "w8a8_matmul"
 KERNEL_MODULE = "tpu_executor.kernels.w8a8_matmul.kernel"
-SCHEMA = "(Tensor x, Tensor weight, Tensor scale, *, bool interpret=False) -> Tensor"
+SCHEMA = "(Tensor x, Tensor weight, Tensor scale, *, str? tp_split=None, bool interpret=False) -> Tensor"
 
 
-def shape_problem(x, weight, scale) -> Optional[str]:
+def shape_problem(x, weight, scale, *, tp_split=None) -> Optional[str]:
     """Why the Pallas kernel cannot take this call (None: it can)."""
     from tpu_executor.kernels.w8a16_matmul.kernel import problem
 
@@ -34,18 +35,18 @@ def shape_problem(x, weight, scale) -> Optional[str]:
     return problem(x.shape[0], weight.shape[0], weight.shape[1], weight.shape[0], 1)
 
 
-def fake(x, weight, scale):
+def fake(x, weight, scale, *, tp_split=None):
     """Output shape and dtype."""
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
-def int_mm_fits(x=None, weight=None, scale=None) -> bool:
+def int_mm_fits(x=None, weight=None, scale=None, *, tp_split=None) -> bool:
     """fp32 CPU tensors outside a trace, an int8 CPU weight ``[k, n]``."""
     return untraced_fp32_cpu(x, scale) and isinstance(weight, torch.Tensor) and weight.dtype == torch.int8 \
         and weight.device.type == "cpu" and x.dim() == 2 and weight.dim() == 2
 
 
-def int_mm_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int_mm_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, tp_split=None) -> torch.Tensor:
     """The reference's arithmetic with the int32 sums from ``torch._int_mm``."""
     x_q, x_scale = reference.quantize_per_token(x)
     return torch._int_mm(x_q, weight) * x_scale[:, None] * scale[None, :]
@@ -70,7 +71,7 @@ SPEC = OpSpec(
                 torch.bfloat16: Tolerance(atol=3e-2, rtol=3e-2)})
 
 
-def kernel_matmul(x, weight, scale, *, interpret: bool = False):
+def kernel_matmul(x, weight, scale, *, tp_split=None, interpret: bool = False):
     """The kernel (JAX arrays)."""
     from tpu_executor.kernels.w8a8_matmul.kernel import w8a8_matmul as kernel
 
@@ -87,10 +88,11 @@ def register(registry=REGISTRY) -> None:
     registry.register(OP_NAME, Provider("cpu_int_mm", int_mm_matmul, priority=6, supports_args=int_mm_fits))
     registry.register(OP_NAME, tpu_provider("pallas", 20, torch_op, shape_problem, sources=(KERNEL_MODULE,)))
     registry.register(OP_NAME, jax_tpu_provider("pallas_jax", 20, kernel_matmul, shape_problem,
-                                                sources=(KERNEL_MODULE,)))
+                                                sources=(KERNEL_MODULE,), split=TOKEN_QUANTIZED_LINEAR_WEIGHTS))
     registry.register(OP_NAME, Provider("reference", reference.w8a8_matmul, priority=0, is_reference=True))
 
 
-def w8a8_matmul(x, weight, scale):
-    """``x`` quantized per token, times ``weight * scale``; see ``reference.w8a8_matmul``."""
-    return REGISTRY.dispatch(OP_NAME, x, weight, scale)
+def w8a8_matmul(x, weight, scale, tp_split=None):
+    """``x`` quantized per token, times ``weight * scale``; see ``reference.w8a8_matmul``.
+    ``tp_split``: how a mesh splits the weight, as ``w8a16_matmul``'s."""
+    return REGISTRY.dispatch(OP_NAME, x, weight, scale, tp_split=tp_split)

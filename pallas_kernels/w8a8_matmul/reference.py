@@ -10,7 +10,7 @@ scale[n]`` in fp32.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -22,7 +22,9 @@ def quantize_per_token(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.round(rows / x_scale[:, None]).clamp(-127, 127).to(torch.int8), x_scale
 
 
-def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
+                tp_split: Optional[str] = None) -> torch.Tensor:
+    """``tp_split`` (how a mesh splits the weight) changes nothing here: XLA partitions this."""
     x_q, x_scale = quantize_per_token(x)
     summed = torch.matmul(x_q.to(torch.int32), weight.to(torch.int32))
     return (summed.float() * x_scale[:, None] * scale.float()[None, :]).to(x.dtype)

@@ -229,3 +229,64 @@ def run_gmm_over_two_chips() -> int:
 @pytest.mark.slow  # JAX over virtual devices, in a fresh interpreter
 def test_gmm_split_over_the_experts_of_two_chips_matches_reference():
     assert in_fresh_process(run_gmm_over_two_chips) == 16
+
+
+def test_quantized_linears_on_a_mesh_need_the_split_of_their_weights():
+    """Per chip only when the caller says how the weights are split, they split evenly, and a
+    split by input features neither parts packed INT4 bytes nor a token's row of W8A8."""
+    provider = jax_provider("w8a16_matmul")
+    x, weight, scale = torch.randn(8, 256), torch.zeros(256, 512, dtype=torch.int8), torch.ones(512)
+    assert not accepted_on(provider, (x, weight, scale), {}, 2)  # no tp_split
+    assert accepted_on(provider, (x, weight, scale), {"tp_split": "columns"}, 2)
+    assert accepted_on(provider, (x, weight, scale), {"tp_split": "rows"}, 2)
+    assert not accepted_on(provider, (x, weight, scale), {"tp_split": "columns"}, 5)
+    packed, groups = torch.zeros(128, 512, dtype=torch.int8), torch.ones(2, 512)
+    int4, w8a8 = jax_provider("w4a16_matmul"), jax_provider("w8a8_matmul")
+    assert accepted_on(int4, (x, packed, groups), {"tp_split": "columns"}, 2)
+    assert not accepted_on(int4, (x, packed, groups), {"tp_split": "rows"}, 2)
+    assert accepted_on(w8a8, (x, weight, scale), {"tp_split": "columns"}, 2)
+    assert not accepted_on(w8a8, (x, weight, scale), {"tp_split": "rows"}, 2)  # a token's scale: its whole row
+
+
+def run_linears_over_two_chips() -> dict:
+    """``mesh_split.LINEAR_WEIGHTS`` around each quantized matmul's reference on two virtual
+    CPU chips, weights split by columns and (INT8) by rows, against the reference on the whole
+    arrays: {op: cases checked}."""
+    import functools
+    import os
+
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+    from torchax import interop
+
+    from tpu_executor.kernels.binding import jax_to_torch, torch_to_jax
+    from tpu_executor.kernels.mesh_split import LINEAR_WEIGHTS, TOKEN_QUANTIZED_LINEAR_WEIGHTS
+
+    env, checked = torchax_env(), {}
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    for op in ("w8a16_matmul", "w4a16_matmul", "w8a8_matmul"):
+        module, checked[op] = ops_module(op), 0
+        split_over = TOKEN_QUANTIZED_LINEAR_WEIGHTS if op == "w8a8_matmul" else LINEAR_WEIGHTS
+        for case in list(generated_cases(module.SPEC, seed=7))[:6]:
+            for split in ("columns", "rows"):
+                kwargs = dict(case.kwargs, tp_split=split)
+                if split_over.problem(2, case.args, kwargs) is not None:
+                    continue
+
+                def reference(*arrays):
+                    with env:
+                        return interop.jax_view(module.SPEC.reference(*interop.torch_view(arrays), **case.kwargs))
+
+                wrapped = split_over.wrap(functools.partial(reference), mesh, case.args, kwargs)
+                got = jax_to_torch(jax.jit(wrapped)(*[torch_to_jax(a) for a in case.args]))
+                module.SPEC.assert_close(got, case.run(module.SPEC.reference), f"{split}: {case.label}")
+                checked[op] += 1
+    return checked
+
+
+@pytest.mark.slow  # JAX over virtual devices, in a fresh interpreter
+def test_quantized_linears_split_over_two_chips_match_the_references():
+    checked = in_fresh_process(run_linears_over_two_chips)
+    assert checked["w4a16_matmul"] >= 4 and checked["w8a16_matmul"] >= 8 and checked["w8a8_matmul"] >= 4, checked
