@@ -72,11 +72,13 @@ def test_architectures_compile_for_a_tpu_with_their_pallas_kernels(target, archi
 GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False, "desc_act": False}
 
 
-@pytest.mark.slow  # libtpu compiles 2 graphs of each model (INT8 takes the same kernel: test_quantized_matmul.py)
-@pytest.mark.parametrize("quantization", ["int4", GPTQ_CONFIG], ids=["int4", "gptq"])
-def test_quantized_models_compile_with_the_weight_only_kernel(tmp_path, quantization):
-    found = in_fresh_process(model_graph_kernels, "v5e-1", ("llama", "qwen3_moe"), str(tmp_path), quantization)
-    op = "w4a16_matmul"
+# W8A8 on one chip; a GPTQ checkpoint over four (the kernel per chip, its weights split). INT8
+# and load-time INT4 run the same kernels (compiled at 8B shapes: test_quantized_matmul.py).
+@pytest.mark.slow  # libtpu compiles 2 graphs of each model
+@pytest.mark.parametrize("target,quantization,op", [("v5e-1", "w8a8", "w8a8_matmul"),
+                                                    ("v6e-4", GPTQ_CONFIG, "w4a16_matmul")], ids=["w8a8", "gptq"])
+def test_quantized_models_compile_with_their_kernels(tmp_path, target, quantization, op):
+    found = in_fresh_process(model_graph_kernels, target, ("llama", "qwen3_moe"), str(tmp_path), quantization)
     for arch, moe in (("llama", []), ("qwen3_moe", ["gmm"])):  # experts: dequantized before the gmm
         assert found[arch]["decode rows=8 blocks=32"] == sorted(moe + ["paged_attention", op]), arch
         assert found[arch]["prefill tokens=128 keys=512"] == sorted(moe + ["prefill_attention", op]), arch
