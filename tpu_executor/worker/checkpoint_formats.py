@@ -75,9 +75,9 @@ def _compressed_tensors_scheme(config: dict) -> CheckpointScheme:
         raise UnsupportedQuantization("compressed-tensors checkpoints with several weight schemes (or none) "
                                       "are not supported: one weight scheme for every quantized layer")
     args, fmt = weights[0], groups[0].get("format") or config.get("format")
-    if args.get("type", "int") == "float":
-        return _fp8_scheme(args, fmt, [g.get("input_activations") for g in groups])
     activations = [g.get("input_activations") for g in groups]
+    if args.get("type", "int") == "float":
+        return _fp8_scheme(args, fmt, activations)
     activation_bits = _int8_activations(activations, args) if any(activations) else None
     if fmt not in CT_FORMATS:
         raise UnsupportedQuantization(f"compressed-tensors format {fmt!r} with {args.get('type')} weights is not "
