@@ -72,7 +72,8 @@ class OverExpertWeights:
     def local_args(self, chips: int, args: Sequence, kwargs) -> list:
         rhs_dim, lhs_dim = self._dims(kwargs)
         lhs = args[0] if lhs_dim is None else _local(args[0], lhs_dim, chips)
-        return [lhs, _local(args[1], rhs_dim, chips), *args[2:]]
+        scale = [_local(s, 1, chips) if lhs_dim is None else s for s in args[3:]]  # INT8 experts' [E, n]
+        return [lhs, _local(args[1], rhs_dim, chips), args[2], *scale]
 
     def wrap(self, fn: Callable, mesh, args: Sequence, kwargs) -> Callable:
         import jax
@@ -81,15 +82,16 @@ class OverExpertWeights:
         axis = mesh.axis_names[0]
         rhs_dim, lhs_dim = self._dims(kwargs)
         rhs_spec = P(*[axis if d == rhs_dim else None for d in range(3)])
+        scales = len(args) - 3  # INT8 experts: a scale per output channel, split with the outputs
         if lhs_dim is None:
-            return jax.shard_map(fn, mesh=mesh, in_specs=(P(), rhs_spec, P()), out_specs=P(None, axis),
-                                 check_vma=False)
+            return jax.shard_map(fn, mesh=mesh, in_specs=(P(), rhs_spec, P()) + (P(None, axis),) * scales,
+                                 out_specs=P(None, axis), check_vma=False)
 
         def summed(*arrays):
             return jax.lax.psum(fn(*arrays), axis)
 
-        return jax.shard_map(summed, mesh=mesh, in_specs=(P(None, axis), rhs_spec, P()), out_specs=P(),
-                             check_vma=False)
+        return jax.shard_map(summed, mesh=mesh, in_specs=(P(None, axis), rhs_spec, P()) + (P(),) * scales,
+                             out_specs=P(), check_vma=False)
 
 
 class OverLinearWeights:

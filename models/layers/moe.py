@@ -47,8 +47,10 @@ def moe_reference(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tenso
 
 
 def sparse_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-               top_k: int, act: Callable, normalize: bool = True) -> torch.Tensor:
-    """The same result as ``moe_reference`` with only the chosen experts' work (see module doc)."""
+               top_k: int, act: Callable, normalize: bool = True,
+               scales: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)) -> torch.Tensor:
+    """The same result as ``moe_reference`` with only the chosen experts' work (see module doc).
+    ``scales``: w13's and w2's per-channel scales when they are INT8 (``gmm``'s ``rhs_scale``)."""
     num_tokens, num_experts = x.shape[0], w13.shape[0]
     weights, experts = route(router_logits, top_k, normalize)
     flat = experts.reshape(-1)
@@ -60,8 +62,8 @@ def sparse_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, 
     # Pad rows to the kernel's row tile; padding rows lie past the last group and come back zero.
     lhs = torch.nn.functional.pad(x[token_of_row], (0, 0, 0, padded_rows(rows, x.dtype) - rows))
     # Megatron's split: gate/up by their output features, down by its input features.
-    gate, up = gmm(lhs, w13, group_sizes, tp_split="columns").chunk(2, dim=-1)
-    out = gmm(act(gate) * up, w2, group_sizes, tp_split="rows")[:rows]
+    gate, up = gmm(lhs, w13, group_sizes, scales[0], tp_split="columns").chunk(2, dim=-1)
+    out = gmm(act(gate) * up, w2, group_sizes, scales[1], tp_split="rows")[:rows]
     out = out * weights.reshape(-1)[order].to(out.dtype)[:, None]
     return torch.zeros_like(x).index_add(0, token_of_row, out)
 
@@ -104,15 +106,20 @@ class ExpertWeights(nn.Module):
         quantize_parameter(self, "w13", scheme)
         quantize_parameter(self, "w2", scheme)
 
-    def weights(self, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) in ``dtype``: dequantized on the fly when stored as INT8 or INT4."""
+    def weights(self, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, Tuple]:
+        """(w13, w2, their scales) for ``sparse_moe``: INT8 levels with per-channel scales as
+        they are stored (the grouped matmul scales them); group-wise INT8 and INT4 dequantized
+        to ``dtype`` on the fly, no scales."""
+        if "w13_q" in self._parameters and self.w13_scale.dim() == 2 and self.w2_scale.dim() == 2:
+            return self.w13_q, self.w2_q, (self.w13_scale, self.w2_scale)
         if "w13_q" in self._parameters:
-            return (dequantize(self.w13_q, self.w13_scale, dtype), dequantize(self.w2_q, self.w2_scale, dtype))
+            return (dequantize(self.w13_q, self.w13_scale, dtype), dequantize(self.w2_q, self.w2_scale, dtype),
+                    (None, None))
         if "w13_q4" in self._parameters:
             zeros = self._parameters.get("w13_zero"), self._parameters.get("w2_zero")
             return (dequantize_int4(self.w13_q4, self.w13_scale, zeros[0], dtype),
-                    dequantize_int4(self.w2_q4, self.w2_scale, zeros[1], dtype))
-        return self.w13, self.w2
+                    dequantize_int4(self.w2_q4, self.w2_scale, zeros[1], dtype), (None, None))
+        return self.w13, self.w2, (None, None)
 
 
 class SparseMoeBlock(nn.Module):
@@ -129,8 +136,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``lora_slots``: adapters do not reach the experts (refused when an adapter targets them)."""
-        w13, w2 = self.experts.weights(x.dtype)
-        return self.tp.all_reduce(sparse_moe(x, self.gate(x), w13, w2, self.top_k, self.act, self.normalize))
+        w13, w2, scales = self.experts.weights(x.dtype)
+        return self.tp.all_reduce(sparse_moe(x, self.gate(x), w13, w2, self.top_k, self.act, self.normalize, scales))
 
 
 def expert_target(name: str, pattern: "re.Pattern", gate: str, up: str) -> Optional[Tuple[str, object]]:

@@ -103,8 +103,8 @@ def visit_schedule(group_sizes: jax.Array, m: int, tm: int):
     return offsets, visit_groups.astype(jnp.int32), tiles.astype(jnp.int32)
 
 
-def _gmm_kernel(offsets, visit_groups, visit_tiles, lhs_ref, rhs_ref, out_ref, acc_ref, *,
-                tm: int, transpose_rhs: bool):
+def _gmm_kernel(offsets, visit_groups, visit_tiles, lhs_ref, rhs_ref, *refs, tm: int, transpose_rhs: bool):
+    scale_ref, out_ref, acc_ref = refs if len(refs) == 3 else (None, *refs)
     v, k_i = pl.program_id(1), pl.program_id(2)
     last_v, last_k = pl.num_programs(1) - 1, pl.num_programs(2) - 1
     tile = visit_tiles[v]
@@ -122,8 +122,11 @@ def _gmm_kernel(offsets, visit_groups, visit_tiles, lhs_ref, rhs_ref, out_ref, a
         rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, lhs_ref.shape, 0)
         lhs = jnp.where((rows >= start) & (rows < end), lhs_ref[...], 0)
         contract = ((1,), (1,)) if transpose_rhs else ((1,), (0,))
-        acc_ref[...] += jax.lax.dot_general(lhs, rhs_ref[...], (contract, ((), ())),
-                                            preferred_element_type=jnp.float32)
+        rhs = rhs_ref[...] if scale_ref is None else rhs_ref[...].astype(jnp.float32).astype(lhs.dtype)
+        partial = jax.lax.dot_general(lhs, rhs, (contract, ((), ())), preferred_element_type=jnp.float32)
+        # INT8 experts: the integer levels go through the MXU (exact in bf16), and the group's
+        # per-channel scale goes on its own partial product (a tile's visits span groups).
+        acc_ref[...] += partial if scale_ref is None else partial * scale_ref[...]
 
     @pl.when(jnp.logical_and(last_visit, k_i == last_k))
     def _store():
@@ -131,13 +134,16 @@ def _gmm_kernel(offsets, visit_groups, visit_tiles, lhs_ref, rhs_ref, out_ref, a
 
 
 @functools.partial(jax.jit, static_argnames=("transpose_rhs", "tiling", "interpret"))
-def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
-        tiling: Optional[Tuple[int, int, int]] = None, interpret: bool = False) -> jax.Array:
-    """Grouped matmul; see ``reference.gmm`` for the contract and the module doc for tiling."""
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scale: Optional[jax.Array] = None, *,
+        transpose_rhs: bool = False, tiling: Optional[Tuple[int, int, int]] = None,
+        interpret: bool = False) -> jax.Array:
+    """Grouped matmul; see ``reference.gmm`` for the contract and the module doc for tiling.
+    With ``rhs_scale`` the int8 ``rhs`` tiles stream as stored and are scaled per channel."""
     m, k = lhs.shape
     groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    if rhs.shape[2 if transpose_rhs else 1] != k or rhs.dtype != lhs.dtype:
+    rhs_dtype = lhs.dtype if rhs_scale is None else jnp.int8
+    if rhs.shape[2 if transpose_rhs else 1] != k or rhs.dtype != rhs_dtype:
         raise ValueError(f"rhs {rhs.dtype}{rhs.shape} does not fit lhs {lhs.dtype}{lhs.shape} "
                          f"(transpose_rhs={transpose_rhs})")
     if group_sizes.shape != (groups,):
@@ -148,11 +154,11 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs
     padded_m = -(-m // tm) * tm  # pad rows to whole tiles; padding rows are in no group
     lhs = jnp.pad(lhs, ((0, padded_m - m), (0, 0)))
     schedule = visit_schedule(group_sizes, padded_m, tm)
-    out = _call(lhs, rhs, schedule, n, tiling, transpose_rhs, interpret)
+    out = _call(lhs, rhs, rhs_scale, schedule, n, tiling, transpose_rhs, interpret)
     return out[:m]
 
 
-def _call(lhs, rhs, schedule, n, tiling, transpose_rhs, interpret):
+def _call(lhs, rhs, rhs_scale, schedule, n, tiling, transpose_rhs, interpret):
     tm, tk, tn = tiling
     groups = rhs.shape[0]
     num_visits = schedule[1].shape[0]
@@ -162,11 +168,15 @@ def _call(lhs, rhs, schedule, n, tiling, transpose_rhs, interpret):
         group = jnp.minimum(visit_groups[v], groups - 1)  # the empty group reads any matrix
         return (group, n_i, k_i) if transpose_rhs else (group, k_i, n_i)
 
+    def scale_map(n_i, v, k_i, offsets, visit_groups, visit_tiles):
+        return jnp.minimum(visit_groups[v], groups - 1), 0, n_i
+
     rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
+    scales = [] if rhs_scale is None else [rhs_scale.reshape(groups, 1, n)]
     spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=grid,
         in_specs=[pl.BlockSpec((tm, tk), lambda n_i, v, k_i, o, g, t: (t[v], k_i)),
-                  pl.BlockSpec(rhs_block, rhs_map)],
+                  pl.BlockSpec(rhs_block, rhs_map)] + [pl.BlockSpec((None, 1, tn), scale_map)] * len(scales),
         out_specs=pl.BlockSpec((tm, tn), lambda n_i, v, k_i, o, g, t: (t[v], n_i)),
         scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)])
     kernel = functools.partial(_gmm_kernel, tm=tm, transpose_rhs=transpose_rhs)
@@ -177,4 +187,4 @@ def _call(lhs, rhs, schedule, n, tiling, transpose_rhs, interpret):
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
-    )(*schedule, lhs, rhs)
+    )(*schedule, lhs, rhs, *scales)

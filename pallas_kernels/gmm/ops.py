@@ -1,6 +1,8 @@
 """The ``gmm`` op: its spec (reference, fake, tolerances, cases) and its providers."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -10,14 +12,17 @@ from tpu_executor.kernels.mesh_split import EXPERT_WEIGHTS
 from tpu_executor.kernels.registry import REGISTRY, Provider
 from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
 from tpu_executor.kernels.tpu_layout import gmm_row_tile, torch_dtype_name
+from tpu_executor.kernels.w8a16_matmul.reference import quantize_per_channel
 
 OP_NAME = "gmm"
 KERNEL_MODULE = "tpu_executor.kernels.gmm.kernel"
 SCHEMA = ("(Tensor lhs, Tensor rhs, Tensor group_sizes, *, bool transpose_rhs=False, str? tp_split=None, "
           "bool interpret=False) -> Tensor")
+SCALED_SCHEMA = ("(Tensor lhs, Tensor rhs, Tensor group_sizes, Tensor rhs_scale, *, bool transpose_rhs=False, "
+                 "str? tp_split=None, bool interpret=False) -> Tensor")
 
 
-def fake(lhs, rhs, group_sizes, *, transpose_rhs=False, tp_split=None):
+def fake(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False, tp_split=None):
     """Output shape and dtype, for tracing providers that are opaque custom calls."""
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     return lhs.new_empty(lhs.shape[0], n)
@@ -40,6 +45,10 @@ def generate_case(rng: np.random.Generator) -> OpCase:
     rhs_shape = (groups, n, k) if transpose_rhs else (groups, k, n)
     rhs = (torch.randn(*rhs_shape, generator=gen) / k ** 0.5).to(dtype)
     label = f"m={m} k={k} n={n} sizes={sizes.tolist()} T={transpose_rhs} {dtype}"
+    if rng.random() < 0.25:  # INT8 experts, a scale per output channel
+        levels, scale = quantize_per_channel(rhs.float().transpose(1, 2) if transpose_rhs else rhs.float())
+        rhs = levels.transpose(1, 2).contiguous() if transpose_rhs else levels
+        return OpCase((lhs, rhs, torch.from_numpy(sizes), scale), {"transpose_rhs": transpose_rhs}, f"{label} int8")
     return OpCase((lhs, rhs, torch.from_numpy(sizes)), {"transpose_rhs": transpose_rhs}, label)
 
 
@@ -50,14 +59,17 @@ SPEC = OpSpec(
                 torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2)})
 
 
-def shape_problem(lhs, rhs, group_sizes, *, transpose_rhs=False, tp_split=None, require_whole_tiles=False):
+def shape_problem(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False, tp_split=None,
+                  require_whole_tiles=False):
     """Why our kernel's TPU constraints reject these tensors, or None when they fit."""
     from tpu_executor.kernels.gmm import kernel
 
     if lhs.dim() != 2 or rhs.dim() != 3 or group_sizes.dim() != 1:
         return f"gmm wants lhs [m, k], rhs 3-D and group_sizes 1-D, got {lhs.dim()}/{rhs.dim()}/{group_sizes.dim()}"
-    if group_sizes.dtype != torch.int32 or lhs.dtype != rhs.dtype:
-        return f"gmm wants int32 group sizes and one float dtype, got {group_sizes.dtype}, {lhs.dtype}, {rhs.dtype}"
+    rhs_dtype = lhs.dtype if rhs_scale is None else torch.int8
+    if group_sizes.dtype != torch.int32 or rhs.dtype != rhs_dtype:
+        return (f"gmm wants int32 group sizes and rhs in lhs's dtype (int8 with scales), got {group_sizes.dtype}, "
+                f"{lhs.dtype}, {rhs.dtype}")
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     if rhs.shape[2 if transpose_rhs else 1] != k or group_sizes.shape[0] != rhs.shape[0]:
@@ -69,10 +81,10 @@ def shape_problem(lhs, rhs, group_sizes, *, transpose_rhs=False, tp_split=None, 
     return first_problem(lambda: kernel.validate(m, k, n, rhs.shape[0], dtype_name, tiling))
 
 
-def _pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tp_split=None, interpret=False):
+def _pallas_gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False, tp_split=None, interpret=False):
     from tpu_executor.kernels.gmm import kernel
 
-    return kernel.gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, interpret=interpret)
+    return kernel.gmm(lhs, rhs, group_sizes, rhs_scale, transpose_rhs=transpose_rhs, interpret=interpret)
 
 
 def _megablox_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tp_split=None, interpret=False):
@@ -92,7 +104,7 @@ def _megablox_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tp_split=None, 
     return jnp.where(covered, out, 0).astype(lhs.dtype)
 
 
-def _eager_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tp_split=None):
+def _eager_gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False, tp_split=None):
     """Only each group's real rows times its matrix, by slicing on the group sizes: the
     reference's cost without its ``groups``-fold work. Data-dependent shapes, so it serves
     eager (untraced) CPU/GPU calls only - the native path."""
@@ -101,15 +113,20 @@ def _eager_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tp_split=None):
     for group, size in enumerate(group_sizes.tolist()):
         end = min(start + size, lhs.shape[0])
         if end > start:
-            weight = rhs[group].t() if transpose_rhs else rhs[group]
-            out[start:end] = (lhs[start:end].float() @ weight.float()).to(lhs.dtype)
+            weight = (rhs[group].t() if transpose_rhs else rhs[group]).float()
+            weight = weight if rhs_scale is None else weight * rhs_scale[group].float()
+            out[start:end] = (lhs[start:end].float() @ weight).to(lhs.dtype)
         start = end
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def pallas_op():
-    """``torch.ops.tpu_executor.gmm_pallas``: our kernel bound through call_jax."""
-    return jax_backed_op("gmm_pallas", SCHEMA, _pallas_gmm, fake)
+    """``torch.ops.tpu_executor.gmm_pallas`` (and ``gmm_pallas_scaled``, INT8 experts): our
+    kernel bound through call_jax; a call picks the op of its form. Built once."""
+    ops = {3: jax_backed_op("gmm_pallas", SCHEMA, _pallas_gmm, fake),
+           4: jax_backed_op("gmm_pallas_scaled", SCALED_SCHEMA, _pallas_gmm, fake)}
+    return lambda *args, **kwargs: ops[len(args)](*args, **kwargs)
 
 
 def megablox_op():
@@ -127,7 +144,8 @@ def register(registry=REGISTRY) -> None:
                                                 split=EXPERT_WEIGHTS))
     registry.register(OP_NAME, tpu_provider(
         "jax_megablox", 10, megablox_op,
-        lambda *a, **kw: shape_problem(*a, require_whole_tiles=True, **kw),
+        lambda *a, **kw: "megablox takes no INT8 experts" if len(a) > 3 else shape_problem(*a, require_whole_tiles=True,
+                                                                                           **kw),
         sources=(KERNEL_MODULE, "jax.experimental.pallas.ops.tpu.megablox.gmm")))
     registry.register(OP_NAME, Provider("eager_grouped", _eager_gmm, priority=5, supports_args=eager_only))
     registry.register(OP_NAME, Provider("reference", reference.gmm, priority=0, is_reference=True))
@@ -140,8 +158,10 @@ def padded_rows(m: int, dtype: torch.dtype) -> int:
     return -(-m // tile) * tile
 
 
-def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tp_split=None):
-    """Grouped matmul; see ``reference.gmm`` for the contract. ``tp_split`` says how ``rhs``
-    is split over tensor-parallel chips ("columns": its output features, "rows": its input
-    features, as ``lhs``'s): the JAX path runs the kernel per chip by it."""
-    return REGISTRY.dispatch(OP_NAME, lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, tp_split=tp_split)
+def gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False, tp_split=None):
+    """Grouped matmul; see ``reference.gmm`` for the contract (``rhs_scale``: INT8 experts,
+    passed on only when given). ``tp_split`` says how ``rhs`` is split over tensor-parallel
+    chips ("columns": its output features, "rows": its input features, as ``lhs``'s): the JAX
+    path runs the kernel per chip by it."""
+    scale = () if rhs_scale is None else (rhs_scale,)
+    return REGISTRY.dispatch(OP_NAME, lhs, rhs, group_sizes, *scale, transpose_rhs=transpose_rhs, tp_split=tp_split)

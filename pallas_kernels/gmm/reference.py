@@ -4,6 +4,8 @@ Shapes:
   lhs          [m, k]            rows sorted by group: group 0's rows first, then group 1's, ...
   rhs          [groups, k, n]    ([groups, n, k] with transpose_rhs=True)
   group_sizes  [groups] int      rows per group; their sum may be less than m
+  rhs_scale    [groups, n] fp32  or None: ``rhs`` is int8 and group g's matrix is ``rhs[g] *
+                                 rhs_scale[g]`` (INT8 experts, one scale per output channel)
 Returns [m, n] in lhs's dtype: row r of group g is lhs[r] @ rhs[g]. Rows past
 sum(group_sizes) (and rows a group would place past m) are zero. Accumulates in fp32.
 """
@@ -25,8 +27,8 @@ def row_groups(group_sizes: torch.Tensor, m: int) -> torch.Tensor:
     return (ends[None, :] <= rows[:, None]).sum(dim=1)
 
 
-def gmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *,
-        transpose_rhs: bool = False, tp_split: Optional[str] = None) -> torch.Tensor:
+def gmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, rhs_scale: Optional[torch.Tensor] = None,
+        *, transpose_rhs: bool = False, tp_split: Optional[str] = None) -> torch.Tensor:
     """Each row times its group's matrix, as one masked batched matmul over groups.
     ``tp_split`` (how a mesh splits ``rhs``) changes nothing here: XLA partitions this.
 
@@ -36,6 +38,8 @@ def gmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *,
     """
     groups = rhs.shape[0]
     weights = rhs.float().transpose(1, 2) if transpose_rhs else rhs.float()
+    if rhs_scale is not None:
+        weights = weights * rhs_scale.float()[:, None, :]
     owner = row_groups(group_sizes, lhs.shape[0])
     mask = owner[None, :] == torch.arange(groups, device=lhs.device)[:, None]  # [groups, m]
     masked = lhs.float()[None] * mask[:, :, None]

@@ -38,17 +38,19 @@ def test_kernel_matches_reference_on_generated_cases():
     assert sum(seen.values()) == INTERPRETED_CASES and min(seen.values()) >= 5, seen  # both dtypes
     labels = " ".join(case.label for case in CASES)
     assert "T=True" in labels and "T=False" in labels and ", 0," in labels  # empty groups ran
+    assert "int8" in labels  # INT8 experts with per-channel scales
 
 
 def compare_with_megablox(indices):
-    """Where megablox accepts the shapes (m a multiple of tm), both kernels give the same rows."""
-    cases = [CASES[i] for i in indices
-             if not ops.shape_problem(*CASES[i].args, require_whole_tiles=True, **CASES[i].kwargs)]
+    """Where megablox accepts the shapes (m a multiple of tm; no INT8 experts), both kernels
+    give the same rows."""
+    cases = [CASES[i] for i in indices if len(CASES[i].args) == 3
+             and not ops.shape_problem(*CASES[i].args, require_whole_tiles=True, **CASES[i].kwargs)]
     return check_kernels_agree(ops.SPEC, kernel.gmm, ops._megablox_gmm, cases)
 
 
 def test_kernel_agrees_with_jax_megablox():
-    assert sum(in_fresh_processes(compare_with_megablox, 12)) >= 8
+    assert sum(in_fresh_processes(compare_with_megablox, 12)) >= 6
 
 
 @pytest.mark.parametrize("shapes, dtype, message", [

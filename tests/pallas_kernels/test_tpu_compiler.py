@@ -43,6 +43,8 @@ def kernel_calls():
         ("prefill_attention", functools.partial(prefill_attention, scale=0.1),
          (shape((128, 8, 128), jnp.bfloat16), pages, pages, ints(256), ints(256), ints(256), ints(128), ints(128))),
         ("gmm", gmm, (shape((256, 256), jnp.bfloat16), shape((4, 256, 512), jnp.bfloat16), ints(4))),
+        ("gmm int8", gmm, (shape((256, 256), jnp.bfloat16), shape((4, 256, 512), jnp.int8), ints(4),
+                           shape((4, 512), jnp.float32))),
     ]
 
 
@@ -72,4 +74,4 @@ def compile_each_way() -> dict:
 def test_every_kernel_compiles_for_a_tpu_both_ways():
     assert in_fresh_process(compile_each_way) == {name: (True, True) for name in
                                                   ("paged_attention", "paged_attention verify",
-                                                                   "prefill_attention", "gmm")}
+                                                   "prefill_attention", "gmm", "gmm int8")}
