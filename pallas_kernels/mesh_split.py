@@ -65,6 +65,8 @@ class OverExpertWeights:
         if split not in ("columns", "rows"):
             return f"tp_split={split!r}: the caller did not say how the expert weights are split"
         rhs_dim, _ = self._dims(kwargs)
+        if split == "rows" and len(args) > 3 and args[1].shape[1] * 2 == args[0].shape[1]:
+            return "packed INT4 experts split by input features would part each byte's two halves"
         if args[1].shape[rhs_dim] % chips:
             return f"expert weights {list(args[1].shape)} do not split over {chips} chips on dim {rhs_dim}"
         return None
@@ -72,7 +74,7 @@ class OverExpertWeights:
     def local_args(self, chips: int, args: Sequence, kwargs) -> list:
         rhs_dim, lhs_dim = self._dims(kwargs)
         lhs = args[0] if lhs_dim is None else _local(args[0], lhs_dim, chips)
-        scale = [_local(s, 1, chips) if lhs_dim is None else s for s in args[3:]]  # INT8 experts' [E, n]
+        scale = [_local(s, s.dim() - 1, chips) if lhs_dim is None else s for s in args[3:]]  # by output features
         return [lhs, _local(args[1], rhs_dim, chips), args[2], *scale]
 
     def wrap(self, fn: Callable, mesh, args: Sequence, kwargs) -> Callable:
@@ -82,9 +84,10 @@ class OverExpertWeights:
         axis = mesh.axis_names[0]
         rhs_dim, lhs_dim = self._dims(kwargs)
         rhs_spec = P(*[axis if d == rhs_dim else None for d in range(3)])
-        scales = len(args) - 3  # INT8 experts: a scale per output channel, split with the outputs
+        scales = len(args) - 3  # quantized experts' scales (and zeros), split with the output features
         if lhs_dim is None:
-            return jax.shard_map(fn, mesh=mesh, in_specs=(P(), rhs_spec, P()) + (P(None, axis),) * scales,
+            side = tuple(P(*[None] * (s.dim() - 1), axis) for s in args[3:])
+            return jax.shard_map(fn, mesh=mesh, in_specs=(P(), rhs_spec, P()) + side,
                                  out_specs=P(None, axis), check_vma=False)
 
         def summed(*arrays):

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from tpu_executor.kernels.gmm.ops import gmm, padded_rows
-from tpu_executor.kernels.w4a16_matmul.reference import dequantize as dequantize_int4
 from tpu_executor.kernels.w8a16_matmul.reference import dequantize
 from tpu_executor.models.layers.linear import ColumnParallelLinear, Placement, quantize_parameter
 from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup, divide
@@ -48,9 +47,9 @@ def moe_reference(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tenso
 
 def sparse_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                top_k: int, act: Callable, normalize: bool = True,
-               scales: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)) -> torch.Tensor:
+               side: Tuple[Tuple, Tuple] = ((), ())) -> torch.Tensor:
     """The same result as ``moe_reference`` with only the chosen experts' work (see module doc).
-    ``scales``: w13's and w2's per-channel scales when they are INT8 (``gmm``'s ``rhs_scale``)."""
+    ``side``: w13's and w2's scales (and zeros) when they are quantized (``gmm``'s)."""
     num_tokens, num_experts = x.shape[0], w13.shape[0]
     weights, experts = route(router_logits, top_k, normalize)
     flat = experts.reshape(-1)
@@ -62,8 +61,10 @@ def sparse_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, 
     # Pad rows to the kernel's row tile; padding rows lie past the last group and come back zero.
     lhs = torch.nn.functional.pad(x[token_of_row], (0, 0, 0, padded_rows(rows, x.dtype) - rows))
     # Megatron's split: gate/up by their output features, down by its input features.
-    gate, up = gmm(lhs, w13, group_sizes, scales[0], tp_split="columns").chunk(2, dim=-1)
-    out = gmm(act(gate) * up, w2, group_sizes, scales[1], tp_split="rows")[:rows]
+    gate, up = gmm(lhs, w13, group_sizes, *side[0], tp_split="columns").chunk(2, dim=-1)
+    # Packed INT4 bytes hold inputs half of k apart: a mesh splits those weights by outputs.
+    down_split = "columns" if w2.shape[1] * 2 == gate.shape[-1] else "rows"
+    out = gmm(act(gate) * up, w2, group_sizes, *side[1], tp_split=down_split)[:rows]
     out = out * weights.reshape(-1)[order].to(out.dtype)[:, None]
     return torch.zeros_like(x).index_add(0, token_of_row, out)
 
@@ -107,19 +108,18 @@ class ExpertWeights(nn.Module):
         quantize_parameter(self, "w2", scheme)
 
     def weights(self, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, Tuple]:
-        """(w13, w2, their scales) for ``sparse_moe``: INT8 levels with per-channel scales as
-        they are stored (the grouped matmul scales them); group-wise INT8 and INT4 dequantized
-        to ``dtype`` on the fly, no scales."""
+        """(w13, w2, each one's side tensors) for ``sparse_moe``: quantized experts as they are
+        stored, with their scales (INT4: and zeros), for the grouped matmul to read; group-wise
+        INT8 dequantized to ``dtype`` on the fly."""
         if "w13_q" in self._parameters and self.w13_scale.dim() == 2 and self.w2_scale.dim() == 2:
-            return self.w13_q, self.w2_q, (self.w13_scale, self.w2_scale)
+            return self.w13_q, self.w2_q, ((self.w13_scale,), (self.w2_scale,))
         if "w13_q" in self._parameters:
             return (dequantize(self.w13_q, self.w13_scale, dtype), dequantize(self.w2_q, self.w2_scale, dtype),
-                    (None, None))
+                    ((), ()))
         if "w13_q4" in self._parameters:
-            zeros = self._parameters.get("w13_zero"), self._parameters.get("w2_zero")
-            return (dequantize_int4(self.w13_q4, self.w13_scale, zeros[0], dtype),
-                    dequantize_int4(self.w2_q4, self.w2_scale, zeros[1], dtype), (None, None))
-        return self.w13, self.w2, (None, None)
+            return self.w13_q4, self.w2_q4, tuple((getattr(self, f"{w}_scale"), self._parameters.get(f"{w}_zero"))
+                                                  for w in ("w13", "w2"))
+        return self.w13, self.w2, ((), ())
 
 
 class SparseMoeBlock(nn.Module):
@@ -136,8 +136,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``lora_slots``: adapters do not reach the experts (refused when an adapter targets them)."""
-        w13, w2, scales = self.experts.weights(x.dtype)
-        return self.tp.all_reduce(sparse_moe(x, self.gate(x), w13, w2, self.top_k, self.act, self.normalize, scales))
+        w13, w2, side = self.experts.weights(x.dtype)
+        return self.tp.all_reduce(sparse_moe(x, self.gate(x), w13, w2, self.top_k, self.act, self.normalize, side))
 
 
 def expert_target(name: str, pattern: "re.Pattern", gate: str, up: str) -> Optional[Tuple[str, object]]:

@@ -42,6 +42,7 @@ from tpu_executor.kernels.tpu_layout import (
     pin_mosaic_ir_version,
     sublanes,
 )
+from tpu_executor.kernels.w8a16_matmul.kernel import scaled_dot
 
 
 def _largest_tile(dim: int, preferred: Tuple[int, ...] = (512, 256, 128)) -> int:
@@ -103,7 +104,14 @@ def visit_schedule(group_sizes: jax.Array, m: int, tm: int):
     return offsets, visit_groups.astype(jnp.int32), tiles.astype(jnp.int32)
 
 
-def _gmm_kernel(offsets, visit_groups, visit_tiles, lhs_ref, rhs_ref, *refs, tm: int, transpose_rhs: bool):
+def _gmm_kernel(offsets, visit_groups, visit_tiles, *refs, tm: int, transpose_rhs: bool, form: str, group: int):
+    """One (n-tile, visit, k-tile) step. refs: plain: lhs, rhs; ``int8``: lhs, rhs, scale;
+    ``int4``/``int4_zero``: lhs's two halves, rhs (packed), scales of both halves (zeros of
+    both); then the output and the accumulator."""
+    if form.startswith("int4"):
+        _gmm_int4_kernel(offsets, visit_groups, visit_tiles, *refs, tm=tm, group=group)
+        return
+    lhs_ref, rhs_ref, *refs = refs
     scale_ref, out_ref, acc_ref = refs if len(refs) == 3 else (None, *refs)
     v, k_i = pl.program_id(1), pl.program_id(2)
     last_v, last_k = pl.num_programs(1) - 1, pl.num_programs(2) - 1
@@ -133,36 +141,110 @@ def _gmm_kernel(offsets, visit_groups, visit_tiles, lhs_ref, rhs_ref, *refs, tm:
         out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
+def _gmm_int4_kernel(offsets, visit_groups, visit_tiles, *refs, tm: int, group: int):
+    """INT4 experts: a byte of rhs holds input features i and i + k/2 (``w4a16_matmul``'s
+    layout), so each half of the unpacked tile meets its own half of lhs; each group of
+    ``group`` features is scaled (and shifted by its zero) on its fp32 partial product."""
+    has_zero = len(refs) == 9
+    lhs_refs, rhs_ref, scales = refs[:2], refs[2], refs[3:5]
+    zeros, (out_ref, acc_ref) = (refs[5:7], refs[7:]) if has_zero else ((None, None), refs[5:])
+    v, k_i = pl.program_id(1), pl.program_id(2)
+    last_v, last_k = pl.num_programs(1) - 1, pl.num_programs(2) - 1
+    tile = visit_tiles[v]
+    first_visit = jnp.logical_or(v == 0, visit_tiles[jnp.maximum(v - 1, 0)] != tile)
+    last_visit = jnp.logical_or(v == last_v, visit_tiles[jnp.minimum(v + 1, last_v)] != tile)
+    start, end = offsets[visit_groups[v]], offsets[visit_groups[v] + 1]
+
+    @pl.when(jnp.logical_and(first_visit, k_i == 0))
+    def _zero():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(end > start)
+    def _accumulate():
+        rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, lhs_refs[0].shape, 0)
+        inside = (rows >= start) & (rows < end)
+        stored = rhs_ref[...].astype(jnp.int32)
+        for lhs_ref, q, scale_ref, zero_ref in zip(lhs_refs, ((stored << 28) >> 28, stored >> 4), scales, zeros):
+            lhs = jnp.where(inside, lhs_ref[...], 0)
+            zero = None if zero_ref is None else zero_ref[...]
+            acc_ref[...] += scaled_dot(lhs, q, scale_ref[...], zero, group, lhs.dtype)
+
+    @pl.when(jnp.logical_and(last_visit, k_i == last_k))
+    def _store():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def rhs_form(k: int, rhs_shape, transpose_rhs: bool, scales: int) -> str:
+    """``plain`` (rhs in lhs's dtype), ``int8`` (int8 levels, per-channel scales) or ``int4``
+    / ``int4_zero`` (two levels a byte: rhs has k / 2 rows; group scales, and zeros)."""
+    if scales == 0:
+        return "plain"
+    if not transpose_rhs and rhs_shape[1] * 2 == k:
+        return "int4_zero" if scales == 2 else "int4"
+    return "int8"
+
+
+def int4_problem(k: int, group: int, tk: int) -> Optional[str]:
+    """Why INT4 experts' groups do not fit the kernel's k-tiles (None: they do)."""
+    if group % LANES or tk % group:
+        return f"INT4 groups of {group} input features must be whole lanes ({LANES}) within tk={tk}"
+    return None
+
+
 @functools.partial(jax.jit, static_argnames=("transpose_rhs", "tiling", "interpret"))
-def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scale: Optional[jax.Array] = None, *,
-        transpose_rhs: bool = False, tiling: Optional[Tuple[int, int, int]] = None,
-        interpret: bool = False) -> jax.Array:
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *side: jax.Array, transpose_rhs: bool = False,
+        tiling: Optional[Tuple[int, int, int]] = None, interpret: bool = False) -> jax.Array:
     """Grouped matmul; see ``reference.gmm`` for the contract and the module doc for tiling.
-    With ``rhs_scale`` the int8 ``rhs`` tiles stream as stored and are scaled per channel."""
+    ``side``: INT8 experts' per-channel scales, or INT4 experts' group scales (and zeros): the
+    quantized tiles stream as stored."""
     m, k = lhs.shape
     groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    rhs_dtype = lhs.dtype if rhs_scale is None else jnp.int8
-    if rhs.shape[2 if transpose_rhs else 1] != k or rhs.dtype != rhs_dtype:
+    form = rhs_form(k, rhs.shape, transpose_rhs, len(side))
+    k_rows = k // 2 if form.startswith("int4") else k
+    if rhs.shape[2 if transpose_rhs else 1] != k_rows or rhs.dtype != (lhs.dtype if form == "plain" else jnp.int8):
         raise ValueError(f"rhs {rhs.dtype}{rhs.shape} does not fit lhs {lhs.dtype}{lhs.shape} "
                          f"(transpose_rhs={transpose_rhs})")
     if group_sizes.shape != (groups,):
         raise ValueError(f"group_sizes must have shape ({groups},), got {group_sizes.shape}")
-    tiling = tiling or choose_tiling(m, k, n, jnp.dtype(lhs.dtype).name)
-    validate(m, k, n, groups, jnp.dtype(lhs.dtype).name, tiling)
-    tm, tk, tn = tiling
+    tiling = tiling or choose_tiling(m, k_rows, n, jnp.dtype(lhs.dtype).name)
+    validate(m, k_rows, n, groups, jnp.dtype(lhs.dtype).name, tiling)
+    group = k // side[0].shape[1] if form.startswith("int4") else k
+    if form.startswith("int4") and int4_problem(k, group, tiling[1]):
+        raise ValueError(int4_problem(k, group, tiling[1]))
+    tm = tiling[0]
     padded_m = -(-m // tm) * tm  # pad rows to whole tiles; padding rows are in no group
     lhs = jnp.pad(lhs, ((0, padded_m - m), (0, 0)))
     schedule = visit_schedule(group_sizes, padded_m, tm)
-    out = _call(lhs, rhs, rhs_scale, schedule, n, tiling, transpose_rhs, interpret)
+    out = _call(lhs, rhs, side, schedule, n, tiling, transpose_rhs, interpret, form, group)
     return out[:m]
 
 
-def _call(lhs, rhs, rhs_scale, schedule, n, tiling, transpose_rhs, interpret):
+def _int4_inputs(lhs, rhs, side, tiling, group):
+    """INT4's operands and block specs: lhs twice (its halves' k-tiles ``steps`` apart), the
+    packed rhs, then each side tensor (scales, zeros) twice, as ``[G, k / tk, tk / group, n]``
+    so that a k-tile's groups are one block."""
+    tm, tk, tn = tiling
+    groups, steps, n = rhs.shape[0], rhs.shape[1] // tk, rhs.shape[2]
+
+    def expert(v, visit_groups):
+        return jnp.minimum(visit_groups[v], groups - 1)
+
+    lhs_specs = [pl.BlockSpec((tm, tk), functools.partial(lambda h, n_i, v, k_i, o, g, t: (t[v], k_i + h * steps), h))
+                 for h in (0, 1)]
+    rhs_spec = pl.BlockSpec((None, tk, tn), lambda n_i, v, k_i, o, g, t: (expert(v, g), k_i, n_i))
+    side_specs = [pl.BlockSpec((None, None, tk // group, tn), functools.partial(
+        lambda h, n_i, v, k_i, o, g, t: (expert(v, g), k_i + h * steps, 0, n_i), h)) for h in (0, 1)]
+    side_operands = [s.reshape(groups, -1, tk // group, n) for s in side for _ in (0, 1)]
+    return [lhs, lhs, rhs] + side_operands, lhs_specs + [rhs_spec] + side_specs * len(side)
+
+
+def _call(lhs, rhs, side, schedule, n, tiling, transpose_rhs, interpret, form, group):
     tm, tk, tn = tiling
     groups = rhs.shape[0]
     num_visits = schedule[1].shape[0]
-    grid = (n // tn, num_visits, lhs.shape[1] // tk)
+    k_rows = rhs.shape[2 if transpose_rhs else 1]
+    grid = (n // tn, num_visits, k_rows // tk)
 
     def rhs_map(n_i, v, k_i, offsets, visit_groups, visit_tiles):
         group = jnp.minimum(visit_groups[v], groups - 1)  # the empty group reads any matrix
@@ -172,14 +254,18 @@ def _call(lhs, rhs, rhs_scale, schedule, n, tiling, transpose_rhs, interpret):
         return jnp.minimum(visit_groups[v], groups - 1), 0, n_i
 
     rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
-    scales = [] if rhs_scale is None else [rhs_scale.reshape(groups, 1, n)]
+    if form.startswith("int4"):
+        operands, in_specs = _int4_inputs(lhs, rhs, side, tiling, group)
+    else:
+        scales = [s.reshape(groups, 1, n) for s in side]
+        operands = [lhs, rhs, *scales]
+        in_specs = [pl.BlockSpec((tm, tk), lambda n_i, v, k_i, o, g, t: (t[v], k_i)),
+                    pl.BlockSpec(rhs_block, rhs_map)] + [pl.BlockSpec((None, 1, tn), scale_map)] * len(scales)
     spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3, grid=grid,
-        in_specs=[pl.BlockSpec((tm, tk), lambda n_i, v, k_i, o, g, t: (t[v], k_i)),
-                  pl.BlockSpec(rhs_block, rhs_map)] + [pl.BlockSpec((None, 1, tn), scale_map)] * len(scales),
+        num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
         out_specs=pl.BlockSpec((tm, tn), lambda n_i, v, k_i, o, g, t: (t[v], n_i)),
         scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)])
-    kernel = functools.partial(_gmm_kernel, tm=tm, transpose_rhs=transpose_rhs)
+    kernel = functools.partial(_gmm_kernel, tm=tm, transpose_rhs=transpose_rhs, form=form, group=group)
     pin_mosaic_ir_version()
     return pl.pallas_call(
         kernel, grid_spec=spec,
@@ -187,4 +273,4 @@ def _call(lhs, rhs, rhs_scale, schedule, n, tiling, transpose_rhs, interpret):
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
-    )(*schedule, lhs, rhs, *scales)
+    )(*schedule, *operands)

@@ -12,6 +12,7 @@ from tpu_executor.kernels.mesh_split import EXPERT_WEIGHTS
 from tpu_executor.kernels.registry import REGISTRY, Provider
 from tpu_executor.kernels.spec import OpCase, OpSpec, Tolerance
 from tpu_executor.kernels.tpu_layout import gmm_row_tile, torch_dtype_name
+from tpu_executor.kernels.w4a16_matmul.reference import quantize_int4
 from tpu_executor.kernels.w8a16_matmul.reference import quantize_per_channel
 
 OP_NAME = "gmm"
@@ -20,21 +21,27 @@ SCHEMA = ("(Tensor lhs, Tensor rhs, Tensor group_sizes, *, bool transpose_rhs=Fa
           "bool interpret=False) -> Tensor")
 SCALED_SCHEMA = ("(Tensor lhs, Tensor rhs, Tensor group_sizes, Tensor rhs_scale, *, bool transpose_rhs=False, "
                  "str? tp_split=None, bool interpret=False) -> Tensor")
+ZERO_SCHEMA = ("(Tensor lhs, Tensor rhs, Tensor group_sizes, Tensor rhs_scale, Tensor rhs_zero, *, "
+               "bool transpose_rhs=False, str? tp_split=None, bool interpret=False) -> Tensor")
 
 
-def fake(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False, tp_split=None):
+def fake(lhs, rhs, group_sizes, rhs_scale=None, rhs_zero=None, *, transpose_rhs=False, tp_split=None):
     """Output shape and dtype, for tracing providers that are opaque custom calls."""
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     return lhs.new_empty(lhs.shape[0], n)
 
 
 def generate_case(rng: np.random.Generator) -> OpCase:
-    """Ragged groups (some empty, rows past the last group) over TPU-legal k and n."""
+    """Ragged groups (some empty, rows past the last group) over TPU-legal k and n; a fifth of
+    the cases INT8 experts, a fifth INT4 experts (k = 256: half of k one group of 128)."""
     dtype = torch.bfloat16 if rng.random() < 0.5 else torch.float32
     groups = int(rng.choice([1, 2, 4, 8]))
     m = int(rng.choice([8, 24, 40, 64, 128, 200, 256, 512]))
     k, n = int(rng.choice([128, 256, 384])), int(rng.choice([128, 256]))
     transpose_rhs = bool(rng.random() < 0.5)
+    form = rng.random()
+    if 0.2 <= form < 0.4:
+        k, transpose_rhs = 256, False
     total = m - int(rng.integers(0, m // 4 + 1))
     weights = rng.random(groups) * (rng.random(groups) > 0.25)  # about a quarter empty
     if weights.sum() == 0:
@@ -45,10 +52,14 @@ def generate_case(rng: np.random.Generator) -> OpCase:
     rhs_shape = (groups, n, k) if transpose_rhs else (groups, k, n)
     rhs = (torch.randn(*rhs_shape, generator=gen) / k ** 0.5).to(dtype)
     label = f"m={m} k={k} n={n} sizes={sizes.tolist()} T={transpose_rhs} {dtype}"
-    if rng.random() < 0.25:  # INT8 experts, a scale per output channel
+    if form < 0.2:  # INT8 experts, a scale per output channel
         levels, scale = quantize_per_channel(rhs.float().transpose(1, 2) if transpose_rhs else rhs.float())
         rhs = levels.transpose(1, 2).contiguous() if transpose_rhs else levels
         return OpCase((lhs, rhs, torch.from_numpy(sizes), scale), {"transpose_rhs": transpose_rhs}, f"{label} int8")
+    if form < 0.4:  # INT4 experts in groups of 128, symmetric or with zero points
+        packed, scale, zero = quantize_int4(rhs.float(), 128, symmetric=form < 0.3)
+        side = (scale,) if zero is None else (scale, zero)
+        return OpCase((lhs, packed, torch.from_numpy(sizes), *side), {}, f"{label} int4 zero={zero is not None}")
     return OpCase((lhs, rhs, torch.from_numpy(sizes)), {"transpose_rhs": transpose_rhs}, label)
 
 
@@ -59,32 +70,34 @@ SPEC = OpSpec(
                 torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2)})
 
 
-def shape_problem(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False, tp_split=None,
-                  require_whole_tiles=False):
+def shape_problem(lhs, rhs, group_sizes, *side, transpose_rhs=False, tp_split=None, require_whole_tiles=False):
     """Why our kernel's TPU constraints reject these tensors, or None when they fit."""
     from tpu_executor.kernels.gmm import kernel
 
     if lhs.dim() != 2 or rhs.dim() != 3 or group_sizes.dim() != 1:
         return f"gmm wants lhs [m, k], rhs 3-D and group_sizes 1-D, got {lhs.dim()}/{rhs.dim()}/{group_sizes.dim()}"
-    rhs_dtype = lhs.dtype if rhs_scale is None else torch.int8
-    if group_sizes.dtype != torch.int32 or rhs.dtype != rhs_dtype:
+    if group_sizes.dtype != torch.int32 or rhs.dtype != (torch.int8 if side else lhs.dtype):
         return (f"gmm wants int32 group sizes and rhs in lhs's dtype (int8 with scales), got {group_sizes.dtype}, "
                 f"{lhs.dtype}, {rhs.dtype}")
     m, k = lhs.shape
+    form = kernel.rhs_form(k, rhs.shape, transpose_rhs, len(side))
+    k_rows = k // 2 if form.startswith("int4") else k
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    if rhs.shape[2 if transpose_rhs else 1] != k or group_sizes.shape[0] != rhs.shape[0]:
+    if rhs.shape[2 if transpose_rhs else 1] != k_rows or group_sizes.shape[0] != rhs.shape[0]:
         return f"gmm shapes do not fit: lhs {list(lhs.shape)}, rhs {list(rhs.shape)}, groups {list(group_sizes.shape)}"
     dtype_name = torch_dtype_name(lhs)
-    tiling = kernel.choose_tiling(m, k, n, dtype_name)
+    tiling = kernel.choose_tiling(m, k_rows, n, dtype_name)
     if require_whole_tiles and m % tiling[0]:
         return f"m={m} is not a multiple of tm={tiling[0]}"
-    return first_problem(lambda: kernel.validate(m, k, n, rhs.shape[0], dtype_name, tiling))
+    if form.startswith("int4") and kernel.int4_problem(k, k // side[0].shape[1], tiling[1]):
+        return kernel.int4_problem(k, k // side[0].shape[1], tiling[1])
+    return first_problem(lambda: kernel.validate(m, k_rows, n, rhs.shape[0], dtype_name, tiling))
 
 
-def _pallas_gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False, tp_split=None, interpret=False):
+def _pallas_gmm(lhs, rhs, group_sizes, *side, transpose_rhs=False, tp_split=None, interpret=False):
     from tpu_executor.kernels.gmm import kernel
 
-    return kernel.gmm(lhs, rhs, group_sizes, rhs_scale, transpose_rhs=transpose_rhs, interpret=interpret)
+    return kernel.gmm(lhs, rhs, group_sizes, *side, transpose_rhs=transpose_rhs, interpret=interpret)
 
 
 def _megablox_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tp_split=None, interpret=False):
@@ -104,7 +117,7 @@ def _megablox_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, tp_split=None, 
     return jnp.where(covered, out, 0).astype(lhs.dtype)
 
 
-def _eager_gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False, tp_split=None):
+def _eager_gmm(lhs, rhs, group_sizes, rhs_scale=None, rhs_zero=None, *, transpose_rhs=False, tp_split=None):
     """Only each group's real rows times its matrix, by slicing on the group sizes: the
     reference's cost without its ``groups``-fold work. Data-dependent shapes, so it serves
     eager (untraced) CPU/GPU calls only - the native path."""
@@ -113,8 +126,8 @@ def _eager_gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False, tp
     for group, size in enumerate(group_sizes.tolist()):
         end = min(start + size, lhs.shape[0])
         if end > start:
-            weight = (rhs[group].t() if transpose_rhs else rhs[group]).float()
-            weight = weight if rhs_scale is None else weight * rhs_scale[group].float()
+            side = [None if s is None else s[group:group + 1] for s in (rhs_scale, rhs_zero)]
+            weight = reference.expert_weights(lhs.shape[1], rhs[group:group + 1], *side, transpose_rhs)[0]
             out[start:end] = (lhs[start:end].float() @ weight).to(lhs.dtype)
         start = end
     return out
@@ -125,7 +138,8 @@ def pallas_op():
     """``torch.ops.tpu_executor.gmm_pallas`` (and ``gmm_pallas_scaled``, INT8 experts): our
     kernel bound through call_jax; a call picks the op of its form. Built once."""
     ops = {3: jax_backed_op("gmm_pallas", SCHEMA, _pallas_gmm, fake),
-           4: jax_backed_op("gmm_pallas_scaled", SCALED_SCHEMA, _pallas_gmm, fake)}
+           4: jax_backed_op("gmm_pallas_scaled", SCALED_SCHEMA, _pallas_gmm, fake),
+           5: jax_backed_op("gmm_pallas_zero", ZERO_SCHEMA, _pallas_gmm, fake)}
     return lambda *args, **kwargs: ops[len(args)](*args, **kwargs)
 
 
@@ -158,10 +172,11 @@ def padded_rows(m: int, dtype: torch.dtype) -> int:
     return -(-m // tile) * tile
 
 
-def gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False, tp_split=None):
-    """Grouped matmul; see ``reference.gmm`` for the contract (``rhs_scale``: INT8 experts,
-    passed on only when given). ``tp_split`` says how ``rhs`` is split over tensor-parallel
-    chips ("columns": its output features, "rows": its input features, as ``lhs``'s): the JAX
-    path runs the kernel per chip by it."""
-    scale = () if rhs_scale is None else (rhs_scale,)
-    return REGISTRY.dispatch(OP_NAME, lhs, rhs, group_sizes, *scale, transpose_rhs=transpose_rhs, tp_split=tp_split)
+def gmm(lhs, rhs, group_sizes, *side, transpose_rhs=False, tp_split=None):
+    """Grouped matmul; see ``reference.gmm`` for the contract (``side``: quantized experts'
+    scales, and INT4's zeros; kernels take tensors, so a missing one is not passed).
+    ``tp_split`` says how ``rhs`` is split over tensor-parallel chips ("columns": its output
+    features, "rows": its input features, as ``lhs``'s): the JAX path runs the kernel per chip
+    by it."""
+    side = tuple(s for s in side if s is not None)
+    return REGISTRY.dispatch(OP_NAME, lhs, rhs, group_sizes, *side, transpose_rhs=transpose_rhs, tp_split=tp_split)

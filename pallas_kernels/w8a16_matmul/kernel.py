@@ -76,7 +76,7 @@ def problem(m: int, k_rows: int, n: int, group: int, itemsize: int) -> Optional[
     return None
 
 
-def _scaled_dot(x, q, scale, zero, group: int, dtype):
+def scaled_dot(x, q, scale, zero, group: int, dtype):
     """sum over the tile's groups of (x_g @ (q_g - zero_g)) * scale_g, fp32 [tm, tn]."""
     total = None
     for g in range(q.shape[0] // group):
@@ -110,7 +110,7 @@ def _kernel(*refs, bits: int, group: int, per_channel: bool, has_zero: bool):
                                     preferred_element_type=jnp.float32)
         else:
             zero = None if zero_ref is None else zero_ref[...]
-            acc_ref[...] += _scaled_dot(x_ref[...], q, scale_ref[...], zero, group, dtype)
+            acc_ref[...] += scaled_dot(x_ref[...], q, scale_ref[...], zero, group, dtype)
 
     @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
     def _():

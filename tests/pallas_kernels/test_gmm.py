@@ -38,7 +38,7 @@ def test_kernel_matches_reference_on_generated_cases():
     assert sum(seen.values()) == INTERPRETED_CASES and min(seen.values()) >= 5, seen  # both dtypes
     labels = " ".join(case.label for case in CASES)
     assert "T=True" in labels and "T=False" in labels and ", 0," in labels  # empty groups ran
-    assert "int8" in labels  # INT8 experts with per-channel scales
+    assert "int8" in labels and "int4 zero=True" in labels and "int4 zero=False" in labels  # quantized experts
 
 
 def compare_with_megablox(indices):
@@ -113,16 +113,16 @@ def test_call_jax_binding_inside_a_torch_xla_graph():
 
     case = next(c for c in CASES if c.args[0].dtype == torch.float32 and c.args[0].shape[0] >= 64)
     device = torch_xla.device()
-    lhs, rhs, sizes = (t.to(device) for t in case.args)
+    args = [t.to(device) for t in case.args]  # quantized experts bring their scales (and zeros)
     op = ops.pallas_op()
     expected = case.run(reference.gmm)
-    ops.SPEC.assert_close(op(lhs, rhs, sizes, interpret=True, **case.kwargs).cpu(), expected)
+    ops.SPEC.assert_close(op(*args, interpret=True, **case.kwargs).cpu(), expected)
 
-    def step(lhs, rhs, sizes):
-        return op(lhs, rhs, sizes, interpret=True, **case.kwargs) * 2
+    def step(*args):
+        return op(*args, interpret=True, **case.kwargs) * 2
 
     compiled = torch.compile(step, backend="openxla", fullgraph=True, dynamic=False)
-    ops.SPEC.assert_close(compiled(lhs, rhs, sizes).cpu(), expected * 2)
+    ops.SPEC.assert_close(compiled(*args).cpu(), expected * 2)
     before = met.counter_value("UncachedCompile") or 0
-    ops.SPEC.assert_close(compiled(lhs, rhs, sizes).cpu(), expected * 2)
+    ops.SPEC.assert_close(compiled(*args).cpu(), expected * 2)
     assert (met.counter_value("UncachedCompile") or 0) == before

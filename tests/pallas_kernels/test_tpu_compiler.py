@@ -45,6 +45,8 @@ def kernel_calls():
         ("gmm", gmm, (shape((256, 256), jnp.bfloat16), shape((4, 256, 512), jnp.bfloat16), ints(4))),
         ("gmm int8", gmm, (shape((256, 256), jnp.bfloat16), shape((4, 256, 512), jnp.int8), ints(4),
                            shape((4, 512), jnp.float32))),
+        ("gmm int4", gmm, (shape((256, 512), jnp.bfloat16), shape((4, 256, 512), jnp.int8), ints(4),
+                           shape((4, 4, 512), jnp.float32), shape((4, 4, 512), jnp.float32))),
     ]
 
 
@@ -74,4 +76,4 @@ def compile_each_way() -> dict:
 def test_every_kernel_compiles_for_a_tpu_both_ways():
     assert in_fresh_process(compile_each_way) == {name: (True, True) for name in
                                                   ("paged_attention", "paged_attention verify",
-                                                   "prefill_attention", "gmm", "gmm int8")}
+                                                   "prefill_attention", "gmm", "gmm int8", "gmm int4")}
