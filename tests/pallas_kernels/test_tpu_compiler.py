@@ -77,3 +77,39 @@ def test_every_kernel_compiles_for_a_tpu_both_ways():
     assert in_fresh_process(compile_each_way) == {name: (True, True) for name in
                                                   ("paged_attention", "paged_attention verify",
                                                    "prefill_attention", "gmm", "gmm int8", "gmm int4")}
+
+
+def compile_quantized_experts() -> dict:
+    """{(target, weights, projection): compiled into a TPU custom call} for the grouped matmul
+    over Qwen3-30B-A3B's experts (128 of 2,048 -> 2 x 768 and 768 -> 2,048 features), a
+    512-row prefill, INT8 (per channel) and INT4 (groups of 128, zero points)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tpu_executor.core.tpu_slices import Target
+    from tpu_executor.kernels.gmm.kernel import gmm
+    from tpu_executor.worker.jax.target import target_devices
+
+    results = {}
+    for target in ("v5e-1", "v6e-1"):
+        mesh = jax.sharding.Mesh(np.array(target_devices(Target.parse(target))), ("tp",))
+        placed = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+        def shape(dims, dtype):
+            return jax.ShapeDtypeStruct(dims, dtype, sharding=placed)
+
+        for name, k, n in (("gate/up", 2048, 1536), ("down", 768, 2048)):
+            forms = {"int8": (shape((128, k, n), jnp.int8), shape((128, n), jnp.float32)),
+                     "int4": (shape((128, k // 2, n), jnp.int8), shape((128, k // 128, n), jnp.float32),
+                              shape((128, k // 128, n), jnp.float32))}
+            for form, weights in forms.items():
+                operands = (shape((512, k), jnp.bfloat16), weights[0], shape((128,), jnp.int32), *weights[1:])
+                text = jax.jit(gmm).lower(*operands).compile().as_text()
+                results[(target, form, name)] = "tpu_custom_call" in text
+    return results
+
+
+def test_quantized_experts_compile_for_v5e_and_v6e_at_qwen3_30b_a3b_shapes():
+    results = in_fresh_process(compile_quantized_experts)
+    assert len(results) == 8 and all(results.values()), results
