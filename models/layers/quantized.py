@@ -41,15 +41,6 @@ class QuantizedWeight:
     bits: int
     groups: Optional[torch.Tensor] = None
 
-    def dequantize(self) -> torch.Tensor:
-        """The real weight ``[out, in]`` in fp32 (what a reference model holds)."""
-        group_of = self.groups if self.groups is not None else \
-            torch.arange(self.values.shape[-1]) // (self.values.shape[-1] // self.scale.shape[-1])
-        levels = self.values.float()
-        if self.zero is not None:
-            levels = levels - self.zero[..., group_of]
-        return levels * self.scale[..., group_of]
-
 
 @dataclass(frozen=True)
 class QuantizedLayout:
