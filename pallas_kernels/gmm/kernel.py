@@ -105,21 +105,17 @@ def visit_schedule(group_sizes: jax.Array, m: int, tm: int):
 
 
 def _gmm_kernel(offsets, visit_groups, visit_tiles, *refs, tm: int, transpose_rhs: bool, form: str, group: int):
-    """One (n-tile, visit, k-tile) step. refs: plain: lhs, rhs; ``int8``: lhs, rhs, scale;
-    ``int4``/``int4_zero``: lhs's two halves, rhs (packed), scales of both halves (zeros of
-    both); then the output and the accumulator."""
-    if form.startswith("int4"):
-        _gmm_int4_kernel(offsets, visit_groups, visit_tiles, *refs, tm=tm, group=group)
-        return
-    lhs_ref, rhs_ref, *refs = refs
-    scale_ref, out_ref, acc_ref = refs if len(refs) == 3 else (None, *refs)
+    """One (n-tile, visit, k-tile) step. refs: the inputs (plain: lhs, rhs; ``int8``: lhs, rhs,
+    scale; ``int4``/``int4_zero``: lhs's two halves, rhs (packed), scales of both halves (zeros
+    of both)), then the output and the accumulator."""
+    *inputs, out_ref, acc_ref = refs
     v, k_i = pl.program_id(1), pl.program_id(2)
     last_v, last_k = pl.num_programs(1) - 1, pl.num_programs(2) - 1
     tile = visit_tiles[v]
     first_visit = jnp.logical_or(v == 0, visit_tiles[jnp.maximum(v - 1, 0)] != tile)
     last_visit = jnp.logical_or(v == last_v, visit_tiles[jnp.minimum(v + 1, last_v)] != tile)
-    group = visit_groups[v]
-    start, end = offsets[group], offsets[group + 1]
+    group_id = visit_groups[v]
+    start, end = offsets[group_id], offsets[group_id + 1]
 
     @pl.when(jnp.logical_and(first_visit, k_i == 0))
     def _zero():
@@ -127,51 +123,41 @@ def _gmm_kernel(offsets, visit_groups, visit_tiles, *refs, tm: int, transpose_rh
 
     @pl.when(end > start)
     def _accumulate():
-        rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, lhs_ref.shape, 0)
-        lhs = jnp.where((rows >= start) & (rows < end), lhs_ref[...], 0)
-        contract = ((1,), (1,)) if transpose_rhs else ((1,), (0,))
-        rhs = rhs_ref[...] if scale_ref is None else rhs_ref[...].astype(jnp.float32).astype(lhs.dtype)
-        partial = jax.lax.dot_general(lhs, rhs, (contract, ((), ())), preferred_element_type=jnp.float32)
-        # INT8 experts: the integer levels go through the MXU (exact in bf16), and the group's
-        # per-channel scale goes on its own partial product (a tile's visits span groups).
-        acc_ref[...] += partial if scale_ref is None else partial * scale_ref[...]
+        rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, inputs[0].shape, 0)
+        inside = (rows >= start) & (rows < end)
+        partial = _int4_partial if form.startswith("int4") else _partial
+        acc_ref[...] += partial(inputs, inside, transpose_rhs, group)
 
     @pl.when(jnp.logical_and(last_visit, k_i == last_k))
     def _store():
         out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
-def _gmm_int4_kernel(offsets, visit_groups, visit_tiles, *refs, tm: int, group: int):
+def _partial(inputs, inside, transpose_rhs: bool, group: int):
+    """This visit's rows times its expert's tile, fp32 (INT8 experts: the levels through the
+    MXU, exact in bf16, then the expert's per-channel scale: a tile's visits span experts)."""
+    lhs_ref, rhs_ref, *scale_ref = inputs
+    lhs = jnp.where(inside, lhs_ref[...], 0)
+    contract = ((1,), (1,)) if transpose_rhs else ((1,), (0,))
+    rhs = rhs_ref[...] if not scale_ref else rhs_ref[...].astype(jnp.float32).astype(lhs.dtype)
+    partial = jax.lax.dot_general(lhs, rhs, (contract, ((), ())), preferred_element_type=jnp.float32)
+    return partial * scale_ref[0][...] if scale_ref else partial
+
+
+def _int4_partial(inputs, inside, transpose_rhs: bool, group: int):
     """INT4 experts: a byte of rhs holds input features i and i + k/2 (``w4a16_matmul``'s
     layout), so each half of the unpacked tile meets its own half of lhs; each group of
     ``group`` features is scaled (and shifted by its zero) on its fp32 partial product."""
-    has_zero = len(refs) == 9
-    lhs_refs, rhs_ref, scales = refs[:2], refs[2], refs[3:5]
-    zeros, (out_ref, acc_ref) = (refs[5:7], refs[7:]) if has_zero else ((None, None), refs[5:])
-    v, k_i = pl.program_id(1), pl.program_id(2)
-    last_v, last_k = pl.num_programs(1) - 1, pl.num_programs(2) - 1
-    tile = visit_tiles[v]
-    first_visit = jnp.logical_or(v == 0, visit_tiles[jnp.maximum(v - 1, 0)] != tile)
-    last_visit = jnp.logical_or(v == last_v, visit_tiles[jnp.minimum(v + 1, last_v)] != tile)
-    start, end = offsets[visit_groups[v]], offsets[visit_groups[v] + 1]
-
-    @pl.when(jnp.logical_and(first_visit, k_i == 0))
-    def _zero():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    @pl.when(end > start)
-    def _accumulate():
-        rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, lhs_refs[0].shape, 0)
-        inside = (rows >= start) & (rows < end)
-        stored = rhs_ref[...].astype(jnp.int32)
-        for lhs_ref, q, scale_ref, zero_ref in zip(lhs_refs, ((stored << 28) >> 28, stored >> 4), scales, zeros):
-            lhs = jnp.where(inside, lhs_ref[...], 0)
-            zero = None if zero_ref is None else zero_ref[...]
-            acc_ref[...] += scaled_dot(lhs, q, scale_ref[...], zero, group, lhs.dtype)
-
-    @pl.when(jnp.logical_and(last_visit, k_i == last_k))
-    def _store():
-        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+    lhs_refs, rhs_ref, scales = inputs[:2], inputs[2], inputs[3:5]
+    zeros = inputs[5:7] or (None, None)
+    stored = rhs_ref[...].astype(jnp.int32)
+    total = None
+    for lhs_ref, q, scale_ref, zero_ref in zip(lhs_refs, ((stored << 28) >> 28, stored >> 4), scales, zeros):
+        lhs = jnp.where(inside, lhs_ref[...], 0)
+        zero = None if zero_ref is None else zero_ref[...]
+        part = scaled_dot(lhs, q, scale_ref[...], zero, group, lhs.dtype)
+        total = part if total is None else total + part
+    return total
 
 
 def rhs_form(k: int, rhs_shape, transpose_rhs: bool, scales: int) -> str:
