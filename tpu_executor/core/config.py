@@ -20,6 +20,8 @@ from tpu_executor.core.speculative import SpeculativeConfig
 DEVICE_PATTERN = re.compile(r"^(xla|jax|cpu|cuda(:\d+)?)$")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "int4", "w8a8")
+# Reasoning formats (a ``<think>`` ... ``</think>`` block before the answer), as vLLM names them.
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
 def tpu_attached() -> bool:
@@ -99,6 +101,10 @@ class ModelConfig:
     quantizes the linears' activations to INT8 per token, so the matmul runs in INT8 (experts
     stay weight-only). A checkpoint published quantized (its config's ``quantization_config``:
     compressed-tensors, GPTQ, AWQ) loads in its own scheme and takes no ``quantization``.
+    ``reasoning_parser`` names the checkpoint's reasoning format (``REASONING_PARSERS``): a
+    request's grammar (structured outputs, tool calls) then constrains only the answer after
+    the reasoning, as vLLM's ``StructuredOutputsConfig.reasoning_parser`` does, and the server
+    splits the reasoning out as ``reasoning_content``.
     """
 
     model: str
@@ -110,6 +116,9 @@ class ModelConfig:
     quantization: Optional[str] = option(None, "int8: weight-only INT8 linears and experts (W8A16); int4: "
                                                "INT4 in groups of 128 inputs (W4A16); w8a8: INT8 weights and "
                                                "per-token INT8 activations in the linears")
+    reasoning_parser: Optional[str] = option(
+        None, f"the model's reasoning format, {' or '.join(REASONING_PARSERS)}: grammars apply after its "
+              "</think>, and the server returns its <think> block as reasoning_content")
 
     def __post_init__(self):
         _require(isinstance(self.model, str) and self.model != "", "model must be a checkpoint path")
@@ -121,6 +130,8 @@ class ModelConfig:
                  f"max_model_len must be positive, got {self.max_model_len}")
         _require(self.quantization in (None,) + QUANTIZATIONS,
                  f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
+        _require(self.reasoning_parser in (None,) + REASONING_PARSERS,
+                 f"reasoning_parser must be None or one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,14 @@ field, before anything is queued). The core keeps a matcher per constrained samp
 travels with the step to the workers; after the step it advances the matcher by the token
 recorded. The device applies the bitmask inside the compiled sampler
 (``worker/logits_processing.py``), with the rest of the logits processing.
+
+With a reasoning parser (the engine option ``reasoning_parser``) a grammar constrains only the
+answer, as vLLM's does: a sample in its reasoning is neither masked nor advanced until it
+samples the reasoning's end token (``</think>``), and the grammar constrains every token after
+it. Where an output starts is the server's rule (``entrypoints/openai/reasoning.py``), read on
+token ids: ``deepseek_r1`` in the reasoning; ``qwen3`` in it when the prompt's last marker is
+``<think>``, in the answer when it is ``</think>`` (a template that turned thinking off), and
+else free to open ``<think>`` with its first token (the only token allowed beside the grammar's).
 """
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ import json
 import re
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
@@ -83,37 +92,80 @@ def _checked_schema(text: str) -> dict:
     return schema
 
 
+THINK_START, THINK_END = "<think>", "</think>"
+# Where a constrained sample is: its grammar constrains the answer; in the reasoning it is free;
+# at an output's start that may open the reasoning, the grammar's tokens and <think> are allowed.
+ANSWER, REASONING, OPENING = "answer", "reasoning", "opening"
+
+
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    """A reasoning parser's marker tokens in one tokenizer: where a grammar starts."""
+
+    parser: str
+    start_id: int  # <think>
+    end_id: int  # </think>
+
+    @classmethod
+    def of(cls, parser: str, tokenizer) -> "ReasoningMarkers":
+        """``parser``'s markers in a Hugging Face tokenizer; a ValueError when it lacks them (the
+        engine could not tell where a grammar starts)."""
+        vocab = tokenizer.get_vocab()
+        missing = [marker for marker in (THINK_START, THINK_END) if marker not in vocab]
+        if missing:
+            raise ValueError(f"structured_outputs cannot follow reasoning_parser {parser!r}: this model's "
+                             f"tokenizer has no {' or '.join(missing)} token (start the engine without "
+                             "reasoning_parser to constrain the whole output)")
+        return cls(parser, vocab[THINK_START], vocab[THINK_END])
+
+    def first_phase(self, prompt_token_ids: Sequence[int]) -> str:
+        """Where an output of this prompt starts: ANSWER, REASONING or OPENING."""
+        if self.parser == "deepseek_r1":
+            return REASONING
+        for token_id in reversed(prompt_token_ids):
+            if token_id == self.start_id:
+                return REASONING
+            if token_id == self.end_id:
+                return ANSWER
+        return OPENING
+
+
 class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` into xgrammar grammars over one tokenizer's
     vocabulary (padded to the model's). Thread-safe; compiled grammars are cached by spec.
+    ``reasoning``: the engine's reasoning markers (None: grammars constrain whole outputs).
     Pickles as its tokenizer's description (an engine core in another process rebuilds it)."""
 
-    def __init__(self, tokenizer_info, on_compiled: Optional[Callable[[float], None]] = None):
+    def __init__(self, tokenizer_info, on_compiled: Optional[Callable[[float], None]] = None,
+                 reasoning: Optional[ReasoningMarkers] = None):
         import xgrammar
 
         self.tokenizer_info = tokenizer_info
         self.on_compiled = on_compiled  # called with each compilation's seconds (metrics)
+        self.reasoning = reasoning
         self.vocab_size: int = tokenizer_info.vocab_size
         self._compiler = xgrammar.GrammarCompiler(tokenizer_info, cache_enabled=False)
         self._cache: "collections.OrderedDict[StructuredOutputsParams, object]" = collections.OrderedDict()
         self._lock = threading.Lock()
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, vocab_size: int,
-                      on_compiled: Optional[Callable[[float], None]] = None) -> "GrammarCompiler":
-        """A compiler for a Hugging Face tokenizer and a model of ``vocab_size`` logits."""
+    def for_tokenizer(cls, tokenizer, vocab_size: int, on_compiled: Optional[Callable[[float], None]] = None,
+                      reasoning_parser: Optional[str] = None) -> "GrammarCompiler":
+        """A compiler for a Hugging Face tokenizer and a model of ``vocab_size`` logits, whose
+        grammars start after ``reasoning_parser``'s reasoning (when given)."""
         import xgrammar
 
-        return cls(xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size), on_compiled)
+        reasoning = None if reasoning_parser is None else ReasoningMarkers.of(reasoning_parser, tokenizer)
+        return cls(xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size), on_compiled, reasoning)
 
     @classmethod
-    def from_serialized(cls, text: str) -> "GrammarCompiler":
+    def from_serialized(cls, text: str, reasoning: Optional[ReasoningMarkers] = None) -> "GrammarCompiler":
         import xgrammar
 
-        return cls(xgrammar.TokenizerInfo.deserialize_json(text))
+        return cls(xgrammar.TokenizerInfo.deserialize_json(text), reasoning=reasoning)
 
     def __reduce__(self):
-        return GrammarCompiler.from_serialized, (self.tokenizer_info.serialize_json(),)
+        return GrammarCompiler.from_serialized, (self.tokenizer_info.serialize_json(), self.reasoning)
 
     def compile(self, spec: StructuredOutputsParams):
         """The compiled grammar of ``spec`` (xgrammar's ``CompiledGrammar``); ValueError whose
@@ -150,7 +202,8 @@ class GrammarCompiler:
 
 class GrammarMatchers:
     """The core's side: a matcher per constrained sample, the bitmasks of a step, and the
-    matchers advanced by the tokens a step recorded."""
+    matchers advanced by the tokens a step recorded. A sample outside its answer (see the
+    module's text) is in ``_phases`` until its answer starts."""
 
     def __init__(self, compiler: GrammarCompiler):
         import xgrammar
@@ -158,37 +211,65 @@ class GrammarMatchers:
         self.compiler = compiler
         self._xgrammar = xgrammar
         self._matchers: Dict[str, object] = {}
+        self._phases: Dict[str, str] = {}  # REASONING or OPENING, by sample id
 
     def __bool__(self) -> bool:
         return bool(self._matchers)
 
-    def add(self, sample_id: str, spec: StructuredOutputsParams) -> None:
+    def add(self, sample_id: str, spec: StructuredOutputsParams, prompt_token_ids: Sequence[int] = ()) -> None:
         self._matchers[sample_id] = self._xgrammar.GrammarMatcher(self.compiler.compile(spec))
+        reasoning = self.compiler.reasoning
+        phase = ANSWER if reasoning is None else reasoning.first_phase(prompt_token_ids)
+        if phase != ANSWER:
+            self._phases[sample_id] = phase
 
     def remove(self, sample_id: str) -> None:
         self._matchers.pop(sample_id, None)
+        self._phases.pop(sample_id, None)
 
     def constrains_any(self, sample_ids: Sequence[str]) -> bool:
+        """Whether a step of these samples needs the grammars (one in its reasoning does too:
+        the token just sampled may end it)."""
         matchers = self._matchers
         return bool(matchers) and any(sample_id in matchers for sample_id in sample_ids)
 
     def bitmasks(self, sample_ids: Sequence[str]) -> Dict[str, np.ndarray]:
         """The allowed-token bitmask (int32 words) of each constrained sample among
-        ``sample_ids``; a finished grammar's sample gets none (it is ending)."""
+        ``sample_ids``; a sample in its reasoning gets none (it is free), nor does one whose
+        grammar finished (it is ending)."""
         rows = [(sample_id, self._matchers[sample_id]) for sample_id in sample_ids
-                if sample_id in self._matchers and not self._matchers[sample_id].is_terminated()]
+                if sample_id in self._matchers and self._phases.get(sample_id) != REASONING
+                and not self._matchers[sample_id].is_terminated()]
         if not rows:
             return {}
         masks = self._xgrammar.allocate_token_bitmask(len(rows), self.compiler.vocab_size)
         for row, (_, matcher) in enumerate(rows):
             matcher.fill_next_token_bitmask(masks, row)
         masks = masks.numpy()
+        for row, (sample_id, _) in enumerate(rows):
+            if self._phases.get(sample_id) == OPENING:  # the output may open its reasoning instead
+                start = self.compiler.reasoning.start_id
+                masks.view(np.uint32)[row, start // 32] |= np.uint32(1 << (start % 32))
         return {sample_id: masks[row] for row, (sample_id, _) in enumerate(rows)}
 
     def accept(self, sample_id: str, token_id: int) -> Optional[str]:
-        """Advance the sample's matcher by ``token_id``; an error message if its grammar does
-        not allow the token (None when it does, or the sample is not constrained)."""
+        """Advance the sample's matcher by ``token_id`` (or its reasoning, outside its answer);
+        an error message if its grammar does not allow the token (None when it does, or the
+        sample is not constrained)."""
+        phase = self._phases.get(sample_id)
+        if phase == REASONING:
+            if token_id == self.compiler.reasoning.end_id:
+                del self._phases[sample_id]  # the answer starts with the next token
+            return None
+        if phase == OPENING:
+            if token_id == self.compiler.reasoning.start_id:
+                self._phases[sample_id] = REASONING
+                return None
+            del self._phases[sample_id]  # the answer starts with this token
         matcher = self._matchers.get(sample_id)
         if matcher is None or matcher.is_terminated() or matcher.accept_token(token_id):
             return None
-        return f"token {token_id} does not follow the request's structured_outputs grammar"
+        # The mask lets only the grammar's tokens through, so a refused token means the request's
+        # own bans (allowed_token_ids, bad_words, min_tokens) left the grammar none.
+        return (f"structured_outputs: the request's allowed_token_ids, bad_words or min_tokens leave no token "
+                f"its grammar allows (token {token_id} was drawn)")

@@ -31,7 +31,8 @@ class RequestChecks:
         with self._lock:
             if self._grammar_compiler is None:
                 self._grammar_compiler = GrammarCompiler.for_tokenizer(self.tokenizer, self.vocab_size,
-                                                                       self._on_grammar_compiled)
+                                                                       self._on_grammar_compiled,
+                                                                       self.config.model.reasoning_parser)
             return self._grammar_compiler
 
     def observe_grammar_compiles(self, observer: Callable[[float], None]) -> None:
@@ -81,7 +82,7 @@ class RequestChecks:
     def lora(self, lora_request: Optional[LoRARequest]) -> None:
         """Raise ValueError (``lora_request``'s fault) if the request's adapter cannot run here:
         the engine serves none, its id names another adapter, or the adapter does not fit the
-        model (checked once per adapter, from its config and its weight file's header)."""
+        model (checked once per adapter, from its config and its weights)."""
         if lora_request is None:
             return
         if not isinstance(lora_request, LoRARequest):

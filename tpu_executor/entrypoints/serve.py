@@ -20,7 +20,7 @@ import time
 from typing import Dict, Optional
 
 from tpu_executor.engine.options import HelpFormatter, add_engine_arguments, engine_options_from_args
-from tpu_executor.entrypoints.openai.config import REASONING_PARSERS, ROUTINGS, TOOL_CALL_FORMATS
+from tpu_executor.entrypoints.openai.config import ROUTINGS, TOOL_CALL_FORMATS
 from tpu_executor.entrypoints.openai.tool_parsers import format_for_family
 
 API_KEY_ENV = "TPU_EXECUTOR_API_KEY"
@@ -51,12 +51,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", choices=TOOL_CALL_FORMATS, default=None,
                         help="the format chat tool calls are read in (default: the model family's: llama3_json "
                              "for Llama, mistral for Mistral, hermes for the others)")
-    server.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                        help="split a chat output's <think> block into reasoning_content (default: no split)")
     server.add_argument("--lora-modules", nargs="+", default=[], type=lora_module, metavar="NAME=PATH",
                         help="LoRA adapters to serve (with --enable-lora): a request's model field names one")
     server.add_argument("--enable-lora-runtime-updates", action="store_true",
-                        help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+                        help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs "
+                             "--lora-adapter-root, and --api-key unless --host is loopback)")
+    server.add_argument("--lora-adapter-root", default=None, metavar="DIR",
+                        help="the one directory runtime loads read adapters from: a lora_path outside it "
+                             "(symlinks resolved) is refused, a relative one is taken inside it; required by "
+                             "--enable-lora-runtime-updates (no default: the server refuses to start without "
+                             "it); --lora-modules may lie anywhere")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let chat requests bring their own chat_template (refused by default: a template is "
+                             "code the server runs)")
+    server.add_argument("--chat-template-timeout", type=float, default=2.0, metavar="SECONDS",
+                        help="a chat-template render running longer is stopped (400)")
+    server.add_argument("--max-chat-template-chars", type=int, default=8 << 20,
+                        help="a chat-template render building longer text is stopped (400)")
     replicas = parser.add_argument_group("replicas (Ray Serve; with --data-parallel-size above 1)")
     replicas.add_argument("--data-parallel-size", type=int, default=1,
                           help="engine replicas behind the one endpoint, each on --tensor-parallel-size chips")
@@ -85,8 +96,11 @@ def server_config(args: argparse.Namespace, model_path: str):
         max_prompts=args.max_prompts, allowed_origins=tuple(args.allowed_origins),
         drain_timeout_s=args.drain_timeout,
         tool_call_parser=args.tool_call_parser or format_for_family(model_family(model_path)),
-        reasoning_parser=args.reasoning_parser, lora_modules=tuple(args.lora_modules),
-        enable_lora_runtime_updates=args.enable_lora_runtime_updates)
+        # An engine option (grammars start after the reasoning), which the server reads too.
+        reasoning_parser=vars(args).get("reasoning_parser"), lora_modules=tuple(args.lora_modules),
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates, lora_adapter_root=args.lora_adapter_root,
+        trust_request_chat_template=args.trust_request_chat_template,
+        chat_template_timeout_s=args.chat_template_timeout, max_chat_template_chars=args.max_chat_template_chars)
 
 
 def lora_module(text: str):

@@ -1,7 +1,8 @@
 """``--reasoning-parser``: a chat output's ``<think>`` block returned as ``reasoning_content``,
 whole and streamed. The parser on its own over every way a stream can cut an output, then a
 live server whose tiny model is made to think by a regex grammar (its random weights never
-would), read by the ``openai`` client."""
+would), read by the ``openai`` client. Its engine runs without ``reasoning_parser``, so the
+grammar covers the whole output (``test_reasoning_grammars.py``: grammars after the reasoning)."""
 from __future__ import annotations
 
 import json
@@ -61,7 +62,8 @@ def client(checkpoints):
     from openai import OpenAI
 
     engine = LLMEngine.from_options(checkpoints["llama"], **tiny_engine_options(device="cpu"))
-    with live_server(engine, reasoning_parser="qwen3", tool_call_parser="hermes") as (url, _):
+    with live_server(engine, reasoning_parser="qwen3", tool_call_parser="hermes",
+                     trust_request_chat_template=True) as (url, _):
         yield OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
 

@@ -10,7 +10,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.common import live_server, tiny_engine_options
+from tests.common import greedy_tokens, live_server, tiny_engine_options
+from tests.tpu_executor.entrypoints.test_server_bad_input import escaped
 from tpu_executor.engine.llm_engine import LLMEngine
 from tpu_executor.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tpu_executor.entrypoints.openai.request_limits import NOT_IMPLEMENTED
@@ -39,7 +40,7 @@ def with_bos(checkpoint: str, root) -> str:
 def served(checkpoints, tmp_path_factory):
     checkpoint = with_bos(checkpoints["llama"], tmp_path_factory.mktemp("fields"))
     engine = LLMEngine.from_options(checkpoint, **tiny_engine_options(device="cpu"))
-    with live_server(engine) as (url, _):
+    with live_server(engine, trust_request_chat_template=True) as (url, _):
         yield url, AutoTokenizer.from_pretrained(checkpoint)
 
 
@@ -167,3 +168,61 @@ def test_the_session_comes_from_the_header_then_session_id_then_user():
     assert session_of(body, http({"x-session-id": "h"})) == "h"
     assert session_of(body, http({})) == "s"
     assert session_of(SimpleNamespace(session_id=None, user="u"), http({})) == "u"
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoints):
+    """The same model offline: the reference for the ids a server returns."""
+    from tpu_executor import LLM
+
+    llm = LLM(model=checkpoints["llama"], **tiny_engine_options(device="cpu"))
+    yield llm
+    llm.shutdown()
+
+
+def streamed(chunks):
+    """(prompt ids of each chunk, the output ids the chunks carry in order) of a stream."""
+    prompt_ids, ids = [], []
+    for chunk in chunks:
+        extra = chunk.model_dump()
+        for choice in extra["choices"]:
+            prompt_ids.append(choice.get("prompt_token_ids", extra.get("prompt_token_ids")))
+            ids += choice.get("token_ids") or []
+    return prompt_ids, ids
+
+
+def test_return_token_ids_gives_the_prompt_and_output_ids_whole_and_streamed(served, offline):
+    import openai
+
+    url, tokenizer = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    fields = dict(model="tiny", max_tokens=8, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    prompt_ids = tokenizer("ka lo mi")["input_ids"]
+    output_ids = greedy_tokens(offline, [prompt_ids], 8)[0]
+    whole = client.completions.create(prompt="ka lo mi", **fields).choices[0].model_dump()
+    assert (whole["prompt_token_ids"], whole["token_ids"]) == (prompt_ids, output_ids)
+    chunks_prompt_ids, ids = streamed(client.completions.create(prompt="ka lo mi", stream=True, **fields))
+    assert chunks_prompt_ids[0] == prompt_ids and not any(chunks_prompt_ids[1:]) and ids == output_ids
+
+    messages = [{"role": "user", "content": "ka lo mi"}]
+    chat_ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"]
+    output_ids = greedy_tokens(offline, [chat_ids], 8)[0]
+    whole = client.chat.completions.create(messages=messages, **fields).model_dump()
+    assert (whole["prompt_token_ids"], whole["choices"][0]["token_ids"]) == (chat_ids, output_ids)
+    chunks_prompt_ids, ids = streamed(client.chat.completions.create(messages=messages, stream=True, **fields))
+    assert chunks_prompt_ids[0] == chat_ids and not any(chunks_prompt_ids[1:]) and ids == output_ids
+    plain = client.chat.completions.create(messages=messages, model="tiny", max_tokens=2).model_dump()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"logit_bias": {"²": 1}}, "logit_bias"),  # a digit to str.isdigit, not to int()
+    ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+    ({"model": "\ud800"}, "model"),  # quoted in the error, which must still encode
+])
+def test_values_of_the_wrong_shape_are_a_4xx_naming_the_field(served, body, param):
+    body = dict(GREEDY, messages=[{"role": "user", "content": "hi"}], **body)
+    response = httpx.post(served[0] + "/v1/chat/completions", content=escaped(body),
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code in (400, 404) and response.json()["error"]["param"] == param, response.text

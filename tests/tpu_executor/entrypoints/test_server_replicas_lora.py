@@ -4,6 +4,9 @@ run time serves from every replica, and an adapter's requests without a shared p
 the replica its last request went to."""
 from __future__ import annotations
 
+import os
+import shutil
+
 import httpx
 import pytest
 
@@ -28,7 +31,7 @@ def served(tmp_path_factory, checkpoints, adapters):
     options = tiny_engine_options(device="cpu", enable_lora=True, max_loras=2)
     with replicated_server(str(tmp_path_factory.mktemp("ray")), checkpoints["llama"], options,
                            cluster_nodes=[{"TPU": 2}], lora_modules=(("first", adapters[0]),),
-                           enable_lora_runtime_updates=True) as url:
+                           enable_lora_runtime_updates=True, lora_adapter_root=os.path.dirname(adapters[0])) as url:
         wait_for_health(url, "ok")
         yield url
 
@@ -63,3 +66,17 @@ def test_adapters_serve_from_the_replicas_and_route_to_where_they_went(served, c
         assert routed(served, "adapter") - before == len(PROMPTS) - 1
     base = complete(served, "tiny", PROMPTS[0])
     assert base != complete(served, "first", PROMPTS[0])  # the adapter changes the output
+
+
+def test_an_adapter_a_replica_cannot_read_fails_its_requests_not_the_replica(served, checkpoints, adapters):
+    gone = write_random_lora_adapter(checkpoints["llama"], os.path.join(os.path.dirname(adapters[0]), "gone"), rank=8)
+    loaded = httpx.post(served + "/v1/load_lora_adapter", json={"lora_name": "gone", "lora_path": "gone"}, timeout=60)
+    assert loaded.status_code == 200, loaded.text  # the ingress read it
+    shutil.rmtree(gone)  # before any replica does
+    body = {"model": "gone", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+    failed = httpx.post(served + "/v1/completions", json=body, timeout=120)
+    assert failed.status_code == 500
+    assert failed.json()["error"]["message"] == ("the engine failed this request: the LoRA adapter 'gone' cannot be "
+                                                 "read on the replica serving this request")
+    assert complete(served, "first", PROMPTS[0])  # the replicas serve on
+    wait_for_health(served, "ok")

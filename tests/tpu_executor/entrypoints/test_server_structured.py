@@ -116,6 +116,10 @@ BAD = [
     ("completions", {"guided_choice": []}, "guided_choice", "non-empty list"),
     ("completions", {"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "structured_outputs", "send one"),
     ("chat", {"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format", "send one"),
+    # Found only while decoding: the request's own bans leave its grammar no token.
+    ("completions", {"guided_choice": ["alpha"], "allowed_token_ids": [5]}, "structured_outputs", "leave no token"),
+    ("chat", {"response_format": {"type": "json_object"}, "bad_words": ["{"]}, "structured_outputs",
+     "leave no token"),
 ]
 
 

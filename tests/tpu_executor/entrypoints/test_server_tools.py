@@ -161,6 +161,19 @@ def test_earlier_calls_and_tool_results_go_through_the_chat_template(client, ser
      "sets the output's grammar"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]", "without tool_call_id"),
     ({"functions": [{"name": "f"}]}, "functions", "send tools"),
+    # tool_choice objects and call ids of the wrong JSON type or shape
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "get_time"}}, "tool_choice",
+     "{'type': 'function', 'function': {'name': ...}}"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ["get_time"]}}}, "tool_choice",
+     "{'type': 'function', 'function': {'name': ...}}"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": {"a": 1}}}}, "tool_choice",
+     "{'type': 'function', 'function': {'name': ...}}"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": ["get_time"]}}, "tool_choice",
+     "{'type': 'function', 'function': {'name': ...}}"),
+    ({"tools": TOOLS, "tool_choice": {"type": "xml", "function": {"name": "get_time"}}}, "tool_choice",
+     "{'type': 'function', 'function': {'name': ...}}"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": 7, "function": {"name": "get_time"}}]}]},
+     "messages[0]", "ids must be strings"),
 ])
 def test_bad_tools_are_a_400_naming_the_field(served, fields, param, message):
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, **fields}

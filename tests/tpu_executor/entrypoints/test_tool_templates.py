@@ -77,7 +77,7 @@ def chat(url: str, fmt: str, messages, stream: bool = False, **fields) -> dict:
 @pytest.mark.parametrize("fmt", list(TEMPLATES))
 def test_a_call_its_result_and_an_answer_render_and_run(checkpoints, fmt, stream):
     engine = LLMEngine.from_options(checkpoints["llama"], **tiny_engine_options(device="cpu"))
-    with live_server(engine, tool_call_parser=fmt) as (url, _):
+    with live_server(engine, tool_call_parser=fmt, trust_request_chat_template=True) as (url, _):
         first = chat(url, fmt, [QUESTION], stream, tool_choice={"type": "function", "function": {"name": "get_time"}})
         call = first["message"]["tool_calls"][0]
         call = {key: call[key] for key in ("id", "type", "function")}

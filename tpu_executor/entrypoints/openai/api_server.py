@@ -27,6 +27,7 @@ from tpu_executor.engine.protocols import EngineClient
 from tpu_executor.entrypoints.openai.chat import create_chat_completion, render_chat
 from tpu_executor.entrypoints.openai.completions import create_completion
 from tpu_executor.entrypoints.openai.config import ServerConfig
+from tpu_executor.entrypoints.openai.lora import AdapterError
 from tpu_executor.entrypoints.openai.metrics import ServerMetrics
 from tpu_executor.entrypoints.openai.protocol import (
     ApiError,
@@ -200,11 +201,13 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.get("/v1/models")
     async def models() -> Dict[str, Any]:
+        """vLLM's model cards, ``root`` the served name rather than a path: a client learns
+        nothing of the server's files."""
         now = int(time.time())
         base = {"id": config.model_name, "object": "model", "created": now, "owned_by": "tpu_executor",
-                "root": engine.model.path, "max_model_len": serving.max_model_len}
+                "root": config.model_name, "max_model_len": serving.max_model_len}
         adapters = [{"id": a.lora_name, "object": "model", "created": now, "owned_by": "tpu_executor",
-                     "root": a.lora_path, "parent": config.model_name, "max_model_len": serving.max_model_len}
+                     "root": a.lora_name, "parent": config.model_name, "max_model_len": serving.max_model_len}
                     for a in serving.adapters.all()]
         return {"object": "list", "data": [base, *adapters]}
 
@@ -235,9 +238,8 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            options = {"add_generation_prompt": body.add_generation_prompt}
-            tokens = render_chat(serving.tokenizer, body.messages, options,
-                                 tool_call_format=serving.config.tool_call_parser).token_ids
+            body.check_template_fields()
+            tokens = (await render_chat(serving, body, body.messages)).token_ids
         else:
             tokens = token_ids(serving.tokenizer, body.prompt, "prompt", body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": list(tokens)}
@@ -253,15 +255,15 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
 
 def _add_lora_routes(app: FastAPI, serving: OpenAIServing) -> None:
-    """vLLM's routes to load and unload LoRA adapters at run time (``--enable-lora-runtime-updates``)."""
+    """vLLM's routes to load and unload LoRA adapters at run time (``--enable-lora-runtime-updates``):
+    a load reads only inside ``--lora-adapter-root`` (``ServedAdapters.load``)."""
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
         try:  # reads the adapter's config and weight header: off the event loop
-            await asyncio.to_thread(serving.adapters.add, body.lora_name, body.lora_path)
-        except ValueError as err:
-            field = "lora_name" if "already been loaded" in str(err) else "lora_path"
-            raise bad_request(str(err), field) from None
+            await asyncio.to_thread(serving.adapters.load, body.lora_name, body.lora_path)
+        except AdapterError as err:
+            raise bad_request(str(err), err.param) from None
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter")

@@ -8,7 +8,12 @@ from typing import Any, Dict, List, Optional, Tuple
 from starlette.requests import Request as HttpRequest
 
 from tpu_executor.core.request import CompletionOutput, RequestOutput
-from tpu_executor.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, bad_request
+from tpu_executor.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatTemplateFields,
+    bad_request,
+)
 from tpu_executor.entrypoints.openai.reasoning import StreamedReasoning, split_reasoning, starts_in_reasoning
 from tpu_executor.entrypoints.openai.serving import (
     OpenAIServing,
@@ -19,26 +24,38 @@ from tpu_executor.entrypoints.openai.serving import (
     usage,
     vllm_prompt_logprobs,
 )
+from tpu_executor.entrypoints.openai.templates import ChatTemplateError
 from tpu_executor.entrypoints.openai.tool_parsers import ParsedCall
 from tpu_executor.entrypoints.openai.tools import ToolChoice, conversation_message, tool_call_json
 
 
-def render_chat(tokenizer, messages: List[ChatMessage], template_options: Dict[str, Any],
-                tools: Optional[List[Dict[str, Any]]] = None, add_special_tokens: bool = False,
-                tool_call_format: str = "hermes") -> Prompt:
-    """The conversation (and the tools, when given) as the model's chat template writes it,
-    encoded; ``template_options`` go to the template (``add_generation_prompt`` and the like),
-    call ids as ``tool_call_format``'s templates take them. The template puts in the special
-    tokens (BOS and the like), so by default encoding adds none."""
-    if not template_options.get("chat_template") and not getattr(tokenizer, "chat_template", None):
-        raise bad_request("this model's tokenizer has no chat template; use /v1/completions or send "
-                          "chat_template", "messages")
-    conversation = [conversation_message(m, i, tool_call_format) for i, m in enumerate(messages)]
+async def render_chat(serving: OpenAIServing, body: ChatTemplateFields, messages: List[ChatMessage],
+                      tools: Optional[List[Dict[str, Any]]] = None, add_special_tokens: bool = False) -> Prompt:
+    """The conversation (and the tools, when given) as the chat template writes it, encoded:
+    the model's template, or the one the request brings if the server trusts request
+    templates; rendered off the event loop within the server's limits (``templates.py``), with
+    what ``body`` gives the template. The template puts in the special tokens (BOS and the
+    like), so by default encoding adds none."""
+    template, field = body.request_template()
+    if template is not None and not serving.config.trust_request_chat_template:
+        raise bad_request(f"{field}: this server does not run chat templates sent in requests (its operator can "
+                          "allow them with --trust-request-chat-template)", field)
+    fmt = serving.config.tool_call_parser
+    conversation = [conversation_message(m, i, fmt) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, **template_options)
+        source = serving.templates.source(template, tools)
+    except ValueError:
+        raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages") from None
+    try:
+        text = await serving.templates.render(
+            source, conversation, tools=tools, documents=body.documents,
+            add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+            template_kwargs=body.template_kwargs())
+    except ChatTemplateError as err:  # the template's fault (the request's template, when it brought one)
+        raise bad_request(str(err), field or "messages") from None
     except Exception as err:  # noqa: BLE001 - a template may reject a conversation (roles, order)
         raise bad_request(f"the chat template rejected these messages: {err}", "messages") from None
-    return Prompt(text, token_ids(tokenizer, text, "messages", add_special_tokens=add_special_tokens))
+    return Prompt(text, token_ids(serving.tokenizer, text, "messages", add_special_tokens=add_special_tokens))
 
 
 def chat_logprobs(tokenizer, completion: CompletionOutput, top: int) -> Dict[str, List[Dict[str, Any]]]:
@@ -58,8 +75,7 @@ def chat_logprobs(tokenizer, completion: CompletionOutput, top: int) -> Dict[str
 async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionRequest, http: HttpRequest):
     adapter = serving.check_request(body, "chat/completions")
     tools = ToolChoice(body.tools, body.tool_choice, body.parallel_tool_calls, serving.config.tool_call_parser)
-    prompt = render_chat(serving.tokenizer, body.messages, body.template_options(), tools.tools,
-                         bool(body.add_special_tokens), tools.format)
+    prompt = await render_chat(serving, body, body.messages, tools.tools, bool(body.add_special_tokens))
     parser = serving.config.reasoning_parser
     in_reasoning = None if parser is None else starts_in_reasoning(parser, prompt.text)
     prompt = body.truncated(prompt)
@@ -115,8 +131,9 @@ class _Response:
                 message["tool_calls"] = [tool_call_json(call, self.tools.format) for call in calls]
             choices.append({"index": completion.index, "message": message, "logprobs": self._logprobs(completion),
                             "finish_reason": self._finish_reason(completion.finish_reason, calls),
-                            "stop_reason": completion.stop_reason})
-        response = self._envelope("chat.completion", choices, usage([self.prompt], self.completion_tokens))
+                            "stop_reason": completion.stop_reason, **self._output_ids(completion)})
+        response = {**self._envelope("chat.completion", choices, usage([self.prompt], self.completion_tokens)),
+                    **self._prompt_ids()}
         if self.body.prompt_logprobs is not None:
             response["prompt_logprobs"] = vllm_prompt_logprobs(self.serving.tokenizer, outputs[0],
                                                                self.body.prompt_logprobs)
@@ -127,15 +144,23 @@ class _Response:
             self.completion_tokens += len(completion.token_ids)
             if completion.index not in self.started_choices:
                 self.started_choices.add(completion.index)
-                yield self._envelope("chat.completion.chunk", [{
+                yield {**self._envelope("chat.completion.chunk", [{
                     "index": completion.index, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}], self._usage_so_far())
+                    "logprobs": None, "finish_reason": None}], self._usage_so_far()), **self._prompt_ids()}
             if completion.text or completion.finish_reason is not None or completion.token_ids:
                 delta, calls = self._delta(completion)
                 yield self._envelope("chat.completion.chunk", [{
                     "index": completion.index, "delta": delta, "logprobs": self._logprobs(completion),
                     "finish_reason": self._finish_reason(completion.finish_reason, calls),
-                    "stop_reason": completion.stop_reason}], self._usage_so_far())
+                    "stop_reason": completion.stop_reason, **self._output_ids(completion)}], self._usage_so_far())
+
+    def _output_ids(self, completion: CompletionOutput) -> Dict[str, Any]:
+        """vLLM's ``token_ids`` of a choice or a streamed delta, when the request asks for them."""
+        return {"token_ids": list(completion.token_ids)} if self.body.return_token_ids else {}
+
+    def _prompt_ids(self) -> Dict[str, Any]:
+        """vLLM's ``prompt_token_ids`` (of a response, or of each choice's first chunk) when asked for."""
+        return {"prompt_token_ids": list(self.prompt.token_ids)} if self.body.return_token_ids else {}
 
     def _delta(self, completion: CompletionOutput) -> Tuple[Dict[str, Any], list]:
         """A streamed choice's delta for its new text, and the calls it carries."""
@@ -189,6 +214,8 @@ class StreamedChoice:
         """The delta for ``new_text``, and the calls of the model's choosing it carries."""
         self.text += new_text
         if self.tools.mode == "named":
+            if not new_text and not self.named_call_sent:  # the call opens with the answer's first text
+                return {}, []
             call = {"index": 0, "function": {"arguments": new_text}}
             if not self.named_call_sent:  # the first delta names the call
                 call = tool_call_json(ParsedCall(self.tools.named, new_text), self.tools.format, 0)

@@ -95,7 +95,7 @@ class _Response:
         if output.prompt_logprobs is not None:  # in one delta of a prompt's samples: keep it for the others
             self.scored_prompts[prompt_index] = output
         output = self.scored_prompts.get(prompt_index, output)
-        if self.body.echo and first:
+        if self.body.echo and first and not self.body.return_token_ids:  # vLLM's: the ids stand for the text
             text = self._prompt_text(self.prompts[prompt_index]) + text
         logprobs = None
         if self.body.logprobs is not None:
@@ -109,6 +109,10 @@ class _Response:
                   "stop_reason": completion.stop_reason}
         if self.body.prompt_logprobs is not None and first:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(self.serving.tokenizer, output, self.body.prompt_logprobs)
+        if self.body.return_token_ids:  # vLLM's: the prompt's ids with a choice's first delta, then its own
+            if first:
+                choice["prompt_token_ids"] = list(self.prompts[prompt_index].token_ids)
+            choice["token_ids"] = list(completion.token_ids)
         return choice
 
     def whole(self, outputs: List[RequestOutput]) -> Dict[str, Any]:

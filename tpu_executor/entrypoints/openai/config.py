@@ -1,19 +1,30 @@
 """The server's own settings (the engine's are the engine options)."""
 from __future__ import annotations
 
+import ipaddress
+import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
+
+from tpu_executor.core.config import REASONING_PARSERS  # the parsers of reasoning.py (an engine option too)
 
 # The formats of tool_parsers.py (named here: the config imports nothing of the server).
 TOOL_CALL_FORMATS = ("hermes", "llama3_json", "mistral")
 ROUTINGS = ("prefix", "least_loaded")
-# The parsers of reasoning.py: where a chat output's reasoning starts.
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` serves this machine only (a name other than localhost may
+    resolve to anything, so it counts as not)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -30,7 +41,13 @@ class ServerConfig:
     serve command picks the model family's). ``reasoning_parser`` (``REASONING_PARSERS``) splits a
     chat output into ``reasoning_content`` and ``content``; None leaves it all content.
     ``lora_modules`` are (name, path) of the LoRA adapters served from the start (a request
-    names one in ``model``); ``enable_lora_runtime_updates`` opens the load and unload routes.
+    names one in ``model``); ``enable_lora_runtime_updates`` opens the load and unload routes,
+    which read adapters only inside ``lora_adapter_root`` (required with them; an existing
+    directory). On a host other than loopback the load and unload routes need ``api_key``.
+    ``trust_request_chat_template`` lets a chat request bring its own ``chat_template`` (vLLM's
+    ``--trust-request-chat-template``; refused with a 400 otherwise). Every chat-template render
+    stops after ``chat_template_timeout_s`` or once it builds text of more than
+    ``max_chat_template_chars`` characters (a 400 either way).
     """
 
     model_name: str
@@ -47,15 +64,21 @@ class ServerConfig:
     reasoning_parser: Optional[str] = None
     lora_modules: Tuple[Tuple[str, str], ...] = ()
     enable_lora_runtime_updates: bool = False
+    lora_adapter_root: Optional[str] = None
+    trust_request_chat_template: bool = False
+    chat_template_timeout_s: float = 2.0
+    max_chat_template_chars: int = 8 << 20
 
     def __post_init__(self):
         _require(bool(self.model_name), "served model name must not be empty")
         _require(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
         _require(self.api_key is None or len(self.api_key) > 0, "api_key must not be empty when given")
-        for name in ("max_waiting_requests", "max_body_bytes", "max_n", "max_prompts"):
+        for name in ("max_waiting_requests", "max_body_bytes", "max_n", "max_prompts", "max_chat_template_chars"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer, got {value!r}")
         _require(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        _require(self.chat_template_timeout_s > 0,
+                 f"chat_template_timeout_s must be > 0, got {self.chat_template_timeout_s}")
         _require(self.tool_call_parser in TOOL_CALL_FORMATS,
                  f"tool_call_parser must be one of {', '.join(TOOL_CALL_FORMATS)}, got {self.tool_call_parser!r}")
         _require(self.reasoning_parser in (None,) + REASONING_PARSERS,
@@ -65,6 +88,23 @@ class ServerConfig:
         names = [name for name, _ in self.lora_modules]
         _require(len(set(names)) == len(names) and self.model_name not in names,
                  f"lora_modules names must differ from each other and from the served model name, got {names}")
+        self._check_lora_runtime_updates()
+
+    def _check_lora_runtime_updates(self) -> None:
+        """The load route reads the server's files for a client: only inside a root the
+        operator names, and only for clients holding the key unless the port is loopback's."""
+        if self.lora_adapter_root is not None:
+            _require(os.path.isdir(self.lora_adapter_root),
+                     f"lora_adapter_root {self.lora_adapter_root!r} is not a directory")
+            object.__setattr__(self, "lora_adapter_root", os.path.abspath(self.lora_adapter_root))
+        if not self.enable_lora_runtime_updates:
+            return
+        _require(self.lora_adapter_root is not None,
+                 "enable_lora_runtime_updates needs lora_adapter_root (--lora-adapter-root DIR): the directory "
+                 "that POST /v1/load_lora_adapter may read adapters from")
+        _require(self.api_key is not None or is_loopback(self.host),
+                 f"runtime LoRA updates on a non-loopback host ({self.host}) need --api-key (api_key): without "
+                 "one anybody who reaches the port could load and unload adapters")
 
 
 @dataclass(frozen=True)

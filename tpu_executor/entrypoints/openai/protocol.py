@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -28,6 +28,8 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
                  type: str = "invalid_request_error", code: Union[None, int, str] = None):
+        # A message quoting a request's value may hold a lone surrogate, which no response can encode.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.param, self.type = status, message, param, type
         self.code = code if code is not None else status
@@ -113,6 +115,7 @@ class _GenerationRequest(_Body):
     truncation_side: Optional[Literal["left", "right"]] = None  # None: left, vLLM's default
     request_id: Optional[str] = Field(None, min_length=1, max_length=256)  # the response's id
     session_id: Optional[str] = None  # the client's session (replicated servers keep it on one replica)
+    return_token_ids: Optional[bool] = None  # vLLM's: the prompt's and each choice's token ids in the response
 
     def check_supported(self) -> None:
         """Refuse what we know but do not implement (the 400 names the field)."""
@@ -204,8 +207,8 @@ class _GenerationRequest(_Body):
         """``logit_bias`` with its keys (token ids as JSON strings) as integers."""
         bias = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.strip().isdigit():
-                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            if not re.fullmatch(r"[0-9]{1,18}", key.strip()):  # ASCII digits: int() takes others too
+                raise bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias")
             bias[int(key)] = value
         return bias
 
@@ -304,7 +307,40 @@ class ChatMessage(BaseModel):
         return checked_text("".join(texts), param)
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatTemplateFields(BaseModel):
+    """What a chat body gives the chat template beside its messages (vLLM's fields)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+    documents: Optional[List[Dict[str, Any]]] = None
+
+    def check_template_fields(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt to be false",
+                              "continue_final_message")
+
+    def request_template(self) -> Tuple[Optional[str], Optional[str]]:
+        """The chat template the request brings, and the field it came in: ``chat_template``,
+        or (as vLLM reads it too) ``chat_template_kwargs.chat_template``; (None, None) for none."""
+        if self.chat_template is not None:
+            return self.chat_template, "chat_template"
+        template = (self.chat_template_kwargs or {}).get("chat_template")
+        if template is None:
+            return None, None
+        if not isinstance(template, str):
+            raise bad_request("chat_template_kwargs.chat_template must be a string", "chat_template_kwargs")
+        return template, "chat_template_kwargs"
+
+    def template_kwargs(self) -> Dict[str, Any]:
+        """``chat_template_kwargs`` (say Qwen3's ``enable_thinking``) less the names the request's
+        own fields set."""
+        return {name: value for name, value in (self.chat_template_kwargs or {}).items()
+                if name not in _TEMPLATE_ARGUMENTS}
+
+
+class ChatCompletionRequest(_GenerationRequest, ChatTemplateFields):
     """``POST /v1/chat/completions``."""
 
     messages: List[ChatMessage]
@@ -316,21 +352,14 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     parallel_tool_calls: bool = True
     functions: Optional[List[Dict[str, Any]]] = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     echo: bool = False
-    chat_template: Optional[str] = None
-    chat_template_kwargs: Optional[Dict[str, Any]] = None
-    documents: Optional[List[Dict[str, Any]]] = None
     include_reasoning: bool = True  # with --reasoning-parser: false drops reasoning_content
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo:
             raise bad_request("echo is not supported in chat by this server", "echo")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise bad_request("continue_final_message needs add_generation_prompt to be false",
-                              "continue_final_message")
+        self.check_template_fields()
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
         if len(self.messages) > MAX_MESSAGES:
@@ -343,16 +372,6 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
 
-    def template_options(self) -> Dict[str, Any]:
-        """What the chat template gets beside the messages and tools: ``chat_template_kwargs``
-        (say Qwen3's ``enable_thinking``), ``documents``, a per-request ``chat_template``."""
-        options = {name: value for name, value in (self.chat_template_kwargs or {}).items()
-                   if name not in _TEMPLATE_ARGUMENTS}
-        extra = {"documents": self.documents, "chat_template": self.chat_template}
-        options.update({name: value for name, value in extra.items() if value is not None})
-        return dict(options, add_generation_prompt=self.add_generation_prompt,
-                    continue_final_message=self.continue_final_message)
-
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -360,14 +379,13 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Body, ChatTemplateFields):
     """``POST /tokenize``: a prompt, or chat messages rendered with the chat template."""
 
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[List[ChatMessage]] = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Body):
@@ -377,11 +395,12 @@ class DetokenizeRequest(_Body):
     tokens: List[int]
 
 
-# Arguments of apply_chat_template that chat_template_kwargs may not set (the request's own
-# fields set them).
-_TEMPLATE_ARGUMENTS = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+# The template's variables and apply_chat_template's arguments, which chat_template_kwargs may
+# not set (the request's own fields set them).
+_TEMPLATE_ARGUMENTS = {"messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
                        "continue_final_message", "tokenize", "return_dict", "return_tensors", "padding",
-                       "truncation", "max_length", "tokenizer_kwargs"}
+                       "truncation", "max_length", "tokenizer_kwargs", "sanitize_control_tokens",
+                       "return_assistant_tokens_mask"}
 _FIELD_NAMES = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
 
 

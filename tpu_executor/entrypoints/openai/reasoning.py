@@ -11,6 +11,10 @@ Where the reasoning starts:
 
 Reasoning runs to ``</think>``; an output cut before it (``max_tokens``) is all reasoning, the
 same whole and streamed. A stream holds back a tail that may still become a marker.
+
+The engine, given the same ``reasoning_parser``, starts a request's grammar (structured
+outputs, required or named tool calls) after the ``</think>`` token by the same rules, read on
+token ids (``engine/structured_outputs.py``): the grammar's output is the content.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ NOT_IMPLEMENTED: Dict[str, tuple] = {
     "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
     "guided_decoding_backend": ("xgrammar", "auto"), "logits_processors": ((), []), "cache_salt": (),
     "kv_transfer_params": (), "vllm_xargs": ({},), "mm_processor_kwargs": ({},), "structural_tag": (),
-    "guided_whitespace_pattern": (), "return_token_ids": (False,), "reasoning_effort": (),
+    "guided_whitespace_pattern": (), "reasoning_effort": (),
     "logprob_token_ids": ((), []), "thinking_token_budget": (), "repetition_detection": (), "watermarking": (False,),
     "stream_interval": (1,), "return_prompt_text": (False,), "return_token_offsets": (False,),
     "ec_transfer_params": (), "media_io_kwargs": ({},), "mm_payload": ("tensors", "none"),

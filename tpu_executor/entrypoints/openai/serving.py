@@ -25,6 +25,7 @@ from tpu_executor.entrypoints.openai.config import ServerConfig
 from tpu_executor.entrypoints.openai.lora import ServedAdapters
 from tpu_executor.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from tpu_executor.entrypoints.openai.protocol import ApiError, bad_request, checked_text, field_named_by
+from tpu_executor.entrypoints.openai.templates import ChatTemplates
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,15 @@ def queue_full(err: QueueFullError) -> ApiError:
     return ApiError(503, str(err), type="server_error", code="queue_full")
 
 
+def engine_failure(message: str) -> ApiError:
+    """A request the engine failed: a 400 naming the field when the request's own fields
+    doomed it (the message starts with one), else a 500."""
+    field = field_named_by(message, None)
+    if field is not None:
+        return bad_request(message, field)
+    return ApiError(500, f"the engine failed this request: {message}", type="server_error")
+
+
 def sse(payload: Union[str, Dict[str, Any]]) -> str:
     """One server-sent event in OpenAI's framing."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
@@ -77,7 +87,8 @@ class OpenAIServing:
         self.config = config
         self.metrics = metrics
         self.max_model_len = engine.model.max_model_len
-        self.adapters = ServedAdapters(engine, config.model_name, config.lora_modules)
+        self.adapters = ServedAdapters(engine, config.model_name, config.lora_modules, config.lora_adapter_root)
+        self.templates = ChatTemplates(tokenizer, config.chat_template_timeout_s, config.max_chat_template_chars)
 
     # ---- checks -------------------------------------------------------------------------
     def check_model(self, name: Optional[str]) -> Optional[LoRARequest]:
@@ -210,7 +221,7 @@ class OpenAIServing:
         outputs = [totals[i] for i in started.request_ids]
         failed = next((o.error for o in outputs if o.error), None)
         if failed:
-            raise ApiError(500, f"the engine failed this request: {failed}", type="server_error")
+            raise engine_failure(failed)
         return outputs
 
     async def stream_events(self, started: Started, chunks: ChunkMaker,
@@ -221,7 +232,7 @@ class OpenAIServing:
         try:
             async for delta in self._read(started):
                 if delta.error:
-                    raise ApiError(500, f"the engine failed this request: {delta.error}", type="server_error")
+                    raise engine_failure(delta.error)
                 for chunk in chunks(started.index_of(delta.request_id), delta):
                     yield sse(chunk)
             for chunk in final_chunks():

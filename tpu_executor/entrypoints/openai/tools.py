@@ -48,6 +48,17 @@ def checked_tools(tools: Optional[List[Dict[str, Any]]]) -> Dict[str, dict]:
     return schemas
 
 
+def _named_function(tool_choice: Any) -> str:
+    """The function name of a ``tool_choice`` object, ``{"type": "function", "function":
+    {"name": ...}}``; a 400 naming ``tool_choice`` for any other shape."""
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or tool_choice.get("type", "function") != "function":
+        raise bad_request("tool_choice must be none, auto, required or {'type': 'function', 'function': "
+                          f"{{'name': ...}}}}, got {json.dumps(tool_choice)[:200]}", "tool_choice")
+    return name
+
+
 class ToolChoice:
     """A chat request's tools and what it asks of them (checked once)."""
 
@@ -68,7 +79,7 @@ class ToolChoice:
             if tool_choice != "none" and not self.schemas:
                 raise bad_request(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
             return tool_choice, None
-        name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+        name = _named_function(tool_choice)
         if name not in self.schemas:
             raise bad_request(f"tool_choice names function {name!r}, which is not among the tools", "tool_choice")
         return "named", name
@@ -161,5 +172,7 @@ def _template_call(call: Dict[str, Any], index: int, fmt: str) -> Dict[str, Any]
         arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
     except json.JSONDecodeError:
         raise bad_request(f"messages[{index}].tool_calls arguments are not JSON", f"messages[{index}]") from None
+    if not isinstance(call.get("id"), (str, type(None))):
+        raise bad_request(f"messages[{index}].tool_calls ids must be strings", f"messages[{index}]")
     return {"id": template_call_id(call.get("id"), fmt), "type": "function",
             "function": {"name": function["name"], "arguments": arguments}}

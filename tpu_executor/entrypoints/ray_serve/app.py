@@ -102,7 +102,7 @@ def build_application(model_path: str, engine_options: Dict[str, Any], server: S
     engine_options = {k: v for k, v in engine_options.items() if k != "ray_address"}  # replicas are on the cluster
     replica_class = serve.deployment(name="EngineReplica")(EngineReplica)
     replica_app = replica_class.options(**replica_deployment_options(engine_options, server, replicas)).bind(
-        model_path, engine_options, server.max_waiting_requests, worker_class)
+        model_path, engine_options, server, worker_class)
     ingress_class = serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0},
                                      max_ongoing_requests=100_000,
                                      graceful_shutdown_timeout_s=server.drain_timeout_s)(serve.ingress()(OpenAIIngress))

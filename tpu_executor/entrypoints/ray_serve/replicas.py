@@ -22,12 +22,14 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 
 from tpu_executor.core.lora import LoRARequest
-from tpu_executor.core.request import RequestMetrics
+from tpu_executor.core.request import RequestMetrics, RequestOutput
 from tpu_executor.core.sampling_params import SamplingParams
 from tpu_executor.engine.async_engine import QueueFullError
 from tpu_executor.engine.llm_engine import EngineDeadError
 from tpu_executor.engine.protocols import RequestStream, ServedModel
 from tpu_executor.engine.stats import EngineStats
+from tpu_executor.entrypoints.openai.config import ServerConfig
+from tpu_executor.entrypoints.openai.lora import AdapterRoot
 from tpu_executor.executor import WorkerMaker
 
 logger = logging.getLogger(__name__)
@@ -79,11 +81,38 @@ def _board(app_name: str):
                                           num_cpus=0, lifetime="detached").remote()
 
 
+class AdapterUnavailable(Exception):
+    """A replica cannot serve a request's LoRA adapter: that request fails, the replica serves on."""
+
+
+class ReplicaAdapters:
+    """The adapters a replica reads: the operator's (``lora_modules``, wherever they are) and,
+    with runtime updates, those inside the adapter root as this replica's host resolves it (the
+    ingress checked the path on its own host; a symlink may differ here)."""
+
+    def __init__(self, server: ServerConfig):
+        self.trusted = {path for _, path in server.lora_modules}
+        runtime = server.enable_lora_runtime_updates and server.lora_adapter_root is not None
+        self.root = AdapterRoot(server.lora_adapter_root) if runtime else None
+
+    def check(self, engine, lora: LoRARequest) -> None:
+        """``AdapterUnavailable`` unless ``engine`` may read ``lora`` and it fits the model; the
+        reason goes to this replica's log, not to the client (it holds server paths)."""
+        try:
+            if lora.lora_path not in self.trusted and (self.root is None or not self.root.holds(lora.lora_path)):
+                raise ValueError(f"{lora.lora_path!r} is outside the adapter root on this host")
+            engine.validate_lora(lora)  # reads once per adapter, then remembered
+        except ValueError as err:
+            logger.warning("this replica cannot serve LoRA adapter %r: %s", lora.lora_name, err)
+            raise AdapterUnavailable(f"the LoRA adapter '{lora.lora_name}' cannot be read on the replica serving "
+                                     "this request") from None
+
+
 class EngineReplica:
     """One Serve replica: an engine on its chips, served through an ``AsyncLLMEngine`` on this
     actor's event loop."""
 
-    async def __init__(self, model_path: str, engine_options: Dict[str, Any], max_waiting_requests: int,
+    async def __init__(self, model_path: str, engine_options: Dict[str, Any], server: ServerConfig,
                        worker_class: Optional[WorkerMaker] = None):
         from tpu_executor.engine.async_engine import AsyncLLMEngine
         from tpu_executor.engine.llm_engine import LLMEngine
@@ -92,8 +121,9 @@ class EngineReplica:
         self.async_engine: Optional[AsyncLLMEngine] = None
         options = {"show_progress": False, **engine_options, "worker_class": worker_class}  # a log is no terminal
         engine = await asyncio.to_thread(lambda: LLMEngine.from_options(model_path, **options))
-        self.async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
+        self.async_engine = AsyncLLMEngine(engine, max_waiting_requests=server.max_waiting_requests)
         self.async_engine.start()
+        self.adapters = ReplicaAdapters(server)
         context = serve.get_replica_context()
         self.name = context.replica_tag
         self.board = _board(context.app_name)
@@ -105,7 +135,10 @@ class EngineReplica:
         return engine.config, engine.vocab_size
 
     async def generate(self, request: ReplicaRequest):
-        """The request's deltas; a cancelled call (the client left) aborts it."""
+        """The request's deltas; a cancelled call (the client left) aborts it. An adapter this
+        replica cannot read fails the request (``AdapterUnavailable``)."""
+        if request.lora_request is not None:
+            await asyncio.to_thread(self.adapters.check, self.async_engine, request.lora_request)
         async for delta in self.async_engine.generate(request.request_id, request.token_ids, request.params,
                                                       request.prompt, lora_request=request.lora_request):
             yield delta
@@ -208,6 +241,9 @@ class ReplicaPool:
                                       "requests waiting for one); retry later"))
         except Exception as err:  # noqa: BLE001 - the replica died or failed: the stream says so
             cause = getattr(err, "cause", None) or err
+            if isinstance(cause, AdapterUnavailable):  # this request's failure, not the replica's
+                stream.put(RequestOutput(request.request_id, request.prompt, request.token_ids, [], True, str(cause)))
+                return
             first_line = next(iter(str(cause).splitlines()), "")  # not the remote traceback
             stream.put(EngineDeadError(f"the replica serving this request failed: {type(cause).__name__}: "
                                        f"{first_line}"))
