@@ -46,7 +46,8 @@ class LoRASlots:
 
     def set_lora(self, slot: int, shard_id, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> None:
         """Write one projection's adapter into ``slot`` (on the host): ``lora_a [r, in]`` and
-        ``lora_b [out, r]`` as PEFT stores them (whole, every rank's part), ``scale`` PEFT's."""
+        ``lora_b [out, r]`` as PEFT stores them (whole, every rank's part), ``scale`` PEFT's.
+        ValueError, writing nothing, when a value is not finite in the slots' dtype."""
         if slot < 1:
             raise ValueError("slot 0 is the base model's: adapters go in slots 1 and up")
         rank = lora_a.shape[0]
@@ -55,8 +56,12 @@ class LoRASlots:
                              f"{self.lora_rank} (max_lora_rank)")
         a_part, b_part, column, (out_start, out_len) = self._lora_parts(shard_id, lora_a, lora_b)
         with torch.no_grad():
-            self.lora_a_host[slot, :, column:column + rank] = a_part.t().to(self.lora_a_host.dtype)
+            a_part = a_part.t().to(self.lora_a_host.dtype)
             scaled = (b_part.float() * scale).t().to(self.lora_b_host.dtype)
+            # A value too large for the slots' dtype (or for B times its scale) becomes infinite.
+            if not (bool(torch.isfinite(a_part).all()) and bool(torch.isfinite(scaled).all())):
+                raise ValueError(f"its A, or its B scaled by {scale:g}, is not finite in {self.lora_a_host.dtype}")
+            self.lora_a_host[slot, :, column:column + rank] = a_part
             self.lora_b_host[slot, column:column + rank, out_start:out_start + out_len] = scaled
 
     def clear_lora(self, slot: int) -> None:

@@ -11,7 +11,9 @@ Shapes:
               blocks is never read). None: one projection, every column to every feature.
 Returns [num_tokens, out_features] in x's dtype: row ``t`` is
 ``(x[t] @ lora_a[slots[t]]) @ lora_b[slots[t]]`` over B's blocks, computed in fp32, and zero
-for a token of slot 0 (the base model: no adapter; slot 0's A and B are never read).
+for a token of slot 0 (the base model: no adapter; slot 0's A and B are never read). A
+non-finite value in a slot's A or B reaches no other slot's tokens and no token of slot 0, in
+every form; what that slot's own rows then hold may differ between forms.
 
 The engine keeps a packed layer's adapters side by side in ``rank`` (each packed projection's
 A in its own columns, its B over that projection's features), so one call gives every
@@ -43,4 +45,4 @@ def lora_matmul(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slo
     delta = x.new_zeros(x.shape[0], lora_b.shape[2], dtype=torch.float32)
     for columns, features in blocks(lora_a.shape[2], lora_b.shape[2], out_slices):
         delta[:, features] = torch.bmm(shrunk[:, :, columns], b[:, columns, features])[:, 0]
-    return (delta * (slots != 0)[:, None]).to(x.dtype)
+    return torch.where((slots != 0)[:, None], delta, 0.0).to(x.dtype)

@@ -75,3 +75,29 @@ def test_packed_projections_read_only_their_blocks_of_b():
                 expected[t, features] = x[t] @ lora_a[slot][:, columns] @ lora_b[slot][columns, features]
     for fn in [reference.lora_matmul, forms.one_hot, forms.grouped] + [cpu_native.lora_matmul] * cpu_native.supported():
         torch.testing.assert_close(fn(x, lora_a, lora_b, slots, out_slices), expected, msg=fn.__module__)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_a_non_finite_value_in_one_slot_stays_in_that_slot(bad, side):
+    """One inf or NaN in slot 2's A or B (packed projections): every form gives the base
+    model's tokens exactly zero and the other slots' tokens exactly what they get from clean
+    weights (close to the reference's); only slot 2's own tokens may see it."""
+    gen = torch.Generator().manual_seed(3)
+    x, slots = torch.randn(7, 12, generator=gen), torch.tensor([0, 1, 2, 3, 2, 0, 1])
+    lora_a, lora_b = torch.randn(4, 12, 6, generator=gen), torch.randn(4, 6, 10, generator=gen)
+    out_slices = ((0, 4), (4, 6))
+    poisoned_a, poisoned_b = lora_a.clone(), lora_b.clone()
+    if side == "a":
+        poisoned_a[2, 5, 1] = bad
+    else:
+        poisoned_b[2, 4, 7] = bad  # rank column 4 feeds features 4..9: a value that is read
+    expected = reference.lora_matmul(x, poisoned_a, poisoned_b, slots, out_slices)
+    assert not torch.isfinite(expected[slots == 2]).all()
+    others = slots != 2
+    for fn in [reference.lora_matmul, forms.one_hot, forms.grouped] + [cpu_native.lora_matmul] * cpu_native.supported():
+        clean = fn(x, lora_a, lora_b, slots, out_slices)
+        out = fn(x, poisoned_a, poisoned_b, slots, out_slices)
+        assert torch.equal(out[others], clean[others]), fn.__name__
+        assert out[slots == 0].abs().max() == 0
+        ops.SPEC.assert_close(out[others], expected[others], fn.__name__)

@@ -16,7 +16,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Set, Tuple
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -71,11 +71,97 @@ class LoRARequest:
 
 def _pattern_value(patterns: Mapping[str, int], module: str, default):
     """PEFT's per-module override: the value of the first pattern naming ``module`` (the
-    pattern is a regular expression matched against the module name's end)."""
+    pattern is a regular expression matched against the module name's end; ``parse`` has
+    compiled each one)."""
     for pattern, value in patterns.items():
-        if re.fullmatch(rf"(.*\.)?({pattern})", module):
+        if _module_pattern(pattern).fullmatch(module):
             return value
     return default
+
+
+def _module_pattern(pattern: str) -> "re.Pattern":
+    return re.compile(rf"(.*\.)?({pattern})")
+
+
+# PEFT writes a few kilobytes; anything far larger is not an adapter config.
+MAX_CONFIG_BYTES = 1 << 20
+# Far above any trained adapter's rank: bounds what scale_of divides by.
+MAX_RANK = 1 << 16
+
+
+def _shown(value) -> str:
+    """``value`` for an error message, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _rank(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_RANK:
+        raise ValueError(f"{where} must be an integer in [1, {MAX_RANK}], got {_shown(value)}")
+    return value
+
+
+def _alpha(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where} must be a number, got {_shown(value)}")
+    try:
+        alpha = float(value)
+    except OverflowError:  # an integer beyond float's range
+        alpha = math.inf
+    if not math.isfinite(alpha):
+        raise ValueError(f"{where} must be a finite number, got {_shown(value)}")
+    return alpha
+
+
+def _patterns(raw: Mapping, key: str, value_of, where: str) -> Dict[str, object]:
+    """``raw[key]`` (``rank_pattern`` or ``alpha_pattern``): regular expressions over module
+    names, each compiled here, to values checked by ``value_of``."""
+    patterns = raw.get(key)
+    if patterns is None:
+        return {}
+    if not isinstance(patterns, dict):
+        raise ValueError(f"{where}: {key} must be an object of module patterns, got {_shown(patterns)}")
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+            _module_pattern(pattern)
+        except (re.error, TypeError) as err:
+            raise ValueError(f"{where}: {key} key {_shown(pattern)} is not a valid regular expression "
+                             f"({err})") from None
+    return {pattern: value_of(value, f"{where}: {key}[{_shown(pattern)}]") for pattern, value in patterns.items()}
+
+
+def _targets(targets, where: str) -> Tuple[str, ...]:
+    """``target_modules``: module names, or (PEFT) one regular expression over them."""
+    if targets is None:
+        return ()
+    if isinstance(targets, str):
+        try:
+            pattern = re.compile(targets)
+        except re.error as err:
+            raise ValueError(f"{where}: target_modules {_shown(targets)} is not a valid regular expression "
+                             f"({err})") from None
+        return tuple(t for t in TARGETS if pattern.fullmatch(t) or re.search(rf"(^|\.){t}$", targets))
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"{where}: target_modules must be a list of module names or a regular expression, "
+                         f"got {_shown(targets)}")
+    return tuple(targets)
+
+
+def _refuse_unserved(raw: Mapping, where: str) -> None:
+    """What PEFT can train but this engine does not serve."""
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{where} is a {_shown(raw.get('peft_type'))} adapter (peft_type); only LoRA adapters "
+                         "are served")
+    if raw.get("use_dora"):
+        raise ValueError(f"{where} uses DoRA (use_dora), which this engine does not serve")
+    if raw.get("modules_to_save"):
+        raise ValueError(f"{where} saves whole modules ({_shown(raw['modules_to_save'])}): modules_to_save is "
+                         "not served, only LoRA updates of the projections")
+    if raw.get("bias", "none") != "none":
+        raise ValueError(f"{where} trains biases (bias={_shown(raw['bias'])}); only bias='none' is served")
+    if raw.get("fan_in_fan_out"):
+        raise ValueError(f"{where} stores fan_in_fan_out weights (Conv1D layers), which no model here has")
 
 
 @dataclass(frozen=True)
@@ -102,43 +188,41 @@ class AdapterConfig:
     @classmethod
     def read(cls, path: str) -> "AdapterConfig":
         """The adapter config at ``path`` (a directory), refused with a message that names what
-        this engine does not serve (DoRA, ``modules_to_save``, trained biases, other PEFT types)."""
+        this engine does not serve (DoRA, ``modules_to_save``, trained biases, other PEFT types)
+        or what in the file is not what PEFT writes."""
         file = os.path.join(path, CONFIG_FILE)
         if not os.path.isfile(file):
             raise ValueError(f"LoRA adapter {path!r} has no {CONFIG_FILE}: not a PEFT adapter directory")
         try:
-            with open(file) as f:
-                raw = json.load(f)
-        except (OSError, json.JSONDecodeError) as err:
+            with open(file, "rb") as f:
+                text = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as err:
+            raise ValueError(f"LoRA adapter {path!r}: {CONFIG_FILE} cannot be read ({err})") from err
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ValueError(f"LoRA adapter {path!r}: {CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes, not a PEFT "
+                             "adapter config")
+        try:
+            raw = json.loads(text)
+        except (ValueError, RecursionError) as err:  # ValueError: not JSON, not UTF-8, too many digits
             raise ValueError(f"LoRA adapter {path!r}: {CONFIG_FILE} is not valid JSON ({err})") from err
         return cls.parse(raw, path)
 
     @classmethod
     def parse(cls, raw: Mapping, path: str = "") -> "AdapterConfig":
-        """``raw`` (the config's JSON object), checked."""
+        """``raw`` (the config's JSON value), checked: anything PEFT would not have written
+        raises ValueError naming the key."""
         where = f"LoRA adapter {path!r}"
-        if raw.get("peft_type", "LORA") != "LORA":
-            raise ValueError(f"{where} is a {raw.get('peft_type')} adapter; only LoRA adapters are served")
-        if raw.get("use_dora"):
-            raise ValueError(f"{where} uses DoRA (use_dora), which this engine does not serve")
-        if raw.get("modules_to_save"):
-            raise ValueError(f"{where} saves whole modules ({raw['modules_to_save']}): modules_to_save is not "
-                             "served, only LoRA updates of the projections")
-        if raw.get("bias", "none") != "none":
-            raise ValueError(f"{where} trains biases (bias={raw['bias']!r}); only bias='none' is served")
-        if raw.get("fan_in_fan_out"):
-            raise ValueError(f"{where} stores fan_in_fan_out weights (Conv1D layers), which no model here has")
-        targets = raw.get("target_modules")
-        if isinstance(targets, str):  # PEFT: a regular expression over module names
-            targets = tuple(t for t in TARGETS if re.fullmatch(targets, t) or re.search(rf"(^|\.){t}$", targets))
-        r, alpha = raw.get("r"), raw.get("lora_alpha", raw.get("r"))
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-            raise ValueError(f"{where}: r must be an integer >= 1, got {r!r}")
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-            raise ValueError(f"{where}: lora_alpha must be a number, got {alpha!r}")
-        return cls(r=r, lora_alpha=float(alpha), target_modules=tuple(targets or ()),
-                   use_rslora=bool(raw.get("use_rslora", False)), rank_pattern=dict(raw.get("rank_pattern") or {}),
-                   alpha_pattern=dict(raw.get("alpha_pattern") or {}))
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where}: {CONFIG_FILE} must hold a JSON object, got {type(raw).__name__}")
+        _refuse_unserved(raw, where)
+        r = _rank(raw.get("r"), f"{where}: r")
+        use_rslora = raw.get("use_rslora", False)
+        if not isinstance(use_rslora, bool):
+            raise ValueError(f"{where}: use_rslora must be true or false, got {_shown(use_rslora)}")
+        return cls(r=r, lora_alpha=_alpha(raw.get("lora_alpha", r), f"{where}: lora_alpha"),
+                   target_modules=_targets(raw.get("target_modules"), where), use_rslora=use_rslora,
+                   rank_pattern=_patterns(raw, "rank_pattern", _rank, where),
+                   alpha_pattern=_patterns(raw, "alpha_pattern", _alpha, where))
 
     def max_rank(self) -> int:
         """The largest rank of any module (``rank_pattern`` may raise it above ``r``)."""
@@ -160,19 +244,26 @@ class AdapterSlots:
     pins its adapter's slot while it runs; a slot nobody uses is given to another adapter,
     the one used longest ago first. The slots given out since the last ``take_loads`` are
     what the workers must write before the step runs; the adapters of ``take_reads`` what they
-    start reading from disk, so that no step waits on a read."""
+    start reading from disk, so that no step waits on a read.
+
+    A slot whose write failed (``failed``) or whose adapter was unloaded (``forget``) is
+    emptied: the workers are told to zero it (``(slot, None)`` among the loads) and the adapter
+    counts as unread, so a later request for it reads it again from disk."""
 
     def __init__(self, max_loras: int, max_cpu_loras: Optional[int] = None):
         self.holders: List[Optional[LoRARequest]] = [None] * (max_loras + 1)
         self.users = [0] * (max_loras + 1)
         self._last_used = [0] * (max_loras + 1)
         self._clock = 0
-        self._loads: List[Tuple[int, LoRARequest]] = []
+        self._loads: List[Tuple[int, Optional[LoRARequest]]] = []
         # The adapters the workers hold read on the host (or are reading), the latest last: as
         # the workers' own ``max_cpu_loras`` cache (a difference only costs a read in a step).
         self._read: "collections.OrderedDict[int, LoRARequest]" = collections.OrderedDict()
         self.max_cpu_loras = max_cpu_loras or max_loras
         self._reads: List[LoRARequest] = []
+        # Slots whose adapter was unloaded while running requests still use it: emptied when
+        # the last one leaves, and no new request joins them.
+        self._unloading: Set[int] = set()
 
     def is_read(self, lora: LoRARequest) -> bool:
         """Whether the workers hold ``lora`` read, in a slot or on the host since an earlier
@@ -193,9 +284,9 @@ class AdapterSlots:
         return reads
 
     def slot_of(self, lora_int_id: int) -> Optional[int]:
-        """The slot holding adapter ``lora_int_id``, or None."""
+        """The slot holding adapter ``lora_int_id`` for new requests, or None."""
         for slot, holder in enumerate(self.holders):
-            if holder is not None and holder.lora_int_id == lora_int_id:
+            if holder is not None and holder.lora_int_id == lora_int_id and slot not in self._unloading:
                 return slot
         return None
 
@@ -221,27 +312,48 @@ class AdapterSlots:
         if slot:
             self.users[slot] -= 1
             self._touch(slot)
+            if not self.users[slot] and slot in self._unloading:
+                self._empty(slot)
 
     def forget(self, lora_int_id: int) -> bool:
-        """Drop adapter ``lora_int_id`` from its slot (unloaded); False when a running request
-        still uses it."""
-        slot = self.slot_of(lora_int_id)
-        if slot is not None and self.users[slot]:
-            return False
-        if slot is not None:
-            self.holders[slot] = None
+        """Unload adapter ``lora_int_id``: the workers zero its slot once no running request
+        uses it (at the next step when none does; True then, False while requests still run
+        with it); no new request joins it, and it is no longer counted as read."""
         self._read.pop(lora_int_id, None)
+        slot = self.slot_of(lora_int_id)
+        if slot is None:
+            return True
+        if self.users[slot]:
+            self._unloading.add(slot)
+            return False
+        self._empty(slot)
         return True
+
+    def failed(self, slot: int, lora_int_id: int) -> None:
+        """The workers could not write adapter ``lora_int_id`` into ``slot`` (they left it
+        empty, on at least one rank): the slot no longer holds it, every rank zeroes it, and a
+        later request for it reads it again. The running requests of that slot are failed by
+        the caller (their users count drops as they leave)."""
+        self._read.pop(lora_int_id, None)
+        holder = self.holders[slot]
+        if holder is not None and holder.lora_int_id == lora_int_id:
+            self._empty(slot)
 
     @property
     def slots_in_use(self) -> int:
         """Slots whose adapter a running request uses."""
         return sum(1 for users in self.users[1:] if users)
 
-    def take_loads(self) -> Tuple[Tuple[int, LoRARequest], ...]:
-        """(slot, adapter) given out since the last call, for the workers to write."""
+    def take_loads(self) -> Tuple[Tuple[int, Optional[LoRARequest]], ...]:
+        """(slot, adapter) given out since the last call, for the workers to write, in order
+        ((slot, None): zero the slot)."""
         loads, self._loads = tuple(self._loads), []
         return loads
+
+    def _empty(self, slot: int) -> None:
+        self.holders[slot] = None
+        self._unloading.discard(slot)
+        self._loads.append((slot, None))
 
     def _touch(self, slot: int) -> None:
         self._clock += 1

@@ -106,9 +106,11 @@ class Scheduler:
             prefills = self._schedule_prefills(budget, bool(decodes or verifies or chunks))
         if names_drafting:
             drafting.extend(w.request_id for w in chunks + prefills if w.is_last_chunk)
-        loads, reads = (self.adapters.take_loads(), self.adapters.take_reads()) if self.adapters is not None \
-            else ((), ())
-        return SchedulerOutput(prefills=tuple(chunks + prefills), decodes=tuple(decodes), verifies=tuple(verifies),
+        work = chunks + prefills
+        # An empty step is not run: the slots' writes wait for the next one that is.
+        loads, reads = (self.adapters.take_loads(), self.adapters.take_reads()) \
+            if self.adapters is not None and (work or decodes or verifies) else ((), ())
+        return SchedulerOutput(prefills=tuple(work), decodes=tuple(decodes), verifies=tuple(verifies),
                                drafting=tuple(drafting), lora_loads=loads, lora_reads=reads)
 
     def _schedule_decodes(self, drafter: Optional[Drafter], names_drafting: bool
@@ -301,6 +303,18 @@ class Scheduler:
             return False
         request.lora_slot = slot
         return True
+
+    def adapter_failed(self, slot: int, lora_int_id: int, step: SchedulerOutput) -> List[str]:
+        """The workers could not write adapter ``lora_int_id`` into ``slot`` for ``step``
+        (they left the slot empty): the ids of the requests that must fail, those with work of
+        that slot in ``step`` (preempted since or not) and those running in it now (admitted
+        since, on the same empty slot), and the slot is emptied (a later request reads the
+        adapter again)."""
+        doomed = {work.request_id for work in (*step.prefills, *step.decodes, *step.verifies) if work.lora_slot == slot}
+        doomed.update(r.request_id for r in self.running if r.lora_slot == slot
+                      and r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id)
+        self.adapters.failed(slot, lora_int_id)
+        return sorted(doomed)
 
     def _release_adapter(self, request: Request) -> None:
         """A request leaves the running set: its adapter's slot loses a user."""

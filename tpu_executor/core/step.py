@@ -126,7 +126,7 @@ class SchedulerOutput:
     # The requests that may verify drafts in the next step (a draft model drafts for those only).
     drafting: Tuple[str, ...] = ()
     # Multi-LoRA: (slot, LoRARequest) the workers write before the step runs (adapters given a
-    # device slot since the step before).
+    # device slot since the step before), in order; (slot, None) empties the slot.
     lora_loads: Tuple[Tuple[int, Any], ...] = ()
     # LoRARequests the workers start reading from disk in the background (the requests that
     # need them run from a later step, whose ``lora_loads`` write them).
@@ -195,11 +195,22 @@ class PromptLogprobs(NamedTuple):
     top: Tuple[Dict[int, float], ...]
 
 
+class LoRAFailure(NamedTuple):
+    """An adapter a worker could not write into its slot for a step (unreadable, malformed,
+    non-finite): the slot is left empty, and the requests of that adapter in that slot fail with
+    ``message`` (it names the adapter, never its path on the server)."""
+
+    slot: int
+    lora_int_id: int
+    message: str
+
+
 @dataclass(frozen=True)
 class ModelRunnerOutput:
     """A worker's answer to one step: a token per sampled request, and the prompt log-probs its
     prefills gave; or the error that failed the step (the worker caught it; its requests fail,
-    the engine goes on)."""
+    the engine goes on). ``lora_failures``: the adapters of the step's ``lora_loads`` that could
+    not be written (the step ran; their requests' tokens of it must be discarded)."""
 
     sampled: SampledTokens = field(default_factory=SampledTokens)
     error: Optional[str] = None
@@ -207,6 +218,9 @@ class ModelRunnerOutput:
     # Speculative decoding with a draft model: per request, the drafts that follow its tokens
     # once this step's are recorded (the next step verifies them).
     drafts: Mapping[str, Tuple[int, ...]] = field(default_factory=dict)
+    lora_failures: Tuple[LoRAFailure, ...] = ()
+    # The drafter's error when it failed after the step ran: the step's tokens stand, no drafts.
+    draft_error: Optional[str] = None
 
 
 @dataclass

@@ -50,6 +50,11 @@ class _Abort:
 
 
 @dataclass(frozen=True)
+class _ForgetLoRA:
+    lora_int_id: int
+
+
+@dataclass(frozen=True)
 class _Stats:
     answer: concurrent.futures.Future
 
@@ -98,8 +103,10 @@ class AsyncLLMEngine:
         self.engine.checks.lora(lora_request)
 
     def forget_lora(self, lora_request: LoRARequest) -> None:
-        """The adapter was unloaded: the engine no longer takes its id as checked."""
+        """The adapter was unloaded: the engine no longer takes its id as checked, and its
+        device slot is emptied once the requests running with it end."""
         self.engine.checks.forget_lora(lora_request.lora_int_id)
+        self._commands.put(_ForgetLoRA(lora_request.lora_int_id))
 
     def validate_prompt(self, token_ids: Sequence[int], params: SamplingParams) -> None:
         """``ValueError`` naming what is wrong with a prompt, before it is queued (reads only
@@ -274,6 +281,8 @@ class AsyncLLMEngine:
                 self._loop.call_soon_threadsafe(self._fail_stream, command.request_id, err)
         elif isinstance(command, _Abort):
             engine.abort_request(command.request_id)
+        elif isinstance(command, _ForgetLoRA):
+            engine.forget_lora(command.lora_int_id)
         elif isinstance(command, _Stats):
             command.answer.set_result(engine.stats())
 

@@ -28,6 +28,7 @@ from tpu_executor.core.phase_timer import NullPhaseTimer
 from tpu_executor.core.request import Request, RequestStatus
 from tpu_executor.core.scheduler import Scheduler
 from tpu_executor.core.step import (
+    LoRAFailure,
     ModelRunnerOutput,
     PromptLogprobs,
     SampledTokens,
@@ -153,7 +154,7 @@ class EngineCore:
             if spec is not None:
                 if self.grammars is None:
                     raise RuntimeError("a request has structured_outputs but the core has no grammar compiler")
-                self.grammars.add(sample.request_id, spec)
+                self.grammars.add(sample.request_id, spec, sample.prompt_token_ids)
         self.scheduler.add(samples[0])
         if len(samples) > 1:
             self._deferred.append((samples[0], list(samples[1:])))
@@ -236,7 +237,7 @@ class EngineCore:
             self._shut_down_after(err)
         except Exception as err:  # noqa: BLE001 - a failed step fails its requests, not the engine
             logger.exception("engine step failed to start")
-            self._fail(scheduled.request_ids, f"{type(err).__name__}: {err}", finished)
+            self._fail_step(scheduled, f"{type(err).__name__}: {err}", finished)
         return None
 
     def _finish(self, scheduled: SchedulerOutput, running: "Future[ModelRunnerOutput]",
@@ -250,12 +251,13 @@ class EngineCore:
             self._shut_down_after(err)
         except Exception as err:  # noqa: BLE001 - a failed step fails its requests, not the engine
             logger.exception("engine step failed")
-            self._fail(scheduled.request_ids, f"{type(err).__name__}: {err}", finished)
+            self._fail_step(scheduled, f"{type(err).__name__}: {err}", finished)
             return None
         if output.error is not None:
             logger.error("engine step failed: %s", output.error)
-            self._fail(scheduled.request_ids, output.error, finished)
+            self._fail_step(scheduled, output.error, finished)
             return None
+        self._fail_adapters(scheduled, output.lora_failures, finished)
         with self.timer.phase("output"):
             tokens, ended = self.scheduler.update(output.sampled, self._requests, output.drafts)
             for request in ended:
@@ -303,6 +305,31 @@ class EngineCore:
                 request.error = message
                 self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
                 finished[sample_id] = Finished(RequestStatus.FINISHED_ERROR.finish_reason, None, message)
+
+    def _fail_step(self, scheduled: SchedulerOutput, message: str, finished: Dict[str, Finished]) -> None:
+        """Fail every request of a step that failed; the adapters it wrote into slots count as
+        not written (the writes may have stopped half way), so their slots are emptied."""
+        self._fail(scheduled.request_ids, message, finished)
+        failures = [LoRAFailure(slot, lora.lora_int_id, f"LoRA adapter {lora.lora_name!r} was not loaded: the step "
+                                f"that loaded it failed ({message})")
+                    for slot, lora in dict(scheduled.lora_loads).items() if lora is not None]
+        self._fail_adapters(scheduled, failures, finished)
+
+    def _fail_adapters(self, scheduled: SchedulerOutput, failures: Sequence[LoRAFailure],
+                       finished: Dict[str, Finished]) -> None:
+        """Fail the requests of each adapter the workers could not write into its slot for
+        ``scheduled``, before the step's tokens are recorded (theirs are discarded: they ran
+        on an empty slot); the scheduler forgets the slot holds it."""
+        for failure in failures:
+            logger.error("%s (slot %d)", failure.message, failure.slot)
+            doomed = self.scheduler.adapter_failed(failure.slot, failure.lora_int_id, scheduled)
+            self._fail(doomed, failure.message, finished)
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        """Unload adapter ``lora_int_id``: the workers zero its slot once no running request
+        uses it, and a later request for the id reads it from disk again."""
+        if self.scheduler.adapters is not None:
+            self.scheduler.adapters.forget(lora_int_id)
 
     def _shut_down_after(self, failure: WorkerFailure) -> None:
         """Stop the workers and raise EngineDeadError (the front-end fails what was running)."""

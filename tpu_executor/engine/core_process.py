@@ -83,6 +83,10 @@ class CoreProcess:
     def use_grammars(self, compiler) -> None:
         self._send("use_grammars", compiler)
 
+    def forget_lora(self, lora_int_id: int) -> None:
+        if self.dead_reason is None:
+            self._send("forget_lora", lora_int_id)
+
     def has_sample(self, sample_id: str) -> bool:
         return sample_id in self._live
 
@@ -227,5 +231,5 @@ def _apply_messages(conn, core: EngineCore, wait: bool) -> bool:
         if kind == "stats":
             conn.send(("stats", core.stats()))
         else:
-            getattr(core, kind)(*args)  # add, finish, use_grammars
+            getattr(core, kind)(*args)  # add, finish, use_grammars, forget_lora
     return True

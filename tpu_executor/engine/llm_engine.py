@@ -218,6 +218,13 @@ class LLMEngine:
             self._mark_advanced(sample)
         self.core.finish([sample.sample_id for sample in aborted], RequestStatus.FINISHED_ABORTED)
 
+    def forget_lora(self, lora_int_id: int) -> None:
+        """Unload adapter ``lora_int_id``: no longer taken as checked, and its device slot is
+        emptied in every worker once no running request uses it (a later request for the id
+        reads it from disk again)."""
+        self.checks.forget_lora(lora_int_id)
+        self.core.forget_lora(lora_int_id)
+
     def abort_all_requests(self) -> None:
         """Abort every request in the engine (shutdown)."""
         for request_id in list(self._groups):

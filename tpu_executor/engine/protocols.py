@@ -130,6 +130,9 @@ class CoreClient(Protocol):
     def use_grammars(self, compiler) -> None:
         """Constrain requests with grammars through ``compiler``."""
 
+    def forget_lora(self, lora_int_id: int) -> None:
+        """Unload adapter ``lora_int_id``: its slot is emptied once no running request uses it."""
+
     def has_sample(self, sample_id: str) -> bool:
         """Whether the core still holds this sample."""
 

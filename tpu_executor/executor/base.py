@@ -7,18 +7,21 @@ every worker (``_call_workers``, and ``_start_on_workers`` to start it without w
 process, or on Ray actors.
 
 Failure model: an exception inside a worker's step comes back as ``ModelRunnerOutput.error``
-and fails that step's requests, on every executor alike. A worker that dies, stops answering,
+and fails that step's requests, on every executor alike; an adapter that a rank could not write
+into its slot comes back in ``ModelRunnerOutput.lora_failures`` (merged over the ranks) and
+fails only that adapter's requests. A worker that dies, stops answering,
 or disagrees with the other ranks about whether the step ran is a ``WorkerFailure``: the group
 cannot go on.
 """
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, List, Optional, Protocol, Sequence, runtime_checkable
+from dataclasses import replace
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig
-from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerStats
+from tpu_executor.core.step import LoRAFailure, ModelRunnerOutput, SchedulerOutput, WorkerStats
 
 
 @runtime_checkable
@@ -166,10 +169,25 @@ class StartedStep:
 
 def agree_on_step(outputs: Sequence[ModelRunnerOutput]) -> ModelRunnerOutput:
     """Rank 0's output when every rank ran the step, or every rank failed it with the same
-    error (a deterministic failure: the ranks stopped at the same point, in step). Anything
-    else (one rank failed, or the others then timed out in a collective waiting for it) leaves
-    the ranks' caches and collectives out of step: fatal."""
-    if len({out.error for out in outputs}) == 1:
-        return outputs[0]
-    ranks = "; ".join(f"rank {rank}: {out.error or 'ran it'}" for rank, out in enumerate(outputs))
+    error (a deterministic failure: the ranks stopped at the same point, in step), with the
+    adapters that any rank failed to write (``merged_lora_failures``). Anything else (one rank
+    failed, or the others then timed out in a collective waiting for it) leaves the ranks'
+    caches and collectives out of step: fatal. A drafter's failure after the step ran
+    (``draft_error``) is held to the same rule."""
+    if len({(out.error, out.draft_error) for out in outputs}) == 1:
+        failures = merged_lora_failures(outputs)
+        return outputs[0] if failures == outputs[0].lora_failures else replace(outputs[0], lora_failures=failures)
+    ranks = "; ".join(f"rank {rank}: {out.error or out.draft_error or 'ran it'}" for rank, out in enumerate(outputs))
     raise WorkerFailure(f"the workers fell out of step ({ranks})")
+
+
+def merged_lora_failures(outputs: Sequence[ModelRunnerOutput]) -> Tuple[LoRAFailure, ...]:
+    """Each (slot, adapter) that any rank failed to write, once, with the first such rank's
+    message. A rank's failed write leaves its slot empty while the others hold the adapter:
+    the step still ran in step on every rank (a slot's rows stay its own), and the engine
+    fails that adapter's requests and has every rank empty the slot."""
+    merged: Dict[Tuple[int, int], LoRAFailure] = {}
+    for out in outputs:
+        for failure in out.lora_failures:
+            merged.setdefault((failure.slot, failure.lora_int_id), failure)
+    return tuple(merged.values())

@@ -10,6 +10,7 @@ its shapes (``base_model_name_or_path`` is often a hub name that says nothing he
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,8 +28,10 @@ from tpu_executor.core.lora import (
     module_path,
     projection_shapes,
 )
-from tpu_executor.core.step import completed_future
+from tpu_executor.core.step import LoRAFailure, completed_future
 from tpu_executor.models.layers.lora import LoRASlots
+
+logger = logging.getLogger(__name__)
 
 # PEFT's names: base_model.model.<module>.lora_A.weight (or lora_B; an adapter name may sit
 # before .weight in older exports).
@@ -50,6 +53,7 @@ class Adapter:
 class Update:
     """One projection's adapter as a layer takes it."""
 
+    module: str  # its name in the checkpoint
     layer: LoRASlots
     shard_id: object
     lora_a: torch.Tensor
@@ -65,18 +69,23 @@ def _weights_file(path: str) -> str:
     return file
 
 
-def read_adapter(path: str) -> Adapter:
-    """The adapter in directory ``path``; a missing, corrupt or incomplete file raises ValueError
-    naming it."""
+def _load_weights(path: str) -> Dict[str, torch.Tensor]:
+    """The tensors of the adapter's weight file; ValueError when it is missing or unreadable."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    config = AdapterConfig.read(path)
     file = _weights_file(path)
     try:
-        tensors = load_file(file)
+        return load_file(file)
     except (SafetensorError, OSError) as err:
         raise ValueError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} cannot be read ({err})") from err
+
+
+def read_adapter(path: str) -> Adapter:
+    """The adapter in directory ``path``; a missing, corrupt or incomplete file, or a scale or
+    weight that is not finite, raises ValueError naming it."""
+    config = AdapterConfig.read(path)
+    tensors = _load_weights(path)
     halves: Dict[str, Dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         match = _TENSOR.match(name)
@@ -90,23 +99,30 @@ def read_adapter(path: str) -> Adapter:
             raise ValueError(f"LoRA adapter {path!r}: {module}'s A and B must be matrices")
     if not halves:
         raise ValueError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    check_finite(path, tensors)
     return Adapter(path, config, {module: (pair["A"], pair["B"]) for module, pair in halves.items()})
+
+
+def check_finite(path: str, tensors: Dict[str, torch.Tensor]) -> None:
+    """ValueError naming the first module whose weights hold a value that is not finite: one
+    such value in a slot would turn its requests' outputs to NaN. (``AdapterConfig.parse``
+    refuses a scale that is not finite.)"""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            match = _TENSOR.match(name)
+            module = f"{match['module']}'s lora_{match['which']}" if match else name
+            raise ValueError(f"LoRA adapter {path!r}: {module} holds values that are not finite (NaN or infinity)")
 
 
 def check_adapter(path: str, model_config: Dict, max_rank: int) -> AdapterConfig:
     """Check the adapter at ``path`` against the base model's config (a mapping) before any
-    request runs with it, reading only the weight file's header: a target this engine does not
-    serve, a layer the model lacks, a rank above ``max_rank`` or a shape that does not match
-    the base raises ValueError naming it."""
-    from safetensors import SafetensorError, safe_open
-
+    request runs with it: a target this engine does not serve, a layer the model lacks, a rank
+    above ``max_rank``, a shape that does not match the base, or a scale or weight that is not
+    finite raises ValueError naming it. (Each worker reads and checks it again when it writes
+    it into a slot: the file may change in between, or differ on another host.)"""
     config = AdapterConfig.read(path)
-    file = _weights_file(path)
-    try:
-        with safe_open(file, framework="pt") as f:
-            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} cannot be read ({err})") from err
+    tensors = _load_weights(path)
+    shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
     expected = projection_shapes(model_config)
     experts = (model_config.get("num_local_experts") or model_config.get("num_experts") or 1) > 1
     halves: Dict[str, str] = {}
@@ -136,6 +152,7 @@ def check_adapter(path: str, model_config: Dict, max_rank: int) -> AdapterConfig
         raise ValueError(f"LoRA adapter {path!r}: {incomplete[0]} has lora_A or lora_B, not both")
     if not halves:
         raise ValueError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    check_finite(path, tensors)
     return config
 
 
@@ -155,7 +172,7 @@ def adapter_updates(model: torch.nn.Module, adapter: Adapter, max_rank: int) -> 
         if rank > max_rank:
             raise ValueError(f"{where}: rank {rank} is above max_lora_rank {max_rank}")
         layer, shard_id = _layer_of(model, module, where)
-        updates.append(Update(layer, shard_id, lora_a, lora_b, adapter.config.scale_of(module)))
+        updates.append(Update(module, layer, shard_id, lora_a, lora_b, adapter.config.scale_of(module)))
     return updates
 
 
@@ -174,13 +191,16 @@ def _layer_of(model: torch.nn.Module, module: str, where: str) -> Tuple[LoRASlot
 
 
 def write_adapter(model: torch.nn.Module, slot: int, updates: List[Update]) -> None:
-    """Make ``slot`` of every layer hold the adapter of ``updates`` (zero where it has none)."""
+    """Make ``slot`` of every layer hold the adapter of ``updates`` (zero where it has none);
+    on an error the slot is left zero (ValueError naming the module when a layer refuses it)."""
     clear_slot(model, slot)
     for update in updates:
         try:
             update.layer.set_lora(slot, update.shard_id, update.lora_a, update.lora_b, update.scale)
-        except ValueError:
+        except Exception as err:
             clear_slot(model, slot)
+            if isinstance(err, ValueError):
+                raise ValueError(f"{update.module}: {err}") from err
             raise
 
 
@@ -207,6 +227,19 @@ def _servable(name: str) -> bool:
     return name.endswith(("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
 
 
+def failure_message(lora: LoRARequest, err: Exception) -> str:
+    """What a request of ``lora`` is told when its adapter could not be loaded: the adapter's
+    name and the reason, without its directory on the server (the reason names the path the
+    adapter was loaded from; the server's log keeps it)."""
+    reason = str(err)
+    paths = {lora.lora_path, os.path.abspath(lora.lora_path), os.path.realpath(lora.lora_path)} if lora.lora_path \
+        else set()
+    for path in sorted(paths, key=len, reverse=True):
+        reason = reason.replace(f"LoRA adapter {path!r}: ", "").replace(repr(path), repr(lora.lora_name))
+        reason = reason.replace(path.rstrip(os.sep) + os.sep, "")  # a file in it: its name only
+    return f"LoRA adapter {lora.lora_name!r} could not be loaded: {reason}"
+
+
 class AdapterStore:
     """A worker's adapters: read from disk once and kept on the host (the ``max_cpu_loras``
     used last), written into the model's slots as the scheduler hands the slots out. Reads the
@@ -227,25 +260,35 @@ class AdapterStore:
                 future = self._reader.submit(read_adapter, lora.lora_path)
                 keep_recent(self._read, lora.lora_int_id, (lora.lora_path, future), self.max_cpu_loras)
 
-    def write(self, loads: Sequence[Tuple[int, LoRARequest]]) -> None:
-        """Put each (slot, adapter) of ``loads`` in place, in order (a slot given twice holds
-        the last), then the layers' device buffers."""
-        for slot, lora in loads:
-            write_adapter(self.model, slot, adapter_updates(self.model, self._adapter(lora), self.max_rank))
-        for layer in lora_layers(self.model):
-            if layer.lora_buffers_on_device:
-                self.push(layer)
+    def write(self, loads: Sequence[Tuple[int, Optional[LoRARequest]]]) -> List[LoRAFailure]:
+        """Put each (slot, adapter) of ``loads`` in place (a slot given twice holds the last;
+        ``None`` empties it), then the layers' device buffers. A slot is zeroed before its
+        adapter is read, so an adapter that cannot be read or written leaves it empty, never
+        holding the adapter before it; such adapters are returned, each as a ``LoRAFailure``
+        (and forgotten: a later load reads the file again)."""
+        failures = []
+        for slot, lora in dict(loads).items():
+            clear_slot(self.model, slot)
+            if lora is None:
+                continue
+            try:
+                write_adapter(self.model, slot, adapter_updates(self.model, self._adapter(lora), self.max_rank))
+            except Exception as err:  # noqa: BLE001 - fails this adapter's requests, not the step
+                logger.warning("LoRA adapter %r (lora_int_id %d, %s) not loaded into slot %d: %s", lora.lora_name,
+                               lora.lora_int_id, lora.lora_path, slot, err)
+                self._read.pop(lora.lora_int_id, None)
+                failures.append(LoRAFailure(slot, lora.lora_int_id, failure_message(lora, err)))
+        if loads:
+            for layer in lora_layers(self.model):
+                if layer.lora_buffers_on_device:
+                    self.push(layer)
+        return failures
 
     def _adapter(self, lora: LoRARequest) -> Adapter:
-        """``lora`` read (waiting for its read ahead if still under way; a failed read is
-        forgotten, so a later request reads it again)."""
+        """``lora`` read (waiting for its read ahead if still under way)."""
         held = self._held(lora) or completed_future(lambda: read_adapter(lora.lora_path))
         keep_recent(self._read, lora.lora_int_id, (lora.lora_path, held), self.max_cpu_loras)
-        try:
-            return held.result()
-        except Exception:
-            self._read.pop(lora.lora_int_id, None)
-            raise
+        return held.result()
 
     def _held(self, lora: LoRARequest) -> Optional[Future]:
         path, held = self._read.get(lora.lora_int_id, (None, None))

@@ -260,3 +260,59 @@ def test_a_new_adapter_is_read_ahead_while_other_work_runs():
     scheduler.add(late)
     out = scheduler.schedule()  # adapter 1 is in its slot: no read, no load
     assert "r3" in [w.request_id for w in out.prefills] and out.lora_reads == () and out.lora_loads == ()
+
+
+def test_a_failed_adapter_write_empties_its_slot_and_a_later_request_reads_it_again():
+    """The workers could not write adapter a into slot 1: its requests in that step and those
+    admitted since fail, the slot is emptied (a (1, None) load with the next step that runs),
+    a is no longer counted as read, so a later request reads and loads it again."""
+    from tpu_executor.core.lora import LoRARequest
+
+    kv = KVCacheManager(64, BLOCK, False)
+    scheduler = Scheduler(SchedulerConfig(8, 64), kv, max_model_len=1000, max_chunk_tokens=64, max_loras=1)
+    a = LoRARequest("a", 1, "/adapters/a")
+    requests = {r.request_id: r for r in [
+        Request("base", [1, 2, 3], SamplingParams(max_tokens=30), seed=0),
+        Request("r0", [4, 5, 6], SamplingParams(max_tokens=20), seed=0, lora_request=a)]}
+    for request in requests.values():
+        scheduler.add(request)
+    assert scheduler.schedule().lora_reads == (a,)  # the base runs; r0 waits for a's read
+    failed_step = scheduler.schedule()
+    assert failed_step.lora_loads == ((1, a),) and [w.request_id for w in failed_step.prefills] == ["r0"]
+    late = Request("r1", [7, 8, 9], SamplingParams(max_tokens=20), seed=0, lora_request=a)
+    requests["r1"] = late
+    scheduler.add(late)
+    in_flight = scheduler.schedule()  # r1 joins slot 1 before the failure is known
+    assert [w.request_id for w in in_flight.prefills] == ["r1"] and in_flight.lora_loads == ()
+    assert scheduler.adapter_failed(1, a.lora_int_id, failed_step) == ["r0", "r1"]
+    for rid in ("r0", "r1"):
+        scheduler.finish(requests[rid], RequestStatus.FINISHED_ERROR)
+    assert scheduler.adapters.holders[1] is None and scheduler.adapters.users[1] == 0
+    again = Request("r2", [1, 1, 1], SamplingParams(max_tokens=2), seed=0, lora_request=a)
+    requests["r2"] = again
+    scheduler.add(again)
+    out = scheduler.schedule()  # the slot is emptied on every rank; a is read again, r2 waits for it
+    assert out.lora_loads == ((1, None),) and out.lora_reads == (a,)
+    assert "r2" not in [w.request_id for w in out.prefills]
+    out = scheduler.schedule()
+    assert out.lora_loads == ((1, a),) and [w.request_id for w in out.prefills] == ["r2"]
+
+
+def test_unloading_an_adapter_empties_its_slot_once_its_requests_end():
+    """``forget`` while a request runs with the adapter: no new request joins its slot, and the
+    slot is emptied when the request ends; its (1, None) waits for a step that runs."""
+    from tpu_executor.core.lora import LoRARequest
+
+    kv = KVCacheManager(64, BLOCK, False)
+    scheduler = Scheduler(SchedulerConfig(8, 64), kv, max_model_len=1000, max_chunk_tokens=64, max_loras=1)
+    a = LoRARequest("a", 1, "/adapters/a")
+    running = Request("r0", [4, 5, 6], SamplingParams(max_tokens=20), seed=0, lora_request=a)
+    scheduler.add(running)
+    assert scheduler.schedule().lora_loads == ((1, a),)
+    assert not scheduler.adapters.forget(a.lora_int_id)
+    assert scheduler.adapters.slot_of(a.lora_int_id) is None and scheduler.adapters.holders[1] == a
+    scheduler.finish(running, RequestStatus.FINISHED_ABORTED)
+    assert scheduler.adapters.holders[1] is None
+    assert scheduler.schedule().is_empty  # nothing runs: the slot's emptying waits
+    scheduler.add(Request("base", [1, 2, 3], SamplingParams(max_tokens=2), seed=0))
+    assert scheduler.schedule().lora_loads == ((1, None),)

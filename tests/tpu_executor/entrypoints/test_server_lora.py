@@ -12,14 +12,20 @@ from tests.common import live_server, tiny_engine_options
 from tpu_executor import LLM, LoRARequest, SamplingParams
 from tpu_executor.engine.llm_engine import LLMEngine
 from tpu_executor.tools.lora_adapter import write_random_lora_adapter
+from tpu_executor.worker.lora_loader import lora_layers
 
 PROMPT = [5, 17, 33, 101, 250, 7, 9, 64]
 
 
 @pytest.fixture(scope="module")
-def adapters(checkpoints, tmp_path_factory):
-    root = tmp_path_factory.mktemp("server_adapters")
-    return [write_random_lora_adapter(checkpoints["llama"], str(root / f"a{i}"), rank=8, seed=i) for i in range(2)]
+def adapter_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("server_adapters")
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoints, adapter_root):
+    return [write_random_lora_adapter(checkpoints["llama"], str(adapter_root / f"a{i}"), rank=8, seed=i)
+            for i in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +41,22 @@ def expected(checkpoints, adapters):
 
 
 @pytest.fixture(scope="module")
-def served(checkpoints, adapters):
-    engine = LLMEngine.from_options(checkpoints["llama"], enable_lora=True, max_loras=2,
-                                    **tiny_engine_options(device="cpu"))
-    with live_server(engine, lora_modules=(("first", adapters[0]),), enable_lora_runtime_updates=True) as (url, _):
+def engine(checkpoints):
+    return LLMEngine.from_options(checkpoints["llama"], enable_lora=True, max_loras=2,
+                                  **tiny_engine_options(device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def served(engine, adapters, adapter_root):
+    with live_server(engine, lora_modules=(("first", adapters[0]),), enable_lora_runtime_updates=True,
+                     lora_adapter_root=str(adapter_root)) as (url, _):
         yield url
+
+
+def slot_is_empty(engine, slot: int) -> bool:
+    """Whether every adapter layer of the worker's model holds zeros in ``slot``."""
+    model = engine.core.executor.workers[0].model
+    return all(not layer.lora_a[slot].any() and not layer.lora_b[slot].any() for layer in lora_layers(model))
 
 
 def complete(client, model):
@@ -59,17 +76,24 @@ def test_the_model_field_selects_an_adapter(served, expected):
         complete(client, "nobody")
 
 
-def test_an_adapter_loaded_at_run_time_serves_until_unloaded(served, expected, adapters, tmp_path):
+def test_an_adapter_loaded_at_run_time_serves_until_unloaded(served, engine, expected, adapters, adapter_root):
     client = openai.OpenAI(base_url=served + "/v1", api_key="none")
     loaded = httpx.post(served + "/v1/load_lora_adapter", json={"lora_name": "second", "lora_path": adapters[1]})
     assert loaded.status_code == 200, loaded.text
     assert complete(client, "second") == expected[2]
     again = httpx.post(served + "/v1/load_lora_adapter", json={"lora_name": "second", "lora_path": adapters[1]})
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
-    bad = httpx.post(served + "/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)})
-    assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+    (adapter_root / "empty").mkdir(exist_ok=True)
+    bad = httpx.post(served + "/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "empty"})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["message"] == ("LoRA adapter 'empty' has no adapter_config.json: not a PEFT adapter "
+                                              "directory")
     assert complete(client, "first") == expected[1]  # the server serves on
+    slot = engine.core.scheduler.adapters.slot_of(served_id(engine, "second"))
+    assert slot is not None and not slot_is_empty(engine, slot)
     assert httpx.post(served + "/v1/unload_lora_adapter", json={"lora_name": "second"}).status_code == 200
+    complete(client, "tiny")  # the workers empty the slot with the next step
+    assert slot_is_empty(engine, slot)
     with pytest.raises(openai.NotFoundError):
         complete(client, "second")
     gone = httpx.post(served + "/v1/unload_lora_adapter", json={"lora_name": "second"})
@@ -86,6 +110,12 @@ def test_metrics_count_requests_and_tokens_per_adapter(served):
     assert after[key] == before.get(key, 0) + 1
     assert after[tokens] == before.get(tokens, 0) + 10
     assert "tpu_executor:lora_slots_in_use" in after
+
+
+def served_id(engine, name: str) -> int:
+    """The adapter id the engine's slots know ``name`` by."""
+    holders = engine.core.scheduler.adapters.holders
+    return next(lora.lora_int_id for lora in holders if lora is not None and lora.lora_name == name)
 
 
 def scrape(url):
