@@ -16,6 +16,7 @@ others, as without speculation.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
@@ -23,9 +24,13 @@ import numpy as np
 from tpu_executor.core.request import Request
 from tpu_executor.core.speculative import MODEL_METHODS, SpeculativeConfig
 
+logger = logging.getLogger(__name__)
+
 
 class _BatchLimit:
-    """Speculation is off above ``disable_by_batch_size`` running sequences."""
+    """Speculation is off above ``disable_by_batch_size`` running sequences. A drafter that
+    fails for a request costs that request its drafts for the step (it decodes, as without
+    speculation), never the step or the engine: a WARNING says why."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -34,6 +39,18 @@ class _BatchLimit:
         limit = self.config.disable_by_batch_size
         return limit is None or num_running <= limit
 
+    def propose(self, request: Request, max_drafts: int) -> Tuple[int, ...]:
+        try:
+            return self._propose(request, max_drafts)
+        except Exception:  # noqa: BLE001 - drafts are an optimisation: the request decodes
+            logger.warning("drafting for request %s failed; it decodes without drafts this step",
+                           request.request_id, exc_info=True)
+            return ()
+
+    def _propose(self, request: Request, max_drafts: int) -> Tuple[int, ...]:
+        """Up to ``max_drafts`` drafts for ``request`` (``propose`` without the guard)."""
+        raise NotImplementedError
+
 
 class ModelDrafter(_BatchLimit):
     """The draft model's drafts for the scheduler (``core.speculative.Drafter``): those the
@@ -41,7 +58,7 @@ class ModelDrafter(_BatchLimit):
 
     drafts_in_worker = True
 
-    def propose(self, request: Request, max_drafts: int) -> Tuple[int, ...]:
+    def _propose(self, request: Request, max_drafts: int) -> Tuple[int, ...]:
         if request.sampling.processing is not None or request.drafted_at != request.num_tokens:
             return ()
         return request.drafts[:max_drafts]
@@ -52,7 +69,7 @@ class NgramDrafter(_BatchLimit):
 
     drafts_in_worker = False
 
-    def propose(self, request: Request, max_drafts: int) -> Tuple[int, ...]:
+    def _propose(self, request: Request, max_drafts: int) -> Tuple[int, ...]:
         if request.sampling.processing is not None:
             return ()
         config = self.config

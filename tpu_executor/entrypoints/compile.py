@@ -10,9 +10,12 @@ Only the checkpoint's config.json is read (no weights: an 8B or 70B job compiles
 machine); a published model's name (``tune --model``'s list) works too. Every graph of the JAX
 path's bucket plan is traced as on the slice, with the Pallas kernels the slice's chips select,
 and compiled by libtpu; the table gives each graph's compile time, HBM per chip (arguments,
-outputs, temp, generated code), the compiler's FLOPs and bytes, and its Pallas kernels. The KV
-cache gets what is left of each chip's HBM (``--memory-utilization`` of it) after the weights
-and the largest graph; a job that does not fit exits non-zero, naming what would make it fit.
+outputs, temp, generated code, its peak), the compiler's FLOPs and bytes, and its Pallas
+kernels. The KV cache gets what is left of each chip's HBM (``--memory-utilization`` of it)
+after what stays resident (every model's weights, the draft model's too, the drafter's and the
+sampler's buffers) and the largest model graph; every graph is then checked as its own peak
+beside all that stays resident, and a job that does not fit exits non-zero, naming what would
+make it fit.
 """
 from __future__ import annotations
 

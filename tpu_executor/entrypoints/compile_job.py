@@ -1,11 +1,17 @@
 """One compile for a TPU slice: the engine config, the HBM fit, every graph of the plan
 compiled by libtpu, the executables kept (``tpu-executor compile``).
 
-The KV cache's shape is an input of every graph, so its block count is fixed before the plan
-is compiled: the largest prefill and decode graphs are compiled first over a minimal cache,
-and the cache gets the HBM they leave (``usable - weights - the largest graph's other bytes``).
-The TPU host reuses that block count and context length (they are in the job's manifest)
-instead of profiling.
+Each chip holds, all the time, what stays resident (every model's weights, the draft model's
+or EAGLE-3 head's too; the KV cache; the draft's KV cache with its scratch blocks; the
+drafter's and the sampler's buffers), and, while a graph runs, that graph's own bytes (its
+arguments that are not resident, its outputs not written in place, its scratch and its code).
+A graph's peak is the sum, whether or not it takes the cache (a sampler, a drafter's graph).
+
+The KV cache's shape is an input of most graphs, so its block count is fixed before the plan is
+compiled: the largest prefill and decode graphs are compiled first over two small caches, and
+the cache gets the HBM the line through their peaks leaves. The TPU host reuses that block
+count and context length (they are in the job's manifest) instead of profiling; every graph of
+the plan is then checked against the usable HBM, and the manifest is written only if all fit.
 """
 from __future__ import annotations
 
@@ -26,7 +32,8 @@ class DoesNotFit(ValueError):
 
 @dataclass(frozen=True)
 class GraphFigures:
-    """One compiled graph as the compiler accounts it, per chip."""
+    """One compiled graph as the compiler accounts it, per chip; ``inputs``: its arguments that
+    do not stay resident, ``resident``: the bytes that stay beside it (``TargetWorker.resident``)."""
 
     name: str
     function: str
@@ -40,14 +47,18 @@ class GraphFigures:
     bytes_accessed: float
     pallas_kernels: Tuple[str, ...]
     providers: Tuple[Tuple[str, str], ...]  # (op, provider) of every op the graph calls
+    inputs: int = 0
+    resident: int = 0
 
     @property
     def peak(self) -> int:
-        """Bytes live at once while it runs: inputs, outputs not written in place, scratch, code."""
-        return self.arguments + self.outputs - self.alias + self.temp + self.code
+        """Bytes live at once while it runs: what stays resident, its other inputs, its outputs
+        not written in place, its scratch and its code."""
+        return self.resident + self.inputs + self.outputs - self.alias + self.temp + self.code
 
     @classmethod
-    def of(cls, record) -> "GraphFigures":
+    def of(cls, record, resident) -> "GraphFigures":
+        """``record`` (``graphs.CompileRecord``) beside ``resident`` (``target.Resident``)."""
         memory = record.compiled.memory_analysis()
         cost = record.compiled.cost_analysis() or {}
         cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
@@ -56,7 +67,8 @@ class GraphFigures:
         return cls(record.label, record.function, record.seconds, memory.argument_size_in_bytes,
                    memory.output_size_in_bytes, memory.temp_size_in_bytes, memory.generated_code_size_in_bytes,
                    memory.alias_size_in_bytes, float(cost.get("flops", 0.0)),
-                   float(cost.get("bytes accessed", 0.0)), pallas, tuple(sorted({(k.op, k.provider) for k in kernels})))
+                   float(cost.get("bytes accessed", 0.0)), pallas, tuple(sorted({(k.op, k.provider) for k in kernels})),
+                   sum(size for tensor, size in record.inputs if tensor not in resident.state_ids), resident.bytes)
 
 
 @dataclass
@@ -71,6 +83,8 @@ class CompileReport:
     usable_bytes: int
     num_blocks: int
     max_model_len: int
+    draft_weight_bytes: int = 0  # the draft model's or EAGLE-3 head's share of weight_bytes
+    resident_bytes: int = 0  # weights, KV caches and state at num_blocks (``TargetWorker.resident``)
     graphs: List[GraphFigures] = field(default_factory=list)
     kernel_warnings: List[str] = field(default_factory=list)
     job_path: Optional[str] = None
@@ -81,7 +95,7 @@ class CompileReport:
 
     @property
     def peak_bytes(self) -> int:
-        return self.peak_graph.peak if self.graphs else self.weight_bytes
+        return self.peak_graph.peak if self.graphs else self.resident_bytes
 
     @property
     def fits(self) -> bool:
@@ -92,9 +106,14 @@ class CompileReport:
         if self.fits:
             return "fits"
         over = self.peak_bytes - self.usable_bytes
-        return (f"does not fit: graph '{self.peak_graph.name}' needs {self.peak_bytes / GIB:.2f} GiB per chip, "
-                f"{over / GIB:.2f} GiB ({over} bytes) over the {self.usable_bytes / GIB:.2f} GiB usable; "
-                + remedies())
+        return (f"does not fit: graph '{self.peak_graph.name}' needs {self.peak_bytes / GIB:.2f} GiB per chip "
+                f"({self.resident_bytes / GIB:.2f} GiB of it resident), {over / GIB:.2f} GiB ({over} bytes) over the "
+                f"{self.usable_bytes / GIB:.2f} GiB usable; " + remedies() + self._fewer_blocks(over))
+
+    def _fewer_blocks(self, over: int) -> str:
+        """``, or --num-blocks N``: a cache that leaves the graph room, where one is long enough."""
+        blocks = self.num_blocks - -(-over // max(1, self.block_bytes))
+        return f", or --num-blocks {blocks}" if blocks >= _min_blocks(self.config) else ""
 
 
 def remedies() -> str:
@@ -135,7 +154,7 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
     devices = devices[:config.parallel.tensor_parallel_size]
     worker = _shapes_worker(config, devices)
     report = _empty_report(config, target, worker, libtpu_version())
-    _refuse_early(report)
+    _refuse_early(report, worker)
     report.num_blocks = config.cache.num_blocks or _blocks_that_fit(report, worker, show_progress)
     report.max_model_len = _context_length(report)
     if config.compile.cache_dir is not None:
@@ -153,10 +172,12 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
         if "RESOURCE_EXHAUSTED" in str(err):
             raise DoesNotFit(_out_of_memory(report, err)) from err
         raise ValueError(f"the TPU compiler refused the job for {target.name}: {err}") from err
-    report.graphs = [GraphFigures.of(r) for r in in_plan_order(records, worker.runner.plan)]
+    resident = worker.resident()
+    report.resident_bytes = resident.bytes
+    report.graphs = [GraphFigures.of(r, resident) for r in in_plan_order(records, worker.runner.plan)]
     report.kernel_warnings = kernel_warnings(records)
     if report.job_path is not None and report.fits:
-        job.write_manifest()
+        job.write_manifest(worker.jax)
     return report
 
 
@@ -182,7 +203,8 @@ def _shapes_worker(config: EngineConfig, devices):
 def _empty_report(config: EngineConfig, target: Target, worker, libtpu: str) -> CompileReport:
     usable = int(target.chip.hbm_bytes * config.cache.memory_utilization)
     return CompileReport(target, libtpu, config, worker.weight_bytes, worker.cache_block_bytes_per_chip(), usable,
-                         num_blocks=0, max_model_len=config.max_model_len)
+                         num_blocks=0, max_model_len=config.max_model_len,
+                         draft_weight_bytes=worker.draft_weight_bytes_per_chip())
 
 
 def _min_blocks(config: EngineConfig) -> int:
@@ -191,19 +213,29 @@ def _min_blocks(config: EngineConfig) -> int:
     return config.max_blocks_per_seq + 1 if config.model.max_model_len is not None else 2
 
 
-def _refuse_early(report: CompileReport) -> None:
+def _refuse_early(report: CompileReport, worker) -> None:
+    """Refuse, before anything compiles, a job whose resident bytes alone (weights, the fewest
+    KV blocks it may run with, the drafter's and the sampler's buffers) exceed a chip's usable HBM."""
     config = report.config
-    needed = report.weight_bytes + _min_blocks(config) * report.block_bytes
+    blocks = _min_blocks(config)
+    worker.init_cache(blocks, config.max_model_len)  # shapes only: nothing is allocated
+    needed = worker.resident().bytes
     if needed > report.usable_bytes:
         over = needed - report.usable_bytes
         larger = _larger_slice(report, needed)
+        draft = f" ({report.draft_weight_bytes / GIB:.2f} GiB the drafter's)" if report.draft_weight_bytes else ""
         raise DoesNotFit(
-            f"{report.target.name}: the weights take {report.weight_bytes / GIB:.2f} GiB per chip and "
-            f"{_min_blocks(config)} KV blocks {_min_blocks(config) * report.block_bytes / GIB:.2f} GiB, "
+            f"{report.target.name}: the weights take {report.weight_bytes / GIB:.2f} GiB per chip{draft}, and "
+            f"{blocks} KV blocks with {state_holders(report)} {(needed - report.weight_bytes) / GIB:.2f} GiB: "
             f"{over / GIB:.2f} GiB over the {report.usable_bytes / GIB:.2f} GiB usable of each chip's "
             f"{report.target.chip.hbm_bytes / GIB:.1f} GiB (memory_utilization {config.cache.memory_utilization}); "
             f"nothing was compiled. To fit: use more chips{larger} or --quantization int8"
             + (", or a shorter --max-model-len" if config.model.max_model_len is not None else ""))
+
+
+def state_holders(report: CompileReport) -> str:
+    """Who keeps device state beside the KV cache, as messages name them."""
+    return "the sampler's and the drafter's state" if report.draft_weight_bytes else "the sampler's state"
 
 
 def _larger_slice(report: CompileReport, needed_per_chip: int) -> str:
@@ -220,10 +252,11 @@ def _larger_slice(report: CompileReport, needed_per_chip: int) -> str:
 
 
 def _blocks_that_fit(report: CompileReport, worker, show_progress: bool) -> int:
-    """Compile the largest prefill and decode graphs over two small caches: a graph's bytes grow
-    with the cache by at least its own size (more where a graph copies it: the reference
-    attention gathers it), so the line through the two gives the blocks each chip's usable HBM
-    holds beside the larger graph."""
+    """Compile the largest prefill and decode graphs over two small caches: a graph's peak
+    (with all that stays resident: the draft's weights, its KV cache and scratch blocks, the
+    buffers) grows with the cache by at least a block of the target and one of the draft per
+    block (more where a graph copies the cache: the reference attention gathers it), so the
+    line through the two gives the blocks each chip's usable HBM holds beside the larger graph."""
     config = report.config
     largest = _largest_graphs(BucketPlan.from_config(config).graphs())
     small, large = _min_blocks(config), 2 * _min_blocks(config) + 64
@@ -246,7 +279,8 @@ def _probe_peaks(worker, blocks: int, graphs, show_progress: bool) -> Dict[str, 
     """{graph: peak bytes per chip} of ``graphs`` compiled over a cache of ``blocks`` blocks (on
     the job's worker before it keeps anything: these executables are not the job's)."""
     records = worker.compile_plan(blocks, worker.config.max_model_len, show_progress, graphs=graphs)
-    return {r.label: GraphFigures.of(r).peak for r in records}
+    resident = worker.resident()
+    return {r.label: GraphFigures.of(r, resident).peak for r in records}
 
 
 def _largest_graphs(graphs) -> list:

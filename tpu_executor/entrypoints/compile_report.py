@@ -6,16 +6,16 @@ from __future__ import annotations
 from typing import Dict, List
 
 from tpu_executor.core.tpu_slices import GIB
-from tpu_executor.entrypoints.compile_job import CompileReport, GraphFigures
+from tpu_executor.entrypoints.compile_job import CompileReport, GraphFigures, state_holders
 
 MIB = 1 << 20
-COLUMNS = ("graph", "compile s", "args MiB", "out MiB", "temp MiB", "code MiB", "GFLOP", "GB accessed",
+COLUMNS = ("graph", "compile s", "args MiB", "out MiB", "temp MiB", "code MiB", "peak GiB", "GFLOP", "GB accessed",
            "Pallas kernels")
 
 
 def _row(graph: GraphFigures) -> List[str]:
     return [graph.name, f"{graph.compile_seconds:.1f}", f"{graph.arguments / MIB:.1f}", f"{graph.outputs / MIB:.1f}",
-            f"{graph.temp / MIB:.1f}", f"{graph.code / MIB:.2f}", f"{graph.flops / 1e9:.3g}",
+            f"{graph.temp / MIB:.1f}", f"{graph.code / MIB:.2f}", f"{graph.peak / GIB:.2f}", f"{graph.flops / 1e9:.3g}",
             f"{graph.bytes_accessed / 1e9:.3g}", ", ".join(graph.pallas_kernels) or "-"]
 
 
@@ -38,8 +38,10 @@ def print_report(report: CompileReport, wall_seconds: float) -> None:
           f"({target.topology_name}, {target.num_hosts} host(s), tensor_parallel_size "
           f"{config.parallel.tensor_parallel_size}, {config.model.dtype}) in {wall_seconds:.0f} s "
           f"({compile_seconds:.0f} s of compiler time)")
-    print(f"per chip: weights {report.weight_bytes / GIB:.2f} GiB + KV cache {report.num_blocks} blocks x "
-          f"{report.block_bytes / MIB:.2f} MiB = {report.num_blocks * report.block_bytes / GIB:.2f} GiB; "
+    draft = f" (the drafter's {report.draft_weight_bytes / GIB:.2f} GiB)" if report.draft_weight_bytes else ""
+    print(f"per chip: weights {report.weight_bytes / GIB:.2f} GiB{draft} + KV cache {report.num_blocks} blocks x "
+          f"{report.block_bytes / MIB:.2f} MiB = {report.num_blocks * report.block_bytes / GIB:.2f} GiB; resident "
+          f"with {state_holders(report)} {report.resident_bytes / GIB:.2f} GiB; "
           f"peak {report.peak_bytes / GIB:.2f} GiB in '{report.peak_graph.name}' of "
           f"{report.usable_bytes / GIB:.2f} GiB usable ({config.cache.memory_utilization:.0%} of "
           f"{target.chip.hbm_bytes / GIB:.1f} GiB HBM): {report.verdict}")
@@ -59,12 +61,14 @@ def report_json(report: CompileReport) -> Dict:
         "target": report.target.name, "topology": report.target.topology_name, "libtpu": report.libtpu,
         "fits": report.fits, "hbm_per_chip_bytes": int(report.target.chip.hbm_bytes),
         "usable_bytes_per_chip": report.usable_bytes, "peak_bytes_per_chip": report.peak_bytes,
-        "weight_bytes_per_chip": report.weight_bytes, "kv_cache_blocks": report.num_blocks,
+        "weight_bytes_per_chip": report.weight_bytes, "draft_weight_bytes_per_chip": report.draft_weight_bytes,
+        "resident_bytes_per_chip": report.resident_bytes, "kv_cache_blocks": report.num_blocks,
         "kv_block_bytes_per_chip": report.block_bytes, "max_model_len": report.max_model_len,
         "tensor_parallel_size": report.config.parallel.tensor_parallel_size, "dtype": report.config.model.dtype,
         "executables": report.job_path if report.fits else None, "kernel_warnings": report.kernel_warnings,
         "graphs": [{"name": g.name, "function": g.function, "compile_seconds": g.compile_seconds,
                     "hbm": {"arguments": g.arguments, "outputs": g.outputs, "temp": g.temp, "code": g.code},
+                    "peak_bytes": g.peak,
                     "flops": g.flops, "bytes_accessed": g.bytes_accessed, "pallas_kernels": list(g.pallas_kernels),
                     "providers": dict(g.providers)}
                    for g in report.graphs],

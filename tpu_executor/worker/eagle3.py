@@ -62,6 +62,10 @@ class Eagle3Runner(PagedDrafter):
         elements = tap_rows * tap_width * len(self.model.aux_layer_ids) + rows * width
         return super().reserved_bytes(block_bytes) + elements * self.dtype.itemsize
 
+    def device_state(self) -> List[torch.Tensor]:
+        """The KV cache's pages, the tap buffers and the drafting rows' pre-norm outputs."""
+        return super().device_state() + list(self.taps.buffers) + [self.draft_hidden]
+
     def bind(self, runner: ModelRunner, kv_caches: KVCaches, num_shared_blocks: int, zeros: Callable) -> None:
         """As ``PagedDrafter.bind``; the target's runner also gets the tap buffers its calls
         write the head's inputs into."""

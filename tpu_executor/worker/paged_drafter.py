@@ -91,6 +91,11 @@ class PagedDrafter(abc.ABC):
         ``block_bytes`` each): its scratch blocks."""
         return self.num_scratch_blocks * block_bytes
 
+    def device_state(self) -> List[torch.Tensor]:
+        """The device buffers the drafter keeps between steps (once ``bind`` gave them): its
+        KV cache's pages, scratch blocks included."""
+        return [t for layer in self.kv_caches for t in layer]
+
     def bind(self, runner: ModelRunner, kv_caches: KVCaches, num_shared_blocks: int, zeros: Callable) -> None:
         """``runner`` is the target's (its bucket plan, its recompilation guard and its
         transfers serve the drafter's calls too); ``kv_caches`` the drafter's per-layer K/V

@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import hashlib
 import itertools
 import logging
 import os
@@ -17,7 +16,7 @@ import torch
 
 from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig, tpu_attached
-from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerStats
+from tpu_executor.core.step import LoRAFailure, ModelRunnerOutput, SchedulerOutput, WorkerStats
 from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup
 from tpu_executor.worker.distributed import GlooGroup, RankPlacement, XlaGroup, tpu_topology_env
 from tpu_executor.worker.draft_model import DraftModelRunner, check_draft_checkpoint
@@ -112,33 +111,17 @@ class Worker:
     def _use_jax_caches(self, cache_dir: str, kernels_fingerprint: str) -> None:
         """Executables compiled ahead of time for this engine and these chips, when
         ``cache_dir`` holds them (``tpu-executor compile``); else JAX's persistent cache."""
-        from tpu_executor.worker.jax.aot import AotJob, has_jobs, job_parts
+        from tpu_executor.worker.jax.aot import AotJob, has_jobs, job_key, job_parts
 
+        parts = job_parts(self.config, self.jax, kernels_fingerprint)  # one key for both
         if has_jobs(cache_dir):
-            self.aot_job = AotJob.find(cache_dir, job_parts(self.config, self.jax, kernels_fingerprint))
+            self.aot_job = AotJob.find(cache_dir, parts)
         if self.aot_job is not None:
             self.aot_job.attach(self.jax)
             logger.info("executables compiled ahead of time: %s", self.aot_job.path)
             return
-        path = self.jax.use_compile_cache(cache_dir, self._compile_cache_key(kernels_fingerprint))
+        path = self.jax.use_compile_cache(cache_dir, job_key(parts))
         logger.info("JAX compile cache: %s", path)
-
-    def _compile_cache_key(self, kernels_fingerprint: str) -> str:
-        from tpu_executor.core.buckets import BucketPlan
-        from tpu_executor.worker.jax.runtime import compile_cache_key
-
-        parts = self._cache_key_parts(kernels_fingerprint) + (BucketPlan.from_config(self.config).describe(),)
-        return compile_cache_key(parts, self.config.model.model)
-
-    def _cache_key_parts(self, kernels_fingerprint: str) -> tuple:
-        """What both paths' compile caches are keyed by: the shapes' sources and the kernels."""
-        cfg = self.config
-        speculative = cfg.speculative and (cfg.speculative.method, cfg.speculative.num_speculative_tokens,
-                                           cfg.speculative.model and os.path.abspath(cfg.speculative.model))
-        # Adapter slots are inputs of every model graph: their count and rank shape the programs.
-        lora = cfg.lora.enable_lora and (cfg.lora.max_loras, cfg.lora.max_lora_rank)
-        return (cfg.model.dtype, cfg.model.quantization, cfg.max_model_len, cfg.cache.block_size,
-                cfg.parallel.tensor_parallel_size, kernels_fingerprint, speculative, lora)
 
     def device_context(self):
         """Where the worker's torch code runs: torchax's environment on the JAX path."""
@@ -195,9 +178,13 @@ class Worker:
             # One cache per process: a second engine in the same process shares the first's.
             logger.info("XLA compile cache already initialised in this process; keeping it")
             return
-        parts = (os.path.abspath(self.config.model.model),) + self._cache_key_parts(kernels_fingerprint)
-        key = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
-        path = os.path.join(cache_dir, key, f"rank{self.rank}")
+        from tpu_executor.worker.jax.aot import cache_parts, job_key
+        from tpu_executor.worker.jax.runtime import target_parts
+
+        # The JAX path's key builder, with torch_xla as the compiler.
+        target = target_parts("tpu", f"torch_xla {torch_xla.__version__}", self.placement.world_size, "torch_xla")
+        path = os.path.join(cache_dir, job_key(cache_parts(self.config, target, kernels_fingerprint)),
+                            f"rank{self.rank}")
         os.makedirs(path, exist_ok=True)
         xr.initialize_cache(path, readonly=False)
 
@@ -371,14 +358,18 @@ class Worker:
 
     # ---- serving ------------------------------------------------------------------------
     def start_step(self, step: SchedulerOutput) -> LaunchedStep:
-        """Hand one step to the device; its exceptions propagate."""
+        """Hand one step to the device; its exceptions propagate. An adapter of
+        ``step.lora_loads`` that cannot be written leaves its slot empty and the step runs:
+        the output names it (``lora_failures``), and the engine discards its requests' tokens."""
         if step.lora_reads:
             self.adapters.read_ahead(step.lora_reads)
+        failures = []
         if step.lora_loads:  # host work: outside the device's context (torchax would take the host tensors)
-            self.adapters.write(step.lora_loads)
+            failures = self.adapters.write(step.lora_loads)
         capture = self.drafter.capture() if self.drafter is not None else contextlib.nullcontext()
         with self.device_context(), capture:
-            return self.runner.launch(step)
+            launched = self.runner.launch(step)
+        return _WithLoRAFailures(launched, tuple(failures)) if failures else launched
 
     def launch_step(self, step: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         """Start one step. Returns its output when there is one already: on eager devices (the
@@ -411,12 +402,21 @@ class Worker:
         return output if output is not None else self.collect_step()
 
     def _drafted(self, step: SchedulerOutput, output: ModelRunnerOutput) -> ModelRunnerOutput:
-        """``output`` with the draft model's drafts for the next step (none without one, or
-        when the step failed)."""
+        """``output`` with the drafter's drafts for the next step (none without one, or when the
+        step failed). A drafter that fails costs the step its drafts, not its tokens: its
+        requests decode without drafts in the next step (the target verifies whatever comes
+        later, so its outputs stay the target's), and ``draft_error`` says why; the executor
+        holds the ranks to failing alike (``executor.base.agree_on_step``)."""
         if self.drafter is None or output.error is not None:
             return output
-        with self.device_context():
-            return dataclasses.replace(output, drafts=self.drafter.draft(step, output.sampled))
+        try:
+            with self.device_context():
+                return dataclasses.replace(output, drafts=self.drafter.draft(step, output.sampled))
+        except Exception as err:  # noqa: BLE001 - the step's tokens stand without drafts
+            message = f"the {self.drafter.kind} failed: {type(err).__name__}: {err}"
+            logger.warning("rank %d: %s; the step's tokens stand, its %d drafting requests decode without drafts",
+                           self.rank, message, len(step.drafting), exc_info=True)
+            return dataclasses.replace(output, draft_error=message)
 
     def _failed(self, err: Exception) -> ModelRunnerOutput:
         logger.exception("rank %d: step failed", self.rank)
@@ -425,8 +425,9 @@ class Worker:
     def stats(self) -> WorkerStats:
         guard = self.runner.guard
         hits, misses, seconds = guard.warmup_cache_figures
-        if self.runner.jax_graphs is not None:  # executables compiled ahead of time, loaded
-            hits += self.runner.jax_graphs.loaded
+        drafter = [self.drafter.jax_graphs] if self.drafter is not None else []
+        # Executables compiled ahead of time, loaded (the target's and the drafter's).
+        hits += sum(graphs.loaded for graphs in [self.runner.jax_graphs] + drafter if graphs is not None)
         return WorkerStats(guard.compiled_during_warmup, guard.compiled_after_warmup,
                            self.runner.padding, self.kv_cache_bytes, hits, misses, seconds,
                            self.runner.kernel_providers)
@@ -434,3 +435,13 @@ class Worker:
     def close(self) -> None:
         """Leave the tensor-parallel group."""
         self.tp.close()
+
+
+class _WithLoRAFailures:
+    """A launched step whose output also names the adapters its slots could not take."""
+
+    def __init__(self, launched: LaunchedStep, failures: Tuple[LoRAFailure, ...]):
+        self.launched, self.failures = launched, failures
+
+    def collect(self) -> ModelRunnerOutput:
+        return dataclasses.replace(self.launched.collect(), lora_failures=self.failures)

@@ -116,7 +116,9 @@ def test_the_command_compiles_every_graph_and_reports_them(method, tmp_path):
             "draft steps decode rows=8 blocks=32"} <= {
         graph["name"] for graph in report["graphs"]}
     for graph in report["graphs"]:
-        assert set(graph) >= {"name", "compile_seconds", "hbm", "flops", "bytes_accessed", "pallas_kernels"}
+        assert set(graph) >= {"name", "compile_seconds", "hbm", "flops", "bytes_accessed", "pallas_kernels",
+                              "peak_bytes"}
+        assert report["resident_bytes_per_chip"] < graph["peak_bytes"] <= report["peak_bytes_per_chip"]
         assert set(graph["hbm"]) == {"arguments", "outputs", "temp", "code"} and graph["compile_seconds"] > 0
         kind = graph["name"].removeprefix("draft ").removeprefix("steps ").removeprefix("catch-up ").split()[0]
         expected = {"prefill": ["prefill_attention"], "decode": ["paged_attention"],
@@ -125,6 +127,38 @@ def test_the_command_compiles_every_graph_and_reports_them(method, tmp_path):
     assert report["peak_bytes_per_chip"] <= 0.9 * report["hbm_per_chip_bytes"] and report["kv_cache_blocks"] > 1000
     assert "bfloat16" in out and "fits" in out
     assert os.path.isfile(os.path.join(report["executables"], "manifest.json"))
+
+
+def fit_with_a_larger_draft(root: str) -> dict:
+    """A job whose draft model outweighs its target (config only), on a chip of ~200 MiB
+    usable: the figures of its fit."""
+    from tpu_executor.core.tpu_slices import Target
+    from tpu_executor.entrypoints.compile_job import compile_job
+    from tpu_executor.tools.random_checkpoint import TPU_TINY, write_config
+
+    target = write_config(os.path.join(root, "target"), "llama")
+    draft = write_config(os.path.join(root, "draft"), "llama", dict(TPU_TINY, hidden_size=1024, intermediate_size=4096))
+    options = dict(max_model_len=256, max_num_seqs=8, prefill_buckets=(128,), decode_buckets=(8,),
+                   decode_context_buckets=(256,), max_logprobs=0, cache_dir=None, memory_utilization=0.0125,
+                   speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 2})
+    report = compile_job(target, Target.parse("v5e-1"), options, show_progress=False)
+    return {"fits": report.fits, "usable": report.usable_bytes, "weights": report.weight_bytes,
+            "draft_weights": report.draft_weight_bytes, "blocks": report.num_blocks, "block": report.block_bytes,
+            "resident": report.resident_bytes, "peaks": {g.name: g.peak for g in report.graphs}}
+
+
+@pytest.mark.slow  # libtpu compiles a small plan with a draft model (about a minute)
+def test_the_fit_counts_the_draft_model_and_every_graph_beside_all_that_stays_resident(tmp_path):
+    """The draft's weights (more than the target's here) and its KV cache are taken before the
+    target's cache is sized; every graph, the samplers and the drafter's included, is checked
+    beside the weights and caches, which stay in HBM while it runs."""
+    fit = in_fresh_process(fit_with_a_larger_draft, str(tmp_path))
+    assert fit["fits"] and fit["draft_weights"] > fit["weights"] / 2
+    # A block holds the target's and the draft's K/V: all of them stay beside every graph.
+    cache = fit["blocks"] * fit["block"]
+    assert fit["weights"] + cache < fit["resident"] <= fit["usable"]
+    assert len(fit["peaks"]) == 18 and all(fit["resident"] < peak <= fit["usable"] for peak in fit["peaks"].values())
+    assert fit["usable"] - fit["resident"] < 64 * fit["block"]  # the cache takes what the graphs leave
 
 
 def test_a_job_that_cannot_fit_is_refused_before_any_compile(tmp_path):

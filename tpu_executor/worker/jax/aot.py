@@ -1,29 +1,36 @@
 """Executables compiled ahead of time (``tpu-executor compile``), found again by the machine
-that runs them.
+that runs them, and the one key every compile cache of an engine is found by.
 
 A job is one engine's bucket plan compiled for one slice. It lies in ``CACHE_DIR/aot/<key>/``:
-``manifest.json`` (what the key was made of, and the KV-cache blocks and context length the
-compile fixed), ``programs/`` (the traced programs) and ``executables/`` (JAX's serialized
-executables, pickle-based: only our own files are loaded). The key is computed identically on
-the compiling machine and on the TPU host, from what the executables depend on: the model
-config's content, the engine options that shape the graphs, the JAX path's kernel sources, this
-package's sources, the library versions, and the target (platform, chip kind and count, libtpu
-and ``LIBTPU_INIT_ARGS`` on a TPU; ``XLA_FLAGS`` on a CPU). Nothing only the compiling machine
-has (its C compiler, its cores) is part of it. A start that finds no job of its key logs one
-line naming what differs from the nearest job in the directory and compiles as usual.
+``manifest.json`` (what the key was made of, the KV-cache blocks and context length the
+compile fixed, and the sha256 of every file of the job), ``programs/`` (the traced programs)
+and ``executables/`` (JAX's serialized executables). Both are pickle-based: only files the
+manifest names are read, each checked against its sha256 before it is unpickled.
+
+The key (``job_parts``, ``job_key``) is computed identically on the compiling machine and on
+the TPU host, and it also names the JAX path's persistent cache (``CACHE_DIR/<key>/``) and the
+torch_xla path's: it is made of what the executables depend on: the model config's content,
+the draft model's or EAGLE-3 head's config content (never a path: another checkpoint at the
+same path is another key), the engine options that shape the graphs, the JAX path's kernel
+sources, this package's sources, the library versions, and the target (platform, chip kind
+and count, the compiler's flags: ``XLA_FLAGS`` but its dump options, and on a TPU libtpu's
+version and ``LIBTPU_INIT_ARGS``). Nothing only the compiling machine has (its C compiler, its
+cores) is part of it. A start that finds no job of its key logs one line naming what differs
+from the nearest job in the directory and compiles as usual.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-from dataclasses import dataclass
-from typing import Dict, List, Optional
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Mapping, Optional
 
 logger = logging.getLogger(__name__)
 
 AOT_FOLDER = "aot"
 MANIFEST = "manifest.json"
+FOLDERS = ("programs", "executables")  # a job's pickled records, each file checked by its sha256
 
 
 def model_config_text(checkpoint: str) -> str:
@@ -45,25 +52,44 @@ def engine_parts(config) -> Dict[str, object]:
             "prefill_buckets": compile_config.prefill_buckets, "decode_buckets": compile_config.decode_buckets,
             "decode_context_buckets": compile_config.decode_context_buckets,
             "max_logprobs": compile_config.max_logprobs, "max_prefill_seqs": compile_config.max_prefill_seqs,
-            "speculative": config.speculative,
+            "speculative": speculative_fields(config.speculative),
             "lora": (config.lora.max_loras, config.lora.max_lora_rank) if config.lora.enable_lora else None}
 
 
-def job_parts(config, runtime, kernels_fingerprint: str) -> Dict[str, str]:
-    """Everything a job's key is made of, by name (the miss line names the ones that differ)."""
+def speculative_fields(speculative) -> Optional[Dict[str, object]]:
+    """The speculative config's fields but the draft checkpoint's path (its config's content is
+    a part of its own: ``draft_config``)."""
+    if speculative is None:
+        return None
+    return {name: value for name, value in sorted(asdict(speculative).items()) if name != "model"}
+
+
+def cache_parts(config, target: Mapping[str, str], kernels_fingerprint: str) -> Dict[str, str]:
+    """Everything an engine's compile caches are keyed by, by name (the miss line names the
+    ones that differ); ``target``: the devices' description (``JaxRuntime.target``)."""
     import importlib.metadata
 
     from tpu_executor.worker.jax.runtime import LIBRARIES, source_fingerprint
 
+    speculative = config.speculative
+    draft = speculative.model if speculative is not None else None
     parts = {"model_config": model_config_text(config.model.model),
+             "draft_config": model_config_text(draft) if draft is not None else "",
              **{name: repr(value) for name, value in engine_parts(config).items()},
              "kernels": kernels_fingerprint, "sources": source_fingerprint(),
              **{name: importlib.metadata.version(name) for name in LIBRARIES}}
-    parts.update(runtime.target)
+    parts.update(target)
     return parts
 
 
+def job_parts(config, runtime, kernels_fingerprint: str) -> Dict[str, str]:
+    """``cache_parts`` of the JAX path on ``runtime``'s devices: an ahead-of-time job's, and
+    its persistent cache's."""
+    return cache_parts(config, runtime.target, kernels_fingerprint)
+
+
 def job_key(parts: Dict[str, str]) -> str:
+    """The folder name of ``parts``' caches."""
     import hashlib
 
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
@@ -71,13 +97,15 @@ def job_key(parts: Dict[str, str]) -> str:
 
 @dataclass(frozen=True)
 class AotJob:
-    """One compiled job in a cache directory."""
+    """One compiled job in a cache directory; ``sha256``: per folder of ``FOLDERS``, each of
+    its files' sha256 by name."""
 
     path: str
     parts: Dict[str, str]
     num_blocks: int
     max_model_len: int
     target: str
+    sha256: Dict[str, Dict[str, str]] = field(default_factory=dict)
 
     @classmethod
     def create(cls, cache_dir: str, parts: Dict[str, str], num_blocks: int, max_model_len: int,
@@ -87,12 +115,14 @@ class AotJob:
         os.makedirs(job.path, exist_ok=True)
         return job
 
-    def write_manifest(self) -> None:
-        """Written last: a job without its manifest is never found."""
+    def write_manifest(self, runtime) -> None:
+        """Written last (a job without its manifest is never found), with the sha256 of every
+        program and executable ``runtime``'s compile kept in the job (``attach(writes=True)``)."""
         from tpu_executor.worker.jax.programs import write_atomically
 
+        sha256 = {"programs": runtime.programs.digests, "executables": runtime.executables.digests}
         record = {"target": self.target, "num_blocks": self.num_blocks, "max_model_len": self.max_model_len,
-                  "parts": self.parts}
+                  "parts": self.parts, "sha256": sha256}
         write_atomically(self.path, MANIFEST, json.dumps(record, indent=1, sort_keys=True).encode())
 
     @classmethod
@@ -100,8 +130,9 @@ class AotJob:
         try:
             with open(os.path.join(path, MANIFEST)) as f:
                 record = json.load(f)
+            sha256 = {folder: dict(record["sha256"][folder]) for folder in FOLDERS}
             return cls(path, record["parts"], int(record["num_blocks"]), int(record["max_model_len"]),
-                       record["target"])
+                       record["target"], sha256)
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -119,12 +150,15 @@ class AotJob:
         return None
 
     def attach(self, runtime, writes: bool = False) -> None:
-        """Let ``runtime``'s compiled functions load this job's programs and executables (or,
-        ``writes``: keep the ones they compile in it)."""
+        """Let ``runtime``'s compiled functions load this job's programs and executables, those
+        the manifest names, checked against their sha256 (or, ``writes``: keep the ones they
+        compile in it, noting their sha256 for the manifest)."""
         from tpu_executor.worker.jax.programs import ExecutableStore, ProgramStore
 
-        runtime.programs = ProgramStore(os.path.join(self.path, "programs"))
-        runtime.executables = ExecutableStore(os.path.join(self.path, "executables"), writes=writes)
+        programs, executables = (None, None) if writes else (self.sha256.get(f, {}) for f in FOLDERS)
+        runtime.programs = ProgramStore(os.path.join(self.path, "programs"), expected=programs)
+        runtime.executables = ExecutableStore(os.path.join(self.path, "executables"), writes=writes,
+                                              expected=executables)
 
 
 def has_jobs(cache_dir: str) -> bool:

@@ -34,6 +34,7 @@ from torchax.tensor import Tensor as JaxTensor
 
 from tpu_executor.kernels.registry import REGISTRY
 from tpu_executor.worker.jax.programs import KernelChoice, OutputStructure, TracedProgram, program_key
+from tpu_executor.worker.jax.runtime import bytes_per_chip
 
 
 class CallSignature(NamedTuple):
@@ -55,13 +56,15 @@ class _Call(NamedTuple):
 
 class Pending(NamedTuple):
     """A lowered program waiting for XLA (``JaxFunction.compile`` finishes it); ``label``
-    names the graph of the plan it was lowered for."""
+    names the graph of the plan it was lowered for; ``inputs`` its tensor arguments' bytes
+    (``CompileRecord.inputs``)."""
 
     signature: CallSignature
     lowered: Any
     program: TracedProgram
     key: str
     label: str
+    inputs: Tuple[Tuple[int, int], ...]
 
 
 class GraphCompileError(RuntimeError):
@@ -70,7 +73,10 @@ class GraphCompileError(RuntimeError):
 
 class CompileRecord(NamedTuple):
     """One executable compiled at warm-up: the graph it serves, its function, how long XLA
-    took, and the executable (its memory and cost analyses)."""
+    took, the executable (its memory and cost analyses), and ``inputs``: per tensor argument
+    but the weights, ``(id of the torch tensor passed, its bytes on one chip)``, so that a
+    caller that knows which tensors stay on the device (a KV cache) can tell them from the
+    call's own inputs."""
 
     label: str
     function: str
@@ -78,6 +84,7 @@ class CompileRecord(NamedTuple):
     seconds: float
     compiled: Any
     program: TracedProgram
+    inputs: Tuple[Tuple[int, int], ...] = ()
 
 
 def _split(kwargs: Dict[str, Any]) -> _Call:
@@ -107,8 +114,7 @@ class JaxGraphs:
         self.replicated = runtime.replicated
         self.place = runtime.place  # host arrays onto the mesh (shapes only, compiling for another machine)
         self.platform = runtime.platform
-        self.store = runtime.programs
-        self.executables = runtime.executables
+        self.runtime = runtime  # its program and executable stores: those of the job or cache set last
         self.lock = threading.Lock()
         self._weights: Optional[Dict[str, Any]] = None
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -117,6 +123,16 @@ class JaxGraphs:
         self.records: List[CompileRecord] = []
         self.functions: List["JaxFunction"] = []
         self.loaded = 0  # executables loaded from the ahead-of-time store
+
+    @property
+    def store(self):
+        """Where traced programs are kept (``programs.ProgramStore``)."""
+        return self.runtime.programs
+
+    @property
+    def executables(self):
+        """Where executables compiled ahead of time are kept (``programs.ExecutableStore``)."""
+        return self.runtime.executables
 
     @contextlib.contextmanager
     def ahead_of_time(self, threads: int):
@@ -199,7 +215,7 @@ class JaxFunction:
         self.executables[pending.signature] = (compiled, pending.program)
         if self.graphs.compiling_ahead:
             self.graphs.records.append(CompileRecord(pending.label, self.name, pending.key, seconds, compiled,
-                                                     pending.program))
+                                                     pending.program, pending.inputs))
         if self.graphs.executables.writes:
             self.graphs.executables.save(pending.key, compiled)
 
@@ -244,7 +260,8 @@ class JaxFunction:
         out_shardings = (self.graphs.replicated, [a.sharding for a in donated])
         jitted = jax.jit(program.exported.call, donate_argnums=(2,), out_shardings=out_shardings)
         lowered = jitted.trace(self.graphs.weights(), kept, donated).lower()
-        return Pending(call.signature, lowered, program, key, self.graphs.label)
+        inputs = tuple((id(call.leaves[i]), bytes_per_chip(a)) for i, a in zip(call.tensor_positions, arrays))
+        return Pending(call.signature, lowered, program, key, self.graphs.label, inputs)
 
     def _trace(self, call: _Call) -> TracedProgram:
         """Trace ``fn`` through torchax and export the program (StableHLO)."""

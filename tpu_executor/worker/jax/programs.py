@@ -8,9 +8,9 @@ it back, lowers it in milliseconds, and JAX's cache hands over the executable. N
 what the trace found: which inputs the function updates in place, and the structure of its
 outputs.
 
-The directory is keyed by everything a trace depends on (the checkpoint's config, the engine
-config and bucket plan, the sources of this package and its kernels, the library versions:
-``runtime.compile_cache_key``); a record that cannot be read is traced again, with a warning.
+The directory is keyed by everything a trace depends on (the checkpoint's config, the draft
+model's, the engine config, the sources of this package and its kernels, the library versions,
+the target: ``aot.job_parts``); a record that cannot be read is traced again, with a warning.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import os
 import pickle
 import tempfile
 import warnings
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -88,37 +88,74 @@ def program_key(name: str, signature) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-class ProgramStore:
-    """Traced programs in ``directory`` (None: nothing is kept)."""
+class CheckedFolder:
+    """One folder of a compile cache's pickled records (traced programs, executables), each
+    file by key. ``expected`` (a compiled job read back: ``worker/jax/aot.py``): the sha256 of
+    each file its manifest names; only those are read, each checked before it is unpickled (a
+    file whose bytes differ is refused, naming it), and nothing is written. Otherwise files
+    are read and written freely, and ``digests`` notes the sha256 of each one this process
+    read or wrote (the manifest of a job being compiled). None: nothing is kept."""
 
-    def __init__(self, directory: Optional[str]):
+    what = "file"  # how errors name a record
+
+    def __init__(self, directory: Optional[str], expected: Optional[Mapping[str, str]] = None):
         self.directory = directory
-        if directory is not None:
+        self.expected = None if expected is None else dict(expected)
+        self.digests: Dict[str, str] = {}
+        if directory is not None and expected is None:
             os.makedirs(directory, exist_ok=True)
 
-    def load(self, key: str) -> Optional[TracedProgram]:
-        if self.directory is None:
+    def read(self, key: str) -> Optional[bytes]:
+        """The bytes of the record kept under ``key``, or None (none kept, or none the
+        manifest names); a file that is not the manifest's raises ValueError."""
+        if self.directory is None or (self.expected is not None and key not in self.expected):
             return None
         path = os.path.join(self.directory, key)
         if not os.path.exists(path):
             return None
+        with open(path, "rb") as f:
+            data = f.read()
+        digest = hashlib.sha256(data).hexdigest()
+        if self.expected is not None and digest != self.expected[key]:
+            raise ValueError(f"{self.what} {path} is not the file its job's manifest names (sha256 {digest[:16]}..., "
+                             f"the manifest's {self.expected[key][:16]}...): refusing to load it; compile the job "
+                             "again (tpu-executor compile)")
+        self.digests[key] = digest
+        return data
+
+    def write(self, key: str, data: bytes) -> None:
+        """Keep ``data`` under ``key`` (never into a job read back)."""
+        if self.directory is None or self.expected is not None:
+            return
+        write_atomically(self.directory, key, data)
+        self.digests[key] = hashlib.sha256(data).hexdigest()
+
+
+class ProgramStore(CheckedFolder):
+    """Traced programs in ``directory`` (None: nothing is kept)."""
+
+    what = "traced program"
+
+    def load(self, key: str) -> Optional[TracedProgram]:
+        data = self.read(key)
+        if data is None:
+            return None
         try:
             from jax import export
 
-            with open(path, "rb") as f:
-                serialized, donated, outputs, kernels = pickle.load(f)
+            serialized, donated, outputs, kernels = pickle.loads(data)
             return TracedProgram(export.deserialize(bytearray(serialized)), tuple(donated), outputs, kernels)
         except Exception as err:  # noqa: BLE001 - any unreadable record is traced again
-            warnings.warn(f"traced program {path} cannot be read ({type(err).__name__}: {err}); tracing it again")
+            warnings.warn(f"{self.what} {os.path.join(self.directory, key)} cannot be read "
+                          f"({type(err).__name__}: {err}); tracing it again")
             return None
 
     def save(self, key: str, program: TracedProgram) -> None:
         """Write atomically: a start that reads concurrently sees the old file or the new one."""
-        if self.directory is None:
+        if self.directory is None or self.expected is not None:
             return
-        record = pickle.dumps((bytes(program.exported.serialize()), program.donated, program.outputs,
-                               program.kernels))
-        write_atomically(self.directory, key, record)
+        self.write(key, pickle.dumps((bytes(program.exported.serialize()), program.donated, program.outputs,
+                                      program.kernels)))
 
 
 def write_atomically(directory: str, name: str, data: bytes) -> None:
@@ -129,36 +166,37 @@ def write_atomically(directory: str, name: str, data: bytes) -> None:
     os.replace(temporary, os.path.join(directory, name))
 
 
-class ExecutableStore:
+class ExecutableStore(CheckedFolder):
     """Executables compiled ahead of time (``tpu-executor compile``), by program key, in
     ``directory`` (None: none are kept). The format is JAX's ``serialize_executable``, which is
-    pickle-based: only files this package wrote are ever loaded, from a directory the user
-    named. An executable runs only under the platform, chips and compiler that built it: the
-    directory's key names them (``worker/jax/aot.py``)."""
+    pickle-based: only files this package wrote are loaded, from a directory the user named,
+    and only those whose sha256 is the one the job's manifest holds. An executable runs only
+    under the platform, chips and compiler that built it: the directory's key names them
+    (``worker/jax/aot.py``)."""
 
-    def __init__(self, directory: Optional[str], writes: bool = False):
-        self.directory = directory
-        self.writes = writes and directory is not None  # keeps what compiles (the compile command)
-        if directory is not None:
-            os.makedirs(directory, exist_ok=True)
+    what = "executable"
+
+    def __init__(self, directory: Optional[str], writes: bool = False, expected: Optional[Mapping[str, str]] = None):
+        super().__init__(directory, expected)
+        self.writes = writes and directory is not None and expected is None  # the compile command keeps what compiles
 
     def save(self, key: str, compiled) -> None:
         from jax.experimental.serialize_executable import serialize
 
         if self.writes:
-            write_atomically(self.directory, key, pickle.dumps(serialize(compiled)))
+            self.write(key, pickle.dumps(serialize(compiled)))
 
     def load(self, key: str):
         """The executable kept under ``key`` loaded onto this process's devices, or None."""
-        path = None if self.directory is None else os.path.join(self.directory, key)
-        if path is None or not os.path.exists(path):
+        data = self.read(key)
+        if data is None:
             return None
         from jax.experimental.serialize_executable import deserialize_and_load
 
         try:
-            with open(path, "rb") as f:
-                payload, in_tree, out_tree = pickle.load(f)
+            payload, in_tree, out_tree = pickle.loads(data)
             return deserialize_and_load(payload, in_tree, out_tree)
         except Exception as err:  # noqa: BLE001 - an executable that cannot load is compiled again
-            warnings.warn(f"executable {path} cannot be loaded ({type(err).__name__}: {err}); compiling it")
+            warnings.warn(f"{self.what} {os.path.join(self.directory, key)} cannot be loaded "
+                          f"({type(err).__name__}: {err}); compiling it")
             return None

@@ -72,18 +72,27 @@ def _quantized_split(module: torch.nn.Module, name: str, rank: int) -> Optional[
     return rank + from_end
 
 
-def compile_cache_key(parts: Tuple, checkpoint: str) -> str:
-    """A directory name for one engine's traced programs and executables: a change of the
-    checkpoint's config, the engine config (``parts``: bucket plan, kernel fingerprint, ...),
-    this package's source, a library version or ``XLA_FLAGS`` (they steer XLA's compiler)
-    gives another directory (never a stale hit). The weights are inputs of every program, so
-    they are no part of it."""
-    versions = tuple(importlib.metadata.version(name) for name in LIBRARIES)
-    digest = hashlib.sha256(repr(parts + versions + (os.environ.get("XLA_FLAGS", ""),)).encode())
-    with open(os.path.join(checkpoint, "config.json"), "rb") as config:
-        digest.update(config.read())
-    digest.update(source_fingerprint().encode())
-    return digest.hexdigest()[:20]
+def bytes_per_chip(array) -> int:
+    """Bytes of one chip's share of ``array`` (a JAX array, or a shape with its sharding)."""
+    shard = array.sharding.shard_shape(tuple(array.shape))
+    return int(np.prod(shard, dtype=np.int64)) * np.dtype(array.dtype).itemsize
+
+
+def compiler_flags(value: str) -> str:
+    """``XLA_FLAGS`` as they steer the compiler: without the ``--xla_dump_*`` options, which
+    only write what it did beside (reading a compile's graphs must not miss its executables)."""
+    return " ".join(flag for flag in value.split() if not flag.startswith("--xla_dump"))
+
+
+def target_parts(platform: str, device_kind: str, devices: int, partitioner: str) -> Dict[str, str]:
+    """What executables depend on besides their program: the platform, the chips (kind and
+    count), the partitioner, the compiler's flags (``XLA_FLAGS``), and on a TPU the compiler
+    itself (libtpu's version and its flags, ``LIBTPU_INIT_ARGS``)."""
+    described = {"platform": platform, "device_kind": device_kind, "devices": str(devices),
+                 "partitioner": partitioner, "xla_flags": compiler_flags(os.environ.get("XLA_FLAGS", ""))}
+    if platform == "tpu":
+        described.update(libtpu=libtpu_version(), libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS", ""))
+    return described
 
 
 def cpu_runtime(even_with_tpus: bool = False) -> None:
@@ -197,20 +206,12 @@ class JaxRuntime:
 
     @property
     def target(self) -> Dict[str, str]:
-        """What the executables compiled for these devices depend on besides the program:
-        the platform, the chips (kind and count), and on a TPU the compiler (libtpu's version
-        and its flags)."""
-        device = self.mesh.devices.flat[0]
+        """What the executables compiled for these devices depend on besides the program
+        (``target_parts``)."""
         import jax
 
-        described = {"platform": self.platform, "device_kind": device.device_kind,
-                     "devices": str(self.mesh.size),
-                     "partitioner": "shardy" if jax.config.jax_use_shardy_partitioner else "gspmd"}
-        if self.platform == "tpu":
-            described.update(libtpu=libtpu_version(), libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS", ""))
-        else:
-            described["xla_flags"] = os.environ.get("XLA_FLAGS", "")
-        return described
+        partitioner = "shardy" if jax.config.jax_use_shardy_partitioner else "gspmd"
+        return target_parts(self.platform, self.mesh.devices.flat[0].device_kind, self.mesh.size, partitioner)
 
     @contextlib.contextmanager
     def context(self):

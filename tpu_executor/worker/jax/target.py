@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import List, Optional, Sequence
+from typing import FrozenSet, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -23,7 +23,7 @@ from tpu_executor.core.tpu_slices import Target
 from tpu_executor.worker.draft_model import DraftModelRunner
 from tpu_executor.worker.eagle3 import Eagle3Runner
 from tpu_executor.worker.jax.aot import AotJob
-from tpu_executor.worker.jax.runtime import JaxRuntime, cpu_runtime
+from tpu_executor.worker.jax.runtime import JaxRuntime, bytes_per_chip, cpu_runtime
 from tpu_executor.worker.paged_drafter import PagedDrafter
 from tpu_executor.worker.worker import Worker
 
@@ -47,6 +47,26 @@ def target_devices(target: Target) -> List:
         raise ValueError(f"cannot describe {target.name} ({target.topology_name}) for the TPU compiler: {err}; "
                          "the compiler is libtpu: pip install 'tpu_executor[tpu]'") from err
     return list(topology.devices)
+
+
+def model_bytes_per_chip(model: torch.nn.Module) -> int:
+    """Bytes of one chip's share of ``model``'s parameters and buffers, as placed."""
+    return sum(bytes_per_chip(t.jax()) for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+class Resident(NamedTuple):
+    """Bytes per chip that stay in HBM while the engine serves: ``weights`` (every model's),
+    ``state`` (the device buffers kept between steps: KV caches, the sampler's and the
+    drafter's state), and the ids of the state's tensors (``CompileRecord.inputs`` names a
+    call's arguments by them)."""
+
+    weights: int
+    state: int
+    state_ids: FrozenSet[int]
+
+    @property
+    def bytes(self) -> int:
+        return self.weights + self.state
 
 
 class TargetRuntime(JaxRuntime):
@@ -92,9 +112,10 @@ class TargetWorker(Worker):
         """Nothing is loaded: a compile for a slice compiles every graph (``keep_in``)."""
 
     def keep_in(self, job: AotJob) -> None:
-        """Write the programs traced and the executables compiled from here on into ``job``."""
+        """Write the programs traced and the executables compiled from here on into ``job``
+        (the runner's and the drafter's: their functions read the runtime's stores)."""
         job.attach(self.jax, writes=True)
-        if self.runner is not None:  # a runner takes the stores it finds when it is made
+        if self.runner is not None:  # a fresh runner: one whose probes compiled a graph would not compile it again
             with self.device_context():
                 self.runner = self._new_runner()
 
@@ -124,18 +145,26 @@ class TargetWorker(Worker):
         return DraftModelRunner(self.config, self.jax.place_model(draft), self.device, runtime=self.jax)
 
     def weight_bytes_per_chip(self) -> int:
-        """Bytes of one chip's share of every parameter and buffer (the draft model's too), as placed."""
-        total = 0
-        models = [self.model] + ([self.drafter.model] if self.drafter is not None else [])
-        tensors = (t for model in models for t in itertools.chain(model.parameters(), model.buffers()))
-        for tensor in tensors:
-            array = tensor.jax()
-            shard = array.sharding.shard_shape(array.shape)
-            count = 1
-            for size in shard:
-                count *= size
-            total += count * array.dtype.itemsize
-        return total
+        """Bytes of one chip's share of every parameter and buffer (the draft model's or EAGLE-3
+        head's too), as placed."""
+        drafter = [self.drafter.model] if self.drafter is not None else []
+        return sum(model_bytes_per_chip(model) for model in [self.model] + drafter)
+
+    def draft_weight_bytes_per_chip(self) -> int:
+        """The draft model's or EAGLE-3 head's share of ``weight_bytes_per_chip``."""
+        return model_bytes_per_chip(self.drafter.model) if self.drafter is not None else 0
+
+    def resident(self) -> Resident:
+        """What stays in each chip's HBM beside every graph of the cache ``init_cache`` made:
+        the weights, the KV cache, the sampler's logits-processing state, and the drafter's
+        KV cache (its scratch blocks too) and buffers."""
+        sampling = self.runner.sampling
+        state = [t for layer in self.runner.kv_caches for t in layer] + list(sampling.processing.state)
+        if self.drafter is not None:
+            state += self.drafter.device_state()
+        unique = {id(t): t for t in state}  # an EAGLE-3 head's tap buffers are the runner's too
+        return Resident(self.weight_bytes, sum(bytes_per_chip(t.jax()) for t in unique.values()),
+                        frozenset(unique))
 
     def cache_block_bytes_per_chip(self) -> int:
         """One KV block's bytes on one chip: the cache is split over its heads when they divide
