@@ -3,9 +3,10 @@
 later on XLA)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
 
-from tpu_executor.core.step import ModelRunnerOutput, SampledTokens
+from tpu_executor.core.step import LoRAFailure, ModelRunnerOutput, SampledTokens
 from tpu_executor.worker.prompt_logprobs import read_back
 from tpu_executor.worker.sampler import SamplerOutput
 from tpu_executor.worker.verify import accepted_rows
@@ -82,3 +83,13 @@ def _sampled_tokens(call: LaunchedCall, host: Tuple[list, list, Optional[list], 
             top.append(None if wanted < 0 else
                        dict(zip(top_ids[row][:wanted], top_lps[row][:wanted])) if wanted and top_ids else {})
     return SampledTokens(list(call.request_ids), token_ids[:num], logprobs[:num], top)
+
+
+class WithLoRAFailures:
+    """A launched step whose output also names the adapters its slots could not take."""
+
+    def __init__(self, launched: "LaunchedStep", failures: Tuple[LoRAFailure, ...]):
+        self.launched, self.failures = launched, failures
+
+    def collect(self) -> ModelRunnerOutput:
+        return dataclasses.replace(self.launched.collect(), lora_failures=self.failures)

@@ -16,12 +16,13 @@ import torch
 
 from tpu_executor.core.buckets import Graph
 from tpu_executor.core.config import EngineConfig, tpu_attached
-from tpu_executor.core.step import LoRAFailure, ModelRunnerOutput, SchedulerOutput, WorkerStats
+from tpu_executor.core.step import ModelRunnerOutput, SchedulerOutput, WorkerStats
 from tpu_executor.models.layers.parallel import SingleRank, TensorParallelGroup
+from tpu_executor.worker.compile_caches import init_xla_compile_cache, use_jax_caches
 from tpu_executor.worker.distributed import GlooGroup, RankPlacement, XlaGroup, tpu_topology_env
 from tpu_executor.worker.draft_model import DraftModelRunner, check_draft_checkpoint
 from tpu_executor.worker.eagle3 import Eagle3Runner
-from tpu_executor.worker.launched_step import LaunchedStep
+from tpu_executor.worker.launched_step import LaunchedStep, WithLoRAFailures
 from tpu_executor.worker.lora_loader import AdapterStore, enable_lora
 from tpu_executor.worker.model_loader import load_eagle3_head, load_model, pack_for_cpu, use_xla_cpu_forms
 from tpu_executor.worker.model_runner import ModelRunner
@@ -110,18 +111,8 @@ class Worker:
 
     def _use_jax_caches(self, cache_dir: str, kernels_fingerprint: str) -> None:
         """Executables compiled ahead of time for this engine and these chips, when
-        ``cache_dir`` holds them (``tpu-executor compile``); else JAX's persistent cache."""
-        from tpu_executor.worker.jax.aot import AotJob, has_jobs, job_key, job_parts
-
-        parts = job_parts(self.config, self.jax, kernels_fingerprint)  # one key for both
-        if has_jobs(cache_dir):
-            self.aot_job = AotJob.find(cache_dir, parts)
-        if self.aot_job is not None:
-            self.aot_job.attach(self.jax)
-            logger.info("executables compiled ahead of time: %s", self.aot_job.path)
-            return
-        path = self.jax.use_compile_cache(cache_dir, job_key(parts))
-        logger.info("JAX compile cache: %s", path)
+        ``cache_dir`` holds them; else JAX's persistent cache (``compile_caches.py``)."""
+        self.aot_job = use_jax_caches(self.config, self.jax, cache_dir, kernels_fingerprint)
 
     def device_context(self):
         """Where the worker's torch code runs: torchax's environment on the JAX path."""
@@ -139,7 +130,7 @@ class Worker:
         registry = register_all()  # after torch_xla is loaded, so it sees whether this is a TPU
         if on_tpu:
             # PJRT's CPU client cannot deserialize executables, so the cache only helps on TPU.
-            self._init_compile_cache(registry.fingerprint())
+            init_xla_compile_cache(self.config, self.placement, registry.fingerprint())
         else:
             self._init_cpu_group()
         self.device = torch_xla.device()
@@ -165,28 +156,6 @@ class Worker:
 
         pjrt.initialize_multiprocess(self.placement.local_rank, self.placement.local_world_size)
         self.tp = XlaGroup(self.rank, self.placement.world_size)
-
-    def _init_compile_cache(self, kernels_fingerprint: str) -> None:
-        """Persistent XLA cache, one directory per (model, shapes, kernels) and rank."""
-        import torch_xla
-        import torch_xla.runtime as xr
-
-        cache_dir = self.config.compile.cache_dir
-        if cache_dir is None:
-            return
-        if torch_xla._XLAC._xla_computation_cache_is_initialized():
-            # One cache per process: a second engine in the same process shares the first's.
-            logger.info("XLA compile cache already initialised in this process; keeping it")
-            return
-        from tpu_executor.worker.jax.aot import cache_parts, job_key
-        from tpu_executor.worker.jax.runtime import target_parts
-
-        # The JAX path's key builder, with torch_xla as the compiler.
-        target = target_parts("tpu", f"torch_xla {torch_xla.__version__}", self.placement.world_size, "torch_xla")
-        path = os.path.join(cache_dir, job_key(cache_parts(self.config, target, kernels_fingerprint)),
-                            f"rank{self.rank}")
-        os.makedirs(path, exist_ok=True)
-        xr.initialize_cache(path, readonly=False)
 
     @property
     def on_tpu(self) -> bool:
@@ -369,7 +338,7 @@ class Worker:
         capture = self.drafter.capture() if self.drafter is not None else contextlib.nullcontext()
         with self.device_context(), capture:
             launched = self.runner.launch(step)
-        return _WithLoRAFailures(launched, tuple(failures)) if failures else launched
+        return WithLoRAFailures(launched, tuple(failures)) if failures else launched
 
     def launch_step(self, step: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         """Start one step. Returns its output when there is one already: on eager devices (the
@@ -436,12 +405,3 @@ class Worker:
         """Leave the tensor-parallel group."""
         self.tp.close()
 
-
-class _WithLoRAFailures:
-    """A launched step whose output also names the adapters its slots could not take."""
-
-    def __init__(self, launched: LaunchedStep, failures: Tuple[LoRAFailure, ...]):
-        self.launched, self.failures = launched, failures
-
-    def collect(self) -> ModelRunnerOutput:
-        return dataclasses.replace(self.launched.collect(), lora_failures=self.failures)
