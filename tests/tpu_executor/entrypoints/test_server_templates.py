@@ -75,7 +75,7 @@ RUNAWAY = {
                                "{% for i in range(30) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}{{ ns.l }}",
     "padding method": "{{ 'a'.rjust(10**10) }}",
     "padding filter": "{{ 'a' | center(10**10) }}",
-    "format width": "{{ '%10000000000d' | format(1) }}",
+    "format width": "{{ '%10000000000s' | format('a') }}",
     "joined copies": "{% set s = 'a' * 100000 %}{{ ([s] * 1000) | join }}",
     "replace": "{{ ('a' * 100000) | replace('a', 'a' * 1000) }}",
     "lorem ipsum": "{{ lipsum(10**7) }}",
