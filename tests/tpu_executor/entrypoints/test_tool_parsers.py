@@ -81,11 +81,10 @@ def test_a_named_function_constrains_to_its_arguments_and_streams_them():
     choice = ToolChoice(TOOLS, {"type": "function", "function": {"name": "get_time"}}, True, "hermes")
     assert json.loads(choice.grammar().json) == TOOLS[1]["function"]["parameters"]
     stream = StreamedChoice(choice)
-    deltas = [stream.add(text, last)[0]["tool_calls"] for text, last in (("", False), ('{"zone": ', False),
-                                                                          ('"CET"}', True))]
-    assert deltas[0][0]["function"] == {"name": "get_time", "arguments": ""} and deltas[0][0]["id"]
-    assert deltas[1:] == [[{"index": 0, "function": {"arguments": '{"zone": '}}],
-                          [{"index": 0, "function": {"arguments": '"CET"}'}}]]
+    assert stream.add("", False)[0] == {}  # the call opens with the answer's first text (none yet)
+    deltas = [stream.add(text, last)[0]["tool_calls"] for text, last in (('{"zone": ', False), ('"CET"}', True))]
+    assert deltas[0][0]["function"] == {"name": "get_time", "arguments": '{"zone": '} and deltas[0][0]["id"]
+    assert deltas[1:] == [[{"index": 0, "function": {"arguments": '"CET"}'}}]]
 
 
 @pytest.mark.parametrize("tools, tool_choice, message", [
