@@ -6,14 +6,64 @@ import pytest
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "tpu: needs a real TPU (skipped elsewhere)")
+    config.addinivalue_line("markers", "heavy: the heaviest cases (conftest.HEAVY), left out of the default run: "
+                                       "`pytest -m heavy` runs them")
     config.addinivalue_line("markers", "slow: XLA compilation, Ray actors, an engine core process, TPU interpret mode "
                                        "or a real model "
                                        "(the fast tier is `pytest -m \"not slow\"`)")
 
 
+# The heaviest cases, each a second compiled path, a second replica form or a second size of
+# what a lighter case in the default run already checks: marked ``heavy`` (and ``slow``), left
+# out of the default run (pytest.ini) and run with ``-m heavy``. Patterns over node ids.
+HEAVY = (
+    "tests/tpu_executor/engine/test_engine.py::test_speculation_changes_no_output_and_compiles_nothing_after_warmup"
+    "[[]xla-*",
+    "tests/tpu_executor/engine/test_engine.py::test_speculation_changes_no_output_and_compiles_nothing_after_warmup"
+    "[[]jax-eagle3]",
+    "tests/tpu_executor/engine/test_speculative_eagle3.py::test_drafts_equal_an_independent_implementation[[]llama-xla]",
+    "tests/tpu_executor/worker/test_aot_load.py::test_the_draft_models_executables_are_kept_in_the_job_and_loaded",
+    "tests/tpu_executor/entrypoints/test_compile.py::test_the_command_compiles_every_graph_and_reports_them[[]eagle3]",
+    "tests/tpu_executor/worker/test_jax_path.py::test_spmd_drafters_at_tp2_equal_the_plain_engine",
+    "tests/tpu_executor/engine/test_lora.py::test_jax_spmd_at_tp2_equals_one_device",
+    "tests/tpu_executor/engine/test_lora.py::test_compiled_paths_equal_the_native_path_and_compile_nothing_after_warmup"
+    "[[]jax]",
+    "tests/tpu_executor/executor/test_tensor_parallel.py::test_greedy_tokens_match_transformers[[]qwen3_moe-2]",
+    "tests/tpu_executor/executor/test_tensor_parallel.py::test_core_process_drives_the_ray_workers",
+    "tests/tpu_executor/executor/test_multihost.py::test_jax_path_runs_one_process_per_host_and_matches_transformers",
+    "tests/models/test_mixtral.py::test_no_recompilation_across_random_lengths",
+    "tests/models/test_chunked_prefill.py::test_chunked_prompts_match_transformers[[]llama-xla-True]",
+    "tests/tpu_executor/entrypoints/test_server_load.py::*[[]replicas]",
+    "tests/tpu_executor/entrypoints/test_serve_command.py::*[[]replicas]",
+    "tests/tpu_executor/entrypoints/test_server_bad_input.py::*[[]replicas*",
+    "tests/tpu_executor/entrypoints/test_server_replicas_tp.py::*",
+    "tests/tpu_executor/entrypoints/test_server_replicas_lora.py::*",
+)
+
+
+def heavy_patterns_matched(node_ids) -> set:
+    """The patterns of ``HEAVY`` that name at least one of ``node_ids`` (a whole run checks
+    that each still names a test)."""
+    import fnmatch
+
+    return {pattern for pattern in HEAVY if any(fnmatch.fnmatchcase(node, pattern) for node in node_ids)}
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``tpu`` are skipped on machines without a TPU, whatever ``-m`` selects."""
+    """Cases of ``HEAVY`` are marked ``heavy`` and ``slow``; tests marked ``tpu`` are skipped on
+    machines without a TPU, whatever ``-m`` selects."""
+    import fnmatch
     import glob
+
+    for item in items:
+        if any(fnmatch.fnmatchcase(item.nodeid, pattern) for pattern in HEAVY):
+            item.add_marker(pytest.mark.heavy)
+            item.add_marker(pytest.mark.slow)
+    whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
+    stale = set(HEAVY) - heavy_patterns_matched([item.nodeid for item in items]) if whole_suite else ()
+    if stale:
+        raise pytest.UsageError(f"conftest.HEAVY names no test: {sorted(stale)}")
 
     if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
         return
