@@ -40,16 +40,13 @@ class _BatchLimit:
         return limit is None or num_running <= limit
 
     def propose(self, request: Request, max_drafts: int) -> Tuple[int, ...]:
+        """Up to ``max_drafts`` drafts for ``request``: the subclass's ``_propose``, guarded."""
         try:
             return self._propose(request, max_drafts)
         except Exception:  # noqa: BLE001 - drafts are an optimisation: the request decodes
             logger.warning("drafting for request %s failed; it decodes without drafts this step",
                            request.request_id, exc_info=True)
             return ()
-
-    def _propose(self, request: Request, max_drafts: int) -> Tuple[int, ...]:
-        """Up to ``max_drafts`` drafts for ``request`` (``propose`` without the guard)."""
-        raise NotImplementedError
 
 
 class ModelDrafter(_BatchLimit):

@@ -122,7 +122,7 @@ class ServedAdapters:
 
     def _as_given(self, message: str, real: str, lora_path: str) -> str:
         """``message`` with the server's paths replaced: the adapter's by the client's spelling,
-        the root's (should any other path show) by a placeholder."""
+        and the root's, should another path under it show, by ``<adapter root>``."""
         quoted, bare = "\0quoted\0", "\0bare\0"
         message = message.replace(repr(real), quoted).replace(real, bare)
         for root in (self.root.real, self.root.spelled):
