@@ -328,8 +328,10 @@ class RowParallelLinear(QuantizableMatmul, LoRASlots):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding split over the vocabulary, stored ``[hidden, vocab / tp]`` so that a
-    (tied) LM head is a plain ``h @ W``.
+    """Token embedding split over the vocabulary, stored ``[vocab / tp, hidden]`` (the
+    checkpoint's layout): a lookup gathers whole rows of it as stored, and the (tied) LM head
+    is ``h @ W.T``, which a TPU's matmul reads in that layout as cheaply as ``h @ W``. Stored
+    ``[hidden, vocab]``, every lookup made XLA copy the whole table into the other layout first.
 
     The vocabulary is padded to a multiple of the group size; padded columns stay zero.
     A rank looks up the ids it owns, zeroes the rest, and the group sums the rows.
@@ -341,7 +343,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.vocab_local = -(-vocab_size // tp.world_size)
         self.vocab_start = tp.rank * self.vocab_local
-        self.weight = nn.Parameter(torch.zeros(hidden_size, self.vocab_local))
+        self.weight = nn.Parameter(torch.zeros(self.vocab_local, hidden_size))
         self.weight.weight_loader = self._load
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
@@ -349,14 +351,14 @@ class VocabParallelEmbedding(nn.Module):
         start = min(self.vocab_start, self.vocab_size)
         length = min(self.vocab_local, self.vocab_size - start)
         rows = narrow_checked(loaded, 0, start, length, self.vocab_size)
-        copy_from_hf(param.narrow(1, 0, length), rows)
+        copy_weight(param.narrow(0, 0, length), rows)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return self.weight.index_select(1, token_ids).t()
+            return self.weight.index_select(0, token_ids)
         local_ids = token_ids - self.vocab_start
         owned = (local_ids >= 0) & (local_ids < self.vocab_local)
-        rows = self.weight.index_select(1, torch.where(owned, local_ids, 0)).t()
+        rows = self.weight.index_select(0, torch.where(owned, local_ids, 0))
         return self.tp.all_reduce(rows * owned[:, None].to(rows.dtype))
 
     def pack_for_cpu(self) -> bool:
@@ -364,8 +366,8 @@ class VocabParallelEmbedding(nn.Module):
         (the lookup keeps ``weight``); returns whether it did. Native CPU path, after loading."""
         if not packable_for_cpu(self._parameters.get("weight")):
             return False
-        self.packed_out_features = self.weight.shape[1]
-        self.register_buffer("logits_packed", cpu_packed(self.weight), persistent=False)
+        self.packed_out_features = self.weight.shape[0]
+        self.register_buffer("logits_packed", cpu_packed(self.weight.t()), persistent=False)
         return True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -373,7 +375,7 @@ class VocabParallelEmbedding(nn.Module):
         if "logits_packed" in self._buffers:
             local = cpu_packed_matmul(hidden, self.logits_packed, self.packed_out_features)
         else:
-            local = hidden @ self.weight
+            local = hidden @ self.weight.t()
         logits = self.tp.all_gather(local)
         return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size]
 

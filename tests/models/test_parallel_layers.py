@@ -72,7 +72,7 @@ def test_vocab_not_divisible_is_padded_and_cut():
         layer = VocabParallelEmbedding(10, 4, PartialGroup(rank, 4))
         layer.weight.weight_loader(layer.weight, table)
         shards.append(layer)
-    assert shards[-1].weight[:, 1:].abs().sum() == 0  # vocab 10 -> 12 columns, 2 of them padding
+    assert shards[-1].weight[1:].abs().sum() == 0  # vocab 10 -> 12 rows, 2 of them padding
     ids = torch.arange(10)
     torch.testing.assert_close(sum(s(ids) for s in shards), table)
 

@@ -87,6 +87,7 @@ class CompileReport:
     resident_bytes: int = 0  # weights, KV caches and state at num_blocks (``TargetWorker.resident``)
     graphs: List[GraphFigures] = field(default_factory=list)
     kernel_warnings: List[str] = field(default_factory=list)
+    weight_copies: List[str] = field(default_factory=list)  # ``weight_copies``
     job_path: Optional[str] = None
 
     @property
@@ -176,6 +177,7 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
     report.resident_bytes = resident.bytes
     report.graphs = [GraphFigures.of(r, resident) for r in in_plan_order(records, worker.runner.plan)]
     report.kernel_warnings = kernel_warnings(records)
+    report.weight_copies = weight_copies(records, worker)
     if report.job_path is not None and report.fits:
         job.write_manifest(worker.jax)
     return report
@@ -307,3 +309,14 @@ def kernel_warnings(records) -> List[str]:
     from tpu_executor.worker.jax.programs import refusal_lines
 
     return refusal_lines(choice for record in records for choice in record.program.kernels)
+
+
+def weight_copies(records, worker) -> List[str]:
+    """``"<graph>: <buffer>"`` for every buffer of a weight's shape a graph allocates
+    (``hlo_audit``): a copy of that weight made at every step."""
+    from tpu_executor.worker.jax.hlo_audit import weight_shapes_per_chip, weight_sized_buffers
+
+    models = [worker.model] + ([worker.drafter.model] if worker.drafter is not None else [])
+    shapes = {key: name for model in models for key, name in weight_shapes_per_chip(model).items()}
+    return [f"{record.label}: {buffer}" for record in records
+            for buffer in weight_sized_buffers(record.compiled.as_text(), shapes)]

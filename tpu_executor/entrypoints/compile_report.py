@@ -32,6 +32,8 @@ def print_report(report: CompileReport, wall_seconds: float) -> None:
     print_table(report.graphs)
     for line in report.kernel_warnings:
         print(f"warning: Pallas kernel refused: {line}")
+    for line in report.weight_copies:
+        print(f"warning: a weight-sized buffer, copied at every step: {line}")
     target, config = report.target, report.config
     compile_seconds = sum(g.compile_seconds for g in report.graphs)
     print(f"{len(report.graphs)} graphs compiled by libtpu {report.libtpu} for {target.name} "
@@ -66,6 +68,7 @@ def report_json(report: CompileReport) -> Dict:
         "kv_block_bytes_per_chip": report.block_bytes, "max_model_len": report.max_model_len,
         "tensor_parallel_size": report.config.parallel.tensor_parallel_size, "dtype": report.config.model.dtype,
         "executables": report.job_path if report.fits else None, "kernel_warnings": report.kernel_warnings,
+        "weight_copies": report.weight_copies,
         "graphs": [{"name": g.name, "function": g.function, "compile_seconds": g.compile_seconds,
                     "hbm": {"arguments": g.arguments, "outputs": g.outputs, "temp": g.temp, "code": g.code},
                     "peak_bytes": g.peak,

@@ -24,17 +24,18 @@ def compile_command(args, cwd, expect_ok=True):
 
 def model_graph_kernels(target_name: str, architectures, root: str, quantization=None) -> dict:
     """{architecture: {graph: Pallas ops}} for the largest prefill and decode graphs of a small
-    plan, each compiled by libtpu for ``target_name`` over the slice's chips. ``quantization``:
-    a scheme to quantize at load, or a published checkpoint's ``quantization_config``."""
+    plan, each compiled by libtpu for ``target_name`` over the slice's chips, and under
+    ``"weight copies"`` the weight-sized buffers any of them allocates. ``quantization``: a
+    scheme to quantize at load, or a published checkpoint's ``quantization_config``."""
     from tpu_executor.core.buckets import BucketPlan
     from tpu_executor.core.tpu_slices import Target
-    from tpu_executor.entrypoints.compile_job import _largest_graphs, engine_config
+    from tpu_executor.entrypoints.compile_job import _largest_graphs, engine_config, weight_copies
     from tpu_executor.tools.random_checkpoint import write_config
     from tpu_executor.worker.jax.target import TargetWorker, target_devices
 
     target = Target.parse(target_name)
     devices = target_devices(target)
-    found = {}
+    found = {"weight copies": []}
     for arch in architectures:
         path = write_config(os.path.join(root, arch), arch)
         if isinstance(quantization, dict):
@@ -52,11 +53,14 @@ def model_graph_kernels(target_name: str, architectures, root: str, quantization
         graphs = _largest_graphs(BucketPlan.from_config(config).graphs())
         records = worker.compile_plan(64, config.max_model_len, show_progress=False, graphs=graphs)
         found[arch] = {r.label: sorted({k.op for k in r.program.kernels if k.pallas}) for r in records}
+        found["weight copies"] += [f"{arch} {line}" for line in weight_copies(records, worker)]
     return found
 
 
 # Every architecture on one chip; over four chips (each kernel split over the chips by
-# shard_map) the two that split differently: one KV head replicated, experts cut in four.
+# shard_map) the two that split differently: one KV head replicated, experts cut in four. No
+# graph may copy a weight: each is read in the layout it is stored in (the embedding's lookup
+# and the tied LM head's matmul from one table included).
 @pytest.mark.slow  # libtpu compiles 2 graphs of each architecture (about 2 minutes for all)
 @pytest.mark.parametrize("target,architectures", [("v5e-1", ARCHITECTURES), ("v6e-4", ("gemma3", "qwen3_moe"))])
 def test_architectures_compile_for_a_tpu_with_their_pallas_kernels(target, architectures, tmp_path):
@@ -65,6 +69,7 @@ def test_architectures_compile_for_a_tpu_with_their_pallas_kernels(target, archi
         moe = ["gmm"] if arch in MOE else []
         prefill, decode = found[arch]["prefill tokens=128 keys=512"], found[arch]["decode rows=8 blocks=32"]
         assert (prefill, decode) == (sorted(moe + ["prefill_attention"]), sorted(moe + ["paged_attention"])), arch
+    assert found["weight copies"] == []
 
 
 # A GPTQ checkpoint's config (4-bit levels with zero points in groups of 128): compiling reads

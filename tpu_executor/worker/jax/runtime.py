@@ -24,13 +24,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 # (layer class name, parameter name) -> the dimension split over the mesh. Weights are stored
-# [in, out]; the embedding and LM head [hidden, vocab]; experts [E, H, 2I] and [E, I, H].
+# [in, out]; the embedding and LM head [vocab, hidden]; experts [E, H, 2I] and [E, I, H].
 SPLIT_DIMS = {
     ("ColumnParallelLinear", "weight"): 1, ("ColumnParallelLinear", "bias"): 0,
     ("MergedColumnParallelLinear", "weight"): 1, ("MergedColumnParallelLinear", "bias"): 0,
     ("QKVParallelLinear", "weight"): 1, ("QKVParallelLinear", "bias"): 0,
     ("RowParallelLinear", "weight"): 0,
-    ("VocabParallelEmbedding", "weight"): 1, ("ParallelLMHead", "weight"): 1,
+    ("VocabParallelEmbedding", "weight"): 0, ("ParallelLMHead", "weight"): 0,
     ("ExpertWeights", "w13"): 2, ("ExpertWeights", "w2"): 1,
     # LoRA slots split as their layer: B by output features, A by input features.
     ("ColumnParallelLinear", "lora_b"): 2, ("MergedColumnParallelLinear", "lora_b"): 2,

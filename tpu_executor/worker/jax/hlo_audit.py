@@ -1,0 +1,81 @@
+"""Weight-sized buffers in a compiled graph: what a step allocates beside the weights it reads.
+
+XLA picks a layout for every operand; when an op reads a weight in another layout than the one
+it is stored in (a lookup gathering columns of a table stored by rows, say), the compiled graph
+copies the whole weight at every step: its bytes read and written once more, and its size held
+as scratch HBM the KV cache could have had. libtpu places small copies in VMEM, so the graph's
+temp figure does not show them at tiny shapes; the scheduled HLO does, at any size.
+"""
+from __future__ import annotations
+
+import re
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+
+# numpy's dtype names -> HLO's element types
+_HLO_TYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int8": "s8", "uint8": "u8", "int32": "s32",
+              "int4": "s4", "uint4": "u4", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2", "bool": "pred"}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\](?:\{([^}]*)\})?")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+# Opcodes that allocate nothing: views of buffers that exist already.
+_NO_BUFFER = frozenset({"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "after-all"})
+
+Shape = Tuple[str, Tuple[int, ...]]
+
+
+def weight_shapes_per_chip(model: torch.nn.Module, min_bytes: int = 1 << 16) -> Dict[Shape, str]:
+    """{(HLO element type, one chip's dims): a parameter's name} for the JAX path's placed
+    ``model`` (each ``Tensor.jax()`` a shape with a sharding), parameters of ``min_bytes`` or more
+    (a norm's weight has the shape of one token's activations)."""
+    shapes = {}
+    for name, tensor in model.named_parameters():
+        array = tensor.jax()
+        dims = tuple(array.sharding.shard_shape(tuple(array.shape)))
+        if len(dims) >= 2 and array.dtype.itemsize * _count(dims) >= min_bytes:
+            shapes.setdefault((_HLO_TYPES.get(array.dtype.name, array.dtype.name), dims), name)
+    return shapes
+
+
+def weight_sized_buffers(hlo_text: str, weights: Dict[Shape, str]) -> List[str]:
+    """The buffers a compiled graph (``compiled.as_text()``) allocates outside fusions with a
+    weight's element type and dims (or those dims reversed) either in HBM or in another layout
+    than the weight's row-major one, each as ``"<instruction> <type>[dims] (<weight name>)"``.
+    A weight prefetched into VMEM as it is stored is the compiler doing its job, not a copy."""
+    found, computation = [], ""
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and " = " not in line:
+            computation = header.group(1)
+            continue
+        instruction = _INSTRUCTION.match(line)
+        if instruction is None or "fus" in computation or _allocates_nothing(instruction.group(3)):
+            continue
+        for element, dims, minor_to_major, memory_space in _arrays(instruction.group(2)):
+            name = weights.get((element, dims)) or weights.get((element, dims[::-1]))
+            row_major = minor_to_major in ("", ",".join(str(d) for d in reversed(range(len(dims)))))
+            if name is not None and (memory_space == 0 or not row_major):
+                found.append(f"{instruction.group(1)} {element}[{','.join(map(str, dims))}] ({name})")
+    return found
+
+
+def _allocates_nothing(opcode: str) -> bool:
+    # Asynchronous pairs' shapes repeat their operands (views); what they bring in arrives as
+    # the next instruction's buffer.
+    return opcode in _NO_BUFFER or opcode.endswith(("-start", "-done"))
+
+
+def _arrays(shape_text: str) -> Iterable[Tuple[str, Tuple[int, ...], str, int]]:
+    """(element type, dims, minor-to-major, memory space) of every array in an HLO shape."""
+    for element, dims, layout in _ARRAY.findall(shape_text):
+        space = re.search(r"S\((\d+)\)", layout)
+        yield (element, tuple(int(d) for d in dims.split(",") if d), layout.split(":")[0],
+               int(space.group(1)) if space else 0)
+
+
+def _count(dims: Tuple[int, ...]) -> int:
+    count = 1
+    for d in dims:
+        count *= d
+    return count
