@@ -22,6 +22,10 @@ TPU constraints (checked in ``validate`` and documented where they bind):
   far below its 1 MiB.
 - The group dimension is looked up through scalar prefetch in the rhs index map, so an
   expert's weights are DMA'd only for visits that need them, once per (k, n) tile.
+
+The cost estimate (``cost_estimate``) counts the grid's fetches with every expert holding rows
+(the group sizes are traced; an estimate is a static number): the most a call fetches and
+multiplies.
 """
 from __future__ import annotations
 
@@ -247,6 +251,8 @@ def _call(lhs, rhs, side, schedule, n, tiling, transpose_rhs, interpret, form, g
         operands = [lhs, rhs, *scales]
         in_specs = [pl.BlockSpec((tm, tk), lambda n_i, v, k_i, o, g, t: (t[v], k_i)),
                     pl.BlockSpec(rhs_block, rhs_map)] + [pl.BlockSpec((None, 1, tn), scale_map)] * len(scales)
+    cost = cost_estimate(lhs.shape[0], lhs.shape[1], n, groups, tiling, form, lhs.dtype.itemsize,
+                         rhs.dtype.itemsize, [s.dtype.itemsize for s in side], group)
     spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
         out_specs=pl.BlockSpec((tm, tn), lambda n_i, v, k_i, o, g, t: (t[v], n_i)),
@@ -258,5 +264,30 @@ def _call(lhs, rhs, side, schedule, n, tiling, transpose_rhs, interpret, form, g
         out_shape=jax.ShapeDtypeStruct((lhs.shape[0], n), lhs.dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        cost_estimate=cost,
         interpret=interpret,
     )(*schedule, *operands)
+
+
+def cost_estimate(m: int, k: int, n: int, groups: int, tiling: Tuple[int, int, int], form: str, itemsize: int,
+                  rhs_itemsize: int, side_itemsizes=(), group: Optional[int] = None) -> pl.CostEstimate:
+    """What the grid (n-tile, visit, k-tile) fetches and multiplies, ``m`` rows padded to whole
+    tiles, with every expert holding rows (group sizes are traced): the most a call does. The
+    pipeline fetches a block when its index changes. With several k-tiles, lhs, rhs and INT4's
+    scales and zeros change at every step: fetched ``m_tiles + groups - 1`` visits x k-tiles per
+    n-tile (the visits of the empty group fetch too). With one k-tile, lhs (and the output) once
+    per row tile per n-tile (lhs once in all with one row tile), and an expert's tiles, like
+    INT8's per-channel scales always, once per run of its visits (at most ``groups`` per n-tile).
+    Flops: each visit's masked tile product (``2 tm k tn``), at most every visit."""
+    tm, tk, tn = tiling
+    halves = 2 if form.startswith("int4") else 1
+    k_tiles, n_tiles, m_tiles = k // halves // tk, n // tn, m // tm
+    visits = m_tiles + groups - 1
+    every_step = n_tiles * visits * k_tiles
+    lhs_reads = every_step if k_tiles > 1 else (n_tiles * m_tiles if m_tiles > 1 else 1)
+    expert_reads = every_step if k_tiles > 1 else n_tiles * groups
+    accessed = halves * lhs_reads * tm * tk * itemsize + expert_reads * tk * tn * rhs_itemsize + m * n * itemsize
+    for side in side_itemsizes:  # INT8: a [1, tn] scale row; INT4: scales, zeros of each half's groups
+        accessed += n_tiles * groups * tn * side if halves == 1 else 2 * expert_reads * tk // group * tn * side
+    accessed += (groups + 2 + 2 * visits) * 4  # the visit list, into SMEM
+    return pl.CostEstimate(flops=2 * visits * tm * k * n, transcendentals=0, bytes_accessed=accessed)

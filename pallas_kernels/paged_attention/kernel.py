@@ -10,6 +10,11 @@ the pages once, as a decode does. Chunks before a sliding window or past the con
 work and no DMA. The copy of chunk c+1 starts before chunk c is
 computed (two VMEM slots), so only the first chunk of each (sequence, head) waits on HBM.
 
+The cost estimate (``cost_estimate``) counts what this grid DMAs and computes when every
+sequence's context fills its block table: the bucket's context width, what the compiled graph
+is sized for and, without a window, the most it can read (the real lengths are traced values;
+an estimate is a static number).
+
 TPU constraints (checked in ``validate``):
 - head_dim is the lane dim of every block and matmul: a multiple of 128.
 - block_size is the sublane dim of a page in VMEM; a page DMA'd into a slot of the VMEM
@@ -64,11 +69,12 @@ def validate(q_shape, pages_shape, dtype_name: str, pages_per_chunk: int, querie
     check_vmem("paged_attention", need, f"pages_per_chunk={pages_per_chunk}")
 
 
-def _chunk_range(length, chunk_tokens: int, sliding_window: Optional[int], queries: int):
+def _chunk_range(length, chunk_tokens: int, sliding_window: Optional[int], queries: int, maximum=jnp.maximum):
     """First and last chunk holding keys the sequence's query rows see (last < first when
-    length is 0); the first query row, the shortest, starts the window."""
-    shortest = jnp.maximum(length - queries + 1, 1)
-    first = 0 if sliding_window is None else jnp.maximum(shortest - sliding_window, 0) // chunk_tokens
+    length is 0); the first query row, the shortest, starts the window. ``maximum=max`` takes
+    Python ints (the cost estimate's static count)."""
+    shortest = maximum(length - queries + 1, 1)
+    first = 0 if sliding_window is None else maximum(shortest - sliding_window, 0) // chunk_tokens
     return first, (length - 1) // chunk_tokens
 
 
@@ -175,13 +181,13 @@ def paged_attention(q, k_pages, v_pages, context_lens, block_tables, *, scale: f
     rows = max(1, SMEM_TABLE_BUDGET_BYTES // (padded_width * 4))
     call = functools.partial(_call, k_pages=k_pages, v_pages=v_pages, scale=scale,
                              soft_cap=soft_cap, sliding_window=sliding_window, ppc=ppc,
-                             queries=queries, interpret=interpret)
+                             queries=queries, context=width * k_pages.shape[2], interpret=interpret)
     outs = [call(q[i * queries:(i + rows) * queries], context_lens[i:i + rows].astype(jnp.int32), tables[i:i + rows])
             for i in range(0, batch, rows)]
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
 
 
-def _call(q, lens, tables, *, k_pages, v_pages, scale, soft_cap, sliding_window, ppc, queries, interpret):
+def _call(q, lens, tables, *, k_pages, v_pages, scale, soft_cap, sliding_window, ppc, queries, context, interpret):
     _, heads, head_dim = q.shape
     kv_heads, _, block_size, _ = k_pages.shape
     batch, width = tables.shape
@@ -206,7 +212,35 @@ def _call(q, lens, tables, *, k_pages, v_pages, scale, soft_cap, sliding_window,
         kernel, grid_spec=spec, out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
+        cost_estimate=cost_estimate(q.shape, k_pages.shape, width, ppc, queries, q.dtype.itemsize,
+                                    k_pages.dtype.itemsize, soft_cap, sliding_window, context),
         interpret=interpret,
     )(lens, tables.reshape(-1), q4, k_pages, v_pages)
     out = out.reshape(batch, kv_heads, queries, heads // kv_heads, head_dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(batch * queries, heads, head_dim)
+
+
+def cost_estimate(q_shape, pages_shape, width: int, ppc: int, queries: int, itemsize: int, kv_itemsize: int,
+                  soft_cap: Optional[float], sliding_window: Optional[int], context: Optional[int] = None
+                  ) -> pl.CostEstimate:
+    """What one call's grid DMAs and computes when every sequence has ``context`` keys (default:
+    its table's ``width`` pages, the bucket's width; the real lengths are traced). ``width`` is
+    the table's width padded to whole chunks, as the grid is. Per (sequence, KV head): the
+    chunks ``_chunk_range`` keeps (at full context every chunk; with a window, those it reaches), each
+    ``ppc`` whole pages of K and of V; q and the output once; the lengths and the table once
+    into SMEM. Flops: both matmuls over each fetched chunk's keys, masked keys included;
+    transcendentals: an exp per score (and a tanh with a soft cap), an exp per row per chunk.
+    Without a window no row fetches more; with one, a shorter row may straddle one chunk more."""
+    rows, heads, head_dim = q_shape
+    kv_heads, _, block_size, _ = pages_shape
+    batch, chunk_tokens = rows // queries, ppc * block_size
+    full = width * block_size if context is None else context
+    first, last = _chunk_range(full, chunk_tokens, sliding_window, queries, maximum=max)
+    chunks = max(last - first + 1, 0)
+    keys = chunks * chunk_tokens  # per (sequence, KV head), and per query row
+    kv_bytes = 2 * batch * kv_heads * keys * head_dim * kv_itemsize
+    accessed = kv_bytes + 2 * rows * heads * head_dim * itemsize + batch * (width + 1) * 4
+    scores = rows * heads * keys
+    return pl.CostEstimate(flops=4 * scores * head_dim,
+                           transcendentals=scores * (2 if soft_cap is not None else 1) + rows * heads * chunks,
+                           bytes_accessed=accessed)

@@ -15,6 +15,9 @@ Masking is by segment and position, per element. Whole key blocks are skipped (n
 compute) when no query of the block can see them: a per-(query block, key block) flag computed
 on device from the blocks' segment and position bounds and prefetched into SMEM. That covers
 keys of other packed prompts, keys in a prompt's future (causal), and keys behind a window.
+The cost estimate (``cost_estimate``) counts the tiles the grid visits for one prompt that fills
+the call (its queries the last positions of all its keys): the flags are traced values, and an
+estimate is a static number.
 
 TPU constraints (checked in ``validate``):
 - head_dim is the lane dim of q/k/v blocks: a multiple of 128.
@@ -34,6 +37,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -79,7 +83,8 @@ def validate(q_shape, pages_shape, dtype_name: str, block_q: int, block_k: int) 
 
 
 def blocks_needed(q_pos, q_seg, k_pos, k_seg, block_q, block_k, sliding_window):
-    """[q_blocks * k_blocks] int32: 1 where some query of the block may see some key."""
+    """[q_blocks * k_blocks] int32: 1 where some query of the block may see some key (jax or
+    numpy arrays in, the same kind out)."""
     def bounds(x, block):
         x = x.reshape(-1, block)
         return x.min(axis=1)[:, None], x.max(axis=1)[:, None]
@@ -199,12 +204,15 @@ def prefill_attention(q, k_pages, v_pages, context_slots, key_positions, key_seg
     qg = jnp.pad(q, ((0, tokens_p - num_tokens), (0, 0), (0, 0)))
     qg = qg.reshape(tokens_p, kv_heads, group, head_dim).transpose(1, 2, 0, 3)
     needed = blocks_needed(q_pos, q_seg, k_pos, k_seg, block_q, block_k, sliding_window)
+    cost = cost_estimate(num_tokens, context_slots.shape[0], heads, k_pages.shape, (block_q, block_k),
+                         q.dtype.itemsize, k_pages.dtype.itemsize, soft_cap, sliding_window)
     out = _call(needed, pages, qg, k_pages, v_pages, q_pos, q_seg, k_pos, k_seg, block_q, block_k,
-                dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window), interpret)
+                dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window), cost, interpret)
     return out.transpose(2, 0, 1, 3).reshape(tokens_p, heads, head_dim)[:num_tokens]
 
 
-def _call(needed, pages, qg, k_pages, v_pages, q_pos, q_seg, k_pos, k_seg, block_q, block_k, options, interpret):
+def _call(needed, pages, qg, k_pages, v_pages, q_pos, q_seg, k_pos, k_seg, block_q, block_k, options, cost,
+          interpret):
     kv_heads, group, tokens_p, head_dim = qg.shape
     block_size = k_pages.shape[2]
     keys_p = k_pos.shape[0]
@@ -230,5 +238,41 @@ def _call(needed, pages, qg, k_pages, v_pages, q_pos, q_seg, k_pos, k_seg, block
         out_shape=jax.ShapeDtypeStruct(qg.shape, qg.dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
+        cost_estimate=cost,
         interpret=interpret,
     )(needed, pages, qg, k_pages, v_pages, lanes(q_pos), lanes(q_seg), sublanes(k_pos), sublanes(k_seg))
+
+
+def one_prompt_layout(num_tokens: int, num_keys: int, block_q: int, block_k: int):
+    """(q_pos, q_seg, k_pos, k_seg) as ``prefill_attention`` pads them, for one prompt that fills
+    the call: key i at position i, query t at position ``num_keys - num_tokens + t``."""
+    tokens_p, keys_p = _round_up(num_tokens, block_q), _round_up(num_keys, block_k)
+    real_q, real_k = np.arange(tokens_p) < num_tokens, np.arange(keys_p) < num_keys
+    q_pos = np.where(real_q, np.maximum(np.arange(tokens_p) + num_keys - num_tokens, 0), 0)
+    k_pos = np.where(real_k, np.arange(keys_p), 0)
+    return q_pos, np.where(real_q, 0, -2), k_pos, np.where(real_k, 0, -3)
+
+
+def cost_estimate(num_tokens: int, num_keys: int, heads: int, pages_shape, blocks, itemsize: int,
+                  kv_itemsize: int, soft_cap: Optional[float], sliding_window: Optional[int]) -> pl.CostEstimate:
+    """What the grid DMAs and computes for ``one_prompt_layout`` (the flags ``blocks_needed``
+    gives it; the real ones are traced): per KV head and query block, each needed key block's
+    pages of K and V; q and the output once per (KV head, query block); the query positions and
+    segments once per query block (once in all with one block), the key ones once per grid step
+    (once with one key block); the flags and page ids once into SMEM. Flops: both matmuls of
+    each visited tile, masked entries included; transcendentals: an exp per score (and a tanh
+    with a soft cap), an exp per row per visited tile."""
+    kv_heads, _, block_size, head_dim = pages_shape
+    block_q, block_k = blocks
+    q_blocks, k_blocks = -(-num_tokens // block_q), -(-num_keys // block_k)
+    visited = int(blocks_needed(*one_prompt_layout(num_tokens, num_keys, block_q, block_k),
+                                block_q, block_k, sliding_window).sum())
+    q_meta = (kv_heads * q_blocks if q_blocks > 1 else 1) * block_q * LANES * 4
+    k_meta = (kv_heads * q_blocks * k_blocks if k_blocks > 1 else 1) * SUBLANES * block_k * 4
+    smem = (q_blocks * k_blocks + k_blocks * block_k // block_size) * 4
+    accessed = (kv_heads * visited * 2 * block_k * head_dim * kv_itemsize + 2 * q_blocks * block_q * heads * head_dim
+                * itemsize + 2 * (q_meta + k_meta) + smem)
+    scores = visited * heads * block_q * block_k
+    return pl.CostEstimate(flops=4 * scores * head_dim,
+                           transcendentals=scores * (2 if soft_cap is not None else 1) + visited * heads * block_q,
+                           bytes_accessed=accessed)
