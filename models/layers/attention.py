@@ -88,6 +88,9 @@ def paged_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
                             sliding_window: Optional[int] = None) -> torch.Tensor:
     """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` -> attention output ``[T, heads, d]``."""
     k_cache, v_cache = kv_cache
+    if k_cache.shape[0] != k.shape[1]:  # the cache repeats each KV head (``Worker.cache_kv_heads``)
+        repeats = k_cache.shape[0] // k.shape[1]
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     options = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     p, d = meta.prefill, meta.decode

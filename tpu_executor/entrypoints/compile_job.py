@@ -88,6 +88,7 @@ class CompileReport:
     graphs: List[GraphFigures] = field(default_factory=list)
     kernel_warnings: List[str] = field(default_factory=list)
     weight_copies: List[str] = field(default_factory=list)  # ``weight_copies``
+    resized: str = ""  # why the cache shrank below what the probes sized (``_compile_fitting``)
     job_path: Optional[str] = None
 
     @property
@@ -144,9 +145,6 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
     devices to compile for than the slice's (this process's CPU devices prove the load path
     here, with the slice's HBM figures). ``model_steps_only``: the prefill and decode graphs
     alone (the fit's; the host compiles the rest)."""
-    from tpu_executor.kernels.registry import REGISTRY
-    from tpu_executor.worker.jax.aot import AotJob, job_parts
-    from tpu_executor.worker.jax.graphs import GraphCompileError
     from tpu_executor.worker.jax.runtime import libtpu_version
     from tpu_executor.worker.jax.target import target_devices
 
@@ -157,30 +155,72 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
     report = _empty_report(config, target, worker, libtpu_version())
     _refuse_early(report, worker)
     report.num_blocks = config.cache.num_blocks or _blocks_that_fit(report, worker, show_progress)
-    report.max_model_len = _context_length(report)
-    if config.compile.cache_dir is not None:
-        parts = job_parts(config, worker.jax, REGISTRY.fingerprint(jax_path=True))
-        job = AotJob.create(config.compile.cache_dir, parts, report.num_blocks, report.max_model_len, target.name)
-        worker.keep_in(job)
-        report.job_path = job.path
-    graphs = None
-    if model_steps_only:  # of the plan at the context length the cache holds
-        plan = BucketPlan.from_config(replace(config, max_model_len=report.max_model_len))
-        graphs = [g for g in plan.graphs() if isinstance(g, (PrefillGraph, DecodeGraph))]
-    try:
-        records = worker.compile_plan(report.num_blocks, report.max_model_len, show_progress, graphs=graphs)
-    except GraphCompileError as err:
-        if "RESOURCE_EXHAUSTED" in str(err):
-            raise DoesNotFit(_out_of_memory(report, err)) from err
-        raise ValueError(f"the TPU compiler refused the job for {target.name}: {err}") from err
+    records, job = _compile_fitting(report, worker, model_steps_only, show_progress)
     resident = worker.resident()
     report.resident_bytes = resident.bytes
     report.graphs = [GraphFigures.of(r, resident) for r in in_plan_order(records, worker.runner.plan)]
     report.kernel_warnings = kernel_warnings(records)
     report.weight_copies = weight_copies(records, worker)
-    if report.job_path is not None and report.fits:
+    if job is not None and report.fits:
         job.write_manifest(worker.jax)
     return report
+
+
+def _compile_fitting(report: CompileReport, worker, model_steps_only: bool, show_progress: bool):
+    """(records, the job kept or None): the plan compiled over ``report.num_blocks`` blocks. A
+    graph the compiler finds out of HBM there (its own bytes beyond what the probes left) is
+    probed alone, and the cache shrinks to what it leaves, once, as ``report.resized`` says."""
+    from tpu_executor.worker.jax.graphs import GraphCompileError
+
+    while True:
+        report.max_model_len = _context_length(report)
+        job = _keep_job(report, worker)
+        graphs = _model_steps(report) if model_steps_only else None
+        try:
+            return worker.compile_plan(report.num_blocks, report.max_model_len, show_progress, graphs=graphs), job
+        except GraphCompileError as err:
+            out_of_memory = "RESOURCE_EXHAUSTED" in str(err)
+            if not out_of_memory or report.resized or report.config.cache.num_blocks is not None:
+                raise (DoesNotFit(_out_of_memory(report, err)) if out_of_memory else
+                       ValueError(f"the TPU compiler refused the job for {report.target.name}: {err}")) from err
+            _shrink_for(report, worker, err.label, show_progress)
+
+
+def _shrink_for(report: CompileReport, worker, label: str, show_progress: bool) -> None:
+    """Size the cache beside graph ``label`` (which ran out of HBM beside it) and say so."""
+    plan = BucketPlan.from_config(replace(report.config, max_model_len=report.max_model_len))
+    graph = next((g for g in plan.graphs() if graph_label(g) == label), None)
+    if graph is None:
+        raise DoesNotFit(f"{report.target.name}: graph '{label}' does not fit beside {report.num_blocks} KV blocks. "
+                         f"To fit: {remedies()}")
+    name, blocks = _blocks_beside_graphs(report, worker, [graph], show_progress)
+    blocks = min(blocks, report.num_blocks - 1)
+    report.resized = (f"graph '{name}' did not fit beside the {report.num_blocks} KV blocks the largest graphs "
+                      f"left; the cache shrank to the {blocks} blocks it leaves")
+    logger.warning("%s", report.resized)
+    report.num_blocks = blocks
+
+
+def _keep_job(report: CompileReport, worker):
+    """The AOT job the compile writes into (None without a cache directory)."""
+    from tpu_executor.kernels.registry import REGISTRY
+    from tpu_executor.worker.jax.aot import AotJob, job_parts
+
+    config = report.config
+    if config.compile.cache_dir is None:
+        return None
+    parts = job_parts(config, worker.jax, REGISTRY.fingerprint(jax_path=True))
+    job = AotJob.create(config.compile.cache_dir, parts, report.num_blocks, report.max_model_len, report.target.name)
+    worker.keep_in(job)
+    report.job_path = job.path
+    return job
+
+
+def _model_steps(report: CompileReport) -> list:
+    """The prefill and decode graphs alone, of the plan at the context length the cache holds
+    (``--model-steps-only``: the fit's; the host compiles the rest)."""
+    plan = BucketPlan.from_config(replace(report.config, max_model_len=report.max_model_len))
+    return [g for g in plan.graphs() if isinstance(g, (PrefillGraph, DecodeGraph))]
 
 
 def _out_of_memory(report: CompileReport, err: Exception) -> str:
@@ -254,15 +294,20 @@ def _larger_slice(report: CompileReport, needed_per_chip: int) -> str:
 
 
 def _blocks_that_fit(report: CompileReport, worker, show_progress: bool) -> int:
-    """Compile the largest prefill and decode graphs over two small caches: a graph's peak
-    (with all that stays resident: the draft's weights, its KV cache and scratch blocks, the
-    buffers) grows with the cache by at least a block of the target and one of the draft per
-    block (more where a graph copies the cache: the reference attention gathers it), so the
-    line through the two gives the blocks each chip's usable HBM holds beside the larger graph."""
+    """The blocks each chip's usable HBM holds beside the largest prefill and decode graphs."""
+    return _blocks_beside_graphs(report, worker, _largest_graphs(BucketPlan.from_config(report.config).graphs()),
+                                 show_progress)[1]
+
+
+def _blocks_beside_graphs(report: CompileReport, worker, graphs, show_progress: bool) -> Tuple[str, int]:
+    """(the binding graph, the blocks that fit beside it): ``graphs`` compiled over two small
+    caches. A graph's peak (with all that stays resident: the draft's weights, its KV cache and
+    scratch blocks, the buffers) grows with the cache by at least a block of the target and one
+    of the draft per block (more where a graph copies the cache), so the line through the two
+    gives the blocks each chip's usable HBM holds beside each graph; the fewest bind."""
     config = report.config
-    largest = _largest_graphs(BucketPlan.from_config(config).graphs())
     small, large = _min_blocks(config), 2 * _min_blocks(config) + 64
-    peaks = [_probe_peaks(worker, blocks, largest, show_progress) for blocks in (small, large)]
+    peaks = [_probe_peaks(worker, blocks, graphs, show_progress) for blocks in (small, large)]
 
     def blocks_beside(name: str) -> int:
         per_block = max(report.block_bytes, (peaks[1][name] - peaks[0][name]) / (large - small))
@@ -274,7 +319,7 @@ def _blocks_that_fit(report: CompileReport, worker, show_progress: bool) -> int:
         raise DoesNotFit(f"{report.target.name}: graph '{name}' with the weights leaves no room for "
                          f"{_min_blocks(config)} KV blocks: {over / GIB:.2f} GiB ({over} bytes) over the "
                          f"{report.usable_bytes / GIB:.2f} GiB usable per chip. To fit: {remedies()}")
-    return blocks_beside(name)
+    return name, blocks_beside(name)
 
 
 def _probe_peaks(worker, blocks: int, graphs, show_progress: bool) -> Dict[str, int]:

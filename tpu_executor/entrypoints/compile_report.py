@@ -5,22 +5,31 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from tpu_executor.core.tpu_slices import GIB
+from tpu_executor.core.tpu_slices import GIB, Chip
 from tpu_executor.entrypoints.compile_job import CompileReport, GraphFigures, state_holders
 
 MIB = 1 << 20
 COLUMNS = ("graph", "compile s", "args MiB", "out MiB", "temp MiB", "code MiB", "peak GiB", "GFLOP", "GB accessed",
-           "Pallas kernels")
+           "floor ms", "Pallas kernels")
 
 
-def _row(graph: GraphFigures) -> List[str]:
+def floor_seconds(graph: GraphFigures, chip: Chip) -> float:
+    """The step's roofline from the compiler's own counts: its bytes at the chip's HBM
+    bandwidth or its FLOPs at peak, whichever is longer. A lower bound on the step's time, not
+    a prediction (the kernels' bytes are their cost estimates; no overlap is perfect)."""
+    return max(graph.bytes_accessed / chip.hbm_bytes_per_s, graph.flops / chip.peak_flops)
+
+
+def _row(graph: GraphFigures, chip: Chip) -> List[str]:
     return [graph.name, f"{graph.compile_seconds:.1f}", f"{graph.arguments / MIB:.1f}", f"{graph.outputs / MIB:.1f}",
             f"{graph.temp / MIB:.1f}", f"{graph.code / MIB:.2f}", f"{graph.peak / GIB:.2f}", f"{graph.flops / 1e9:.3g}",
-            f"{graph.bytes_accessed / 1e9:.3g}", ", ".join(graph.pallas_kernels) or "-"]
+            f"{graph.bytes_accessed / 1e9:.3g}", f"{floor_seconds(graph, chip) * 1e3:.3g}",
+            ", ".join(graph.pallas_kernels) or "-"]
 
 
-def print_table(graphs: List[GraphFigures]) -> None:
-    rows = [_row(g) for g in graphs]
+def print_table(graphs: List[GraphFigures], chip: Chip) -> None:
+    """One row per graph; ``floor ms``: ``floor_seconds`` on ``chip``."""
+    rows = [_row(g, chip) for g in graphs]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(COLUMNS)]
     for line in [list(COLUMNS)] + rows:
         print("  ".join(cell.ljust(width) if i in (0, len(COLUMNS) - 1) else cell.rjust(width)
@@ -29,9 +38,13 @@ def print_table(graphs: List[GraphFigures]) -> None:
 
 def print_report(report: CompileReport, wall_seconds: float) -> None:
     """The table, the kernel warnings, the fit and where the executables went."""
-    print_table(report.graphs)
+    print_table(report.graphs, report.target.chip)
+    print(f"floor ms: the compiler's bytes at {report.target.chip.hbm_bytes_per_s / 1e9:.0f} GB/s of HBM (or its FLOPs "
+          f"at {report.target.chip.peak_flops / 1e12:.0f} TFLOP/s), a lower bound on each step's time per chip")
     for line in report.kernel_warnings:
         print(f"warning: Pallas kernel refused: {line}")
+    if report.resized:
+        print(f"warning: {report.resized}")
     for line in report.weight_copies:
         print(f"warning: a weight-sized buffer, copied at every step: {line}")
     target, config = report.target, report.config
@@ -68,10 +81,10 @@ def report_json(report: CompileReport) -> Dict:
         "kv_block_bytes_per_chip": report.block_bytes, "max_model_len": report.max_model_len,
         "tensor_parallel_size": report.config.parallel.tensor_parallel_size, "dtype": report.config.model.dtype,
         "executables": report.job_path if report.fits else None, "kernel_warnings": report.kernel_warnings,
-        "weight_copies": report.weight_copies,
+        "weight_copies": report.weight_copies, "kv_cache_resized": report.resized or None,
         "graphs": [{"name": g.name, "function": g.function, "compile_seconds": g.compile_seconds,
                     "hbm": {"arguments": g.arguments, "outputs": g.outputs, "temp": g.temp, "code": g.code},
-                    "peak_bytes": g.peak,
+                    "peak_bytes": g.peak, "floor_seconds": floor_seconds(g, report.target.chip),
                     "flops": g.flops, "bytes_accessed": g.bytes_accessed, "pallas_kernels": list(g.pallas_kernels),
                     "providers": dict(g.providers)}
                    for g in report.graphs],

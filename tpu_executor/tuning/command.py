@@ -87,7 +87,7 @@ def _run(args: argparse.Namespace) -> None:
                            config.max_model_len, config.model.seed)
         report = tune(config, trace, hf.vocab_size, args.max_graphs, target, shape, show_progress=True)
         measured = _measure(args, model_dir, config, options, report, shape)
-        compiled = _compile_chosen(args, model_dir, options, report)
+        compiled = _compile_chosen(args, model_dir, options, report, shape)
     rows = [_row(c, measured, seconds_per_graph(measured)) for c in report.candidates]
     _print_report(report, rows, measured, args)
     _print_compiled(compiled)
@@ -125,7 +125,7 @@ def _measure(args, model_dir: str, config, options: Dict, report, shape) -> Dict
     return {"runs": runs, "checks": checks, "requests": len(sample)}
 
 
-def _compile_chosen(args, model_dir: str, options: Dict, report) -> Optional[Dict]:
+def _compile_chosen(args, model_dir: str, options: Dict, report, shape) -> Optional[Dict]:
     """The chosen plan compiled for ``--target`` by libtpu (``--compile``): the compiler's
     per-chip figures beside the roofline's, or why it does not fit."""
     if not args.compile:
@@ -146,7 +146,32 @@ def _compile_chosen(args, model_dir: str, options: Dict, report) -> Optional[Dic
             "graph_bytes_beside_weights_and_kv": [peak.peak - compiled.weight_bytes
                                                   - compiled.num_blocks * compiled.block_bytes, fit.activation_bytes],
             "kv_blocks": [compiled.num_blocks, fit.max_kv_blocks], "peak_graph": peak.name,
-            "compile_seconds": sum(g.compile_seconds for g in compiled.graphs)}
+            "compile_seconds": sum(g.compile_seconds for g in compiled.graphs),
+            "step_seconds": _step_floors(compiled, shape)}
+
+
+def _step_floors(compiled, shape) -> List[List]:
+    """``[graph, the compiler's floor, the cost model's roofline]`` (seconds) per model step:
+    the floor from the compiler's own bytes and FLOPs (``compile_report.floor_seconds``), the
+    roofline from the model's shape as ``tune`` ranks buckets with it. Both lower bounds."""
+    from dataclasses import replace
+
+    from tpu_executor.core.buckets import BucketPlan, DecodeGraph, PrefillGraph, graph_label
+    from tpu_executor.entrypoints.compile_report import floor_seconds
+    from tpu_executor.tuning.tuner import target_cost
+
+    config = compiled.config
+    cost = target_cost(shape, compiled.target, config.parallel.tensor_parallel_size, config)
+    plan = BucketPlan.from_config(replace(config, max_model_len=compiled.max_model_len))
+    by_label = {graph_label(g): g for g in plan.graphs() if isinstance(g, (PrefillGraph, DecodeGraph))}
+    rows = []
+    for figures in compiled.graphs:
+        graph = by_label.get(figures.name)
+        if graph is not None:
+            estimate = (cost.prefill_seconds(graph) if isinstance(graph, PrefillGraph)
+                        else cost.decode_seconds(graph, config.cache.block_size))
+            rows.append([figures.name, floor_seconds(figures, compiled.target.chip), estimate])
+    return rows
 
 
 def _print_compiled(compiled: Optional[Dict]) -> None:
@@ -161,6 +186,9 @@ def _print_compiled(compiled: Optional[Dict]) -> None:
     print(f"compiled with libtpu ({compiled['graphs']} graphs, {compiled['compile_seconds']:.0f} s), compiler vs "
           f"roofline per chip: {pairs}; KV blocks that fit {compiled['kv_blocks'][0]} vs {compiled['kv_blocks'][1]} "
           f"(largest graph: {compiled['peak_graph']}): {'fits' if compiled['fits'] else 'DOES NOT FIT'}")
+    for name, floor, roofline in compiled["step_seconds"]:
+        print(f"  {name}: {floor * 1e3:.3g} ms from the compiler's bytes and FLOPs, {roofline * 1e3:.3g} ms by the "
+              "roofline (both lower bounds on the step's time)")
 
 
 def _row(candidate, measured: Dict, seconds_per_graph: Optional[float]) -> List[str]:

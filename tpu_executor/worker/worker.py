@@ -224,8 +224,18 @@ class Worker:
         bytes_of = self._model_block_bytes
         return bytes_of(self.model) + (bytes_of(self.drafter.model) if self.drafter is not None else 0)
 
+    def cache_kv_heads(self, model: torch.nn.Module) -> int:
+        """The KV heads ``model``'s cache holds: its own, or, under JAX SPMD over more chips than
+        it has KV heads (a multiple of them), each repeated so that every chip holds the one its
+        query heads read. Replicated whole instead, every chip would hold every head, and the
+        per-chip Pallas kernels could not take the cache (they would fall back to a reference
+        that gathers it)."""
+        ranks, heads = (self.jax.ranks if self.jax is not None else 1), model.num_kv_heads
+        query_heads = model.config.num_attention_heads
+        return ranks if ranks > heads and ranks % heads == 0 and query_heads % ranks == 0 else heads
+
     def _model_block_bytes(self, model: torch.nn.Module) -> int:
-        per_layer = model.num_kv_heads * self.config.cache.block_size * model.head_dim
+        per_layer = self.cache_kv_heads(model) * self.config.cache.block_size * model.head_dim
         return 2 * model.num_layers * per_layer * torch.tensor([], dtype=self.dtype).element_size()
 
     def determine_num_blocks(self) -> int:
@@ -277,9 +287,10 @@ class Worker:
                         ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """Zeroed K/V pages of ``num_blocks`` blocks for ``model`` (the target by default)."""
         model = self.model if model is None else model
-        shape = (model.num_kv_heads, num_blocks, self.config.cache.block_size, model.head_dim)
+        kv_heads = self.cache_kv_heads(model)
+        shape = (kv_heads, num_blocks, self.config.cache.block_size, model.head_dim)
         # Split over the heads when they divide evenly over the chips, else replicated.
-        heads = 0 if self.jax is not None and model.num_kv_heads % self.jax.ranks == 0 else None
+        heads = 0 if self.jax is not None and kv_heads % self.jax.ranks == 0 else None
         return [(self._zeros(shape, self.dtype, heads), self._zeros(shape, self.dtype, heads))
                 for _ in range(model.num_layers)]
 

@@ -298,3 +298,8 @@ def test_tune_compile_prints_the_compilers_figures_beside_the_roofline(tmp_path)
     assert compiled["fits"] and compiled["kv_blocks"][0] > 1000 and compiled["graphs"] >= 4
     ours, roofline = compiled["weight_bytes"]
     assert abs(ours - roofline) / roofline < 0.05, compiled  # the same weights counted two ways
+    # Every model step's floor from the compiler's counts beside the roofline's, both printed.
+    steps = compiled["step_seconds"]
+    assert {name.split()[0] for name, _, _ in steps} == {"prefill", "decode"}
+    assert all(floor > 0 and estimate > 0 for _, floor, estimate in steps), steps
+    assert sum("ms from the compiler's bytes and FLOPs" in line for line in printed.splitlines()) == len(steps)

@@ -68,7 +68,11 @@ class Pending(NamedTuple):
 
 
 class GraphCompileError(RuntimeError):
-    """XLA (or libtpu) refused a graph; the message names it."""
+    """XLA (or libtpu) refused a graph; the message names it, and ``label`` is its name."""
+
+    def __init__(self, message: str, label: str = ""):
+        super().__init__(message)
+        self.label = label
 
 
 class CompileRecord(NamedTuple):
@@ -210,7 +214,7 @@ class JaxFunction:
             compiled = pending.lowered.compile()
         except Exception as err:  # noqa: BLE001 - named by its graph, raised as the compiler's error
             raise GraphCompileError(f"compiling {pending.label or self.name} failed: {type(err).__name__}: "
-                                    f"{str(err)[:2000]}") from err
+                                    f"{str(err)[:2000]}", pending.label or self.name) from err
         seconds = time.perf_counter() - start
         self.executables[pending.signature] = (compiled, pending.program)
         if self.graphs.compiling_ahead:

@@ -170,7 +170,7 @@ class TargetWorker(Worker):
         """One KV block's bytes on one chip: the cache is split over its heads when they divide
         over the chips, else every chip holds all of it."""
         ranks = self.config.parallel.tensor_parallel_size
-        split = ranks if self.model.num_kv_heads % ranks == 0 else 1
+        split = ranks if self.cache_kv_heads(self.model) % ranks == 0 else 1
         return self.cache_block_bytes() // split
 
     def compile_plan(self, num_blocks: int, max_model_len: int, show_progress: bool = True,
