@@ -39,25 +39,50 @@ def weight_shapes_per_chip(model: torch.nn.Module, min_bytes: int = 1 << 16) -> 
 
 
 def weight_sized_buffers(hlo_text: str, weights: Dict[Shape, str]) -> List[str]:
-    """The buffers a compiled graph (``compiled.as_text()``) allocates outside fusions with a
-    weight's element type and dims (or those dims reversed) either in HBM or in another layout
-    than the weight's row-major one, each as ``"<instruction> <type>[dims] (<weight name>)"``.
-    A weight prefetched into VMEM as it is stored is the compiler doing its job, not a copy."""
-    found, computation = [], ""
+    """The buffers a compiled graph (``compiled.as_text()``) makes, outside fusions, by moving a
+    weight-shaped parameter's elements (``_moves_elements``) into a buffer of that weight's
+    element type and dims (or those dims reversed), either in HBM or in another layout than the
+    row-major one it is stored in, each as
+    ``"<instruction> <type>[dims] (<weight name>)"``. A weight prefetched into VMEM as it is
+    stored is the compiler doing its job, not a copy; an activation that happens to have a
+    weight's shape is not made from it."""
+    found, computation, weight_params = [], "", set()
     for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
         if header and " = " not in line:
             computation = header.group(1)
             continue
         instruction = _INSTRUCTION.match(line)
-        if instruction is None or "fus" in computation or _allocates_nothing(instruction.group(3)):
+        if instruction is None or "fus" in computation:
             continue
-        for element, dims, minor_to_major, memory_space in _arrays(instruction.group(2)):
-            name = weights.get((element, dims)) or weights.get((element, dims[::-1]))
+        name, shape_text, opcode = instruction.groups()
+        matches = [(e, d, m, sp) for e, d, m, sp in _arrays(shape_text) if _weight_of(weights, e, d)]
+        if opcode == "parameter" and matches:
+            weight_params.add(name)
+        reads_weight = _reads_any(line[instruction.end():], weight_params)
+        if _allocates_nothing(opcode) and reads_weight:  # a view of the weight, or its prefetch into VMEM
+            weight_params.add(name)
+        if not reads_weight or not _moves_elements(opcode, line):
+            continue
+        for element, dims, minor_to_major, memory_space in matches:
             row_major = minor_to_major in ("", ",".join(str(d) for d in reversed(range(len(dims)))))
-            if name is not None and (memory_space == 0 or not row_major):
-                found.append(f"{instruction.group(1)} {element}[{','.join(map(str, dims))}] ({name})")
+            if memory_space == 0 or not row_major:
+                found.append(f"{name} {element}[{','.join(map(str, dims))}] ({_weight_of(weights, element, dims)})")
     return found
+
+
+def _weight_of(weights: Dict[Shape, str], element: str, dims: Tuple[int, ...]):
+    return weights.get((element, dims)) or weights.get((element, dims[::-1]))
+
+
+def _moves_elements(opcode: str, line: str) -> bool:
+    """A copy, a transpose or a loop fusion (XLA's form of a layout change or an elementwise
+    pass); a matmul's fusion also reads the weight but makes activations, whatever their shape."""
+    return opcode in ("copy", "transpose", "convert") or (opcode == "fusion" and "kind=kLoop" in line)
+
+
+def _reads_any(operands: str, names) -> bool:
+    return any(f"%{name})" in operands or f"%{name}," in operands for name in names)
 
 
 def _allocates_nothing(opcode: str) -> bool:
