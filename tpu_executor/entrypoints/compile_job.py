@@ -88,7 +88,7 @@ class CompileReport:
     graphs: List[GraphFigures] = field(default_factory=list)
     kernel_warnings: List[str] = field(default_factory=list)
     weight_copies: List[str] = field(default_factory=list)  # ``weight_copies``
-    resized: str = ""  # why the cache shrank below what the probes sized (``_compile_fitting``)
+    resized: str = ""  # why the cache shrank below what the probes sized (``compile_fit``)
     job_path: Optional[str] = None
 
     @property
@@ -145,6 +145,7 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
     devices to compile for than the slice's (this process's CPU devices prove the load path
     here, with the slice's HBM figures). ``model_steps_only``: the prefill and decode graphs
     alone (the fit's; the host compiles the rest)."""
+    from tpu_executor.entrypoints.compile_fit import blocks_that_fit, compile_fitting
     from tpu_executor.worker.jax.runtime import libtpu_version
     from tpu_executor.worker.jax.target import target_devices
 
@@ -154,8 +155,8 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
     worker = _shapes_worker(config, devices)
     report = _empty_report(config, target, worker, libtpu_version())
     _refuse_early(report, worker)
-    report.num_blocks = config.cache.num_blocks or _blocks_that_fit(report, worker, show_progress)
-    records, job = _compile_fitting(report, worker, model_steps_only, show_progress)
+    report.num_blocks = config.cache.num_blocks or blocks_that_fit(report, worker, show_progress)
+    records, job = compile_fitting(report, worker, model_steps_only, show_progress)
     resident = worker.resident()
     report.resident_bytes = resident.bytes
     report.graphs = [GraphFigures.of(r, resident) for r in in_plan_order(records, worker.runner.plan)]
@@ -164,41 +165,6 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
     if job is not None and report.fits:
         job.write_manifest(worker.jax)
     return report
-
-
-def _compile_fitting(report: CompileReport, worker, model_steps_only: bool, show_progress: bool):
-    """(records, the job kept or None): the plan compiled over ``report.num_blocks`` blocks. A
-    graph the compiler finds out of HBM there (its own bytes beyond what the probes left) is
-    probed alone, and the cache shrinks to what it leaves, once, as ``report.resized`` says."""
-    from tpu_executor.worker.jax.graphs import GraphCompileError
-
-    while True:
-        report.max_model_len = _context_length(report)
-        job = _keep_job(report, worker)
-        graphs = _model_steps(report) if model_steps_only else None
-        try:
-            return worker.compile_plan(report.num_blocks, report.max_model_len, show_progress, graphs=graphs), job
-        except GraphCompileError as err:
-            out_of_memory = "RESOURCE_EXHAUSTED" in str(err)
-            if not out_of_memory or report.resized or report.config.cache.num_blocks is not None:
-                raise (DoesNotFit(_out_of_memory(report, err)) if out_of_memory else
-                       ValueError(f"the TPU compiler refused the job for {report.target.name}: {err}")) from err
-            _shrink_for(report, worker, err.label, show_progress)
-
-
-def _shrink_for(report: CompileReport, worker, label: str, show_progress: bool) -> None:
-    """Size the cache beside graph ``label`` (which ran out of HBM beside it) and say so."""
-    plan = BucketPlan.from_config(replace(report.config, max_model_len=report.max_model_len))
-    graph = next((g for g in plan.graphs() if graph_label(g) == label), None)
-    if graph is None:
-        raise DoesNotFit(f"{report.target.name}: graph '{label}' does not fit beside {report.num_blocks} KV blocks. "
-                         f"To fit: {remedies()}")
-    name, blocks = _blocks_beside_graphs(report, worker, [graph], show_progress)
-    blocks = min(blocks, report.num_blocks - 1)
-    report.resized = (f"graph '{name}' did not fit beside the {report.num_blocks} KV blocks the largest graphs "
-                      f"left; the cache shrank to the {blocks} blocks it leaves")
-    logger.warning("%s", report.resized)
-    report.num_blocks = blocks
 
 
 def _keep_job(report: CompileReport, worker):
@@ -291,43 +257,6 @@ def _larger_slice(report: CompileReport, needed_per_chip: int) -> str:
         if chips > target.num_chips and total / chips <= report.usable_bytes:
             return f" (at least --target {Target(target.chip, chips).name})"
     return ""
-
-
-def _blocks_that_fit(report: CompileReport, worker, show_progress: bool) -> int:
-    """The blocks each chip's usable HBM holds beside the largest prefill and decode graphs."""
-    return _blocks_beside_graphs(report, worker, _largest_graphs(BucketPlan.from_config(report.config).graphs()),
-                                 show_progress)[1]
-
-
-def _blocks_beside_graphs(report: CompileReport, worker, graphs, show_progress: bool) -> Tuple[str, int]:
-    """(the binding graph, the blocks that fit beside it): ``graphs`` compiled over two small
-    caches. A graph's peak (with all that stays resident: the draft's weights, its KV cache and
-    scratch blocks, the buffers) grows with the cache by at least a block of the target and one
-    of the draft per block (more where a graph copies the cache), so the line through the two
-    gives the blocks each chip's usable HBM holds beside each graph; the fewest bind."""
-    config = report.config
-    small, large = _min_blocks(config), 2 * _min_blocks(config) + 64
-    peaks = [_probe_peaks(worker, blocks, graphs, show_progress) for blocks in (small, large)]
-
-    def blocks_beside(name: str) -> int:
-        per_block = max(report.block_bytes, (peaks[1][name] - peaks[0][name]) / (large - small))
-        return int((report.usable_bytes - peaks[0][name]) // per_block) + small
-
-    name = min(peaks[0], key=blocks_beside)
-    if blocks_beside(name) < _min_blocks(config):
-        over = int(peaks[0][name] - report.usable_bytes)
-        raise DoesNotFit(f"{report.target.name}: graph '{name}' with the weights leaves no room for "
-                         f"{_min_blocks(config)} KV blocks: {over / GIB:.2f} GiB ({over} bytes) over the "
-                         f"{report.usable_bytes / GIB:.2f} GiB usable per chip. To fit: {remedies()}")
-    return name, blocks_beside(name)
-
-
-def _probe_peaks(worker, blocks: int, graphs, show_progress: bool) -> Dict[str, int]:
-    """{graph: peak bytes per chip} of ``graphs`` compiled over a cache of ``blocks`` blocks (on
-    the job's worker before it keeps anything: these executables are not the job's)."""
-    records = worker.compile_plan(blocks, worker.config.max_model_len, show_progress, graphs=graphs)
-    resident = worker.resident()
-    return {r.label: GraphFigures.of(r, resident).peak for r in records}
 
 
 def _largest_graphs(graphs) -> list:

@@ -70,7 +70,7 @@ def sizing_report(root: str, **options):
 
 
 def test_a_graph_out_of_hbm_beside_the_probed_cache_shrinks_it_and_says_so(tmp_path, monkeypatch):
-    from tpu_executor.entrypoints import compile_job
+    from tpu_executor.entrypoints import compile_fit
 
     probed = []
 
@@ -78,19 +78,34 @@ def test_a_graph_out_of_hbm_beside_the_probed_cache_shrinks_it_and_says_so(tmp_p
         probed.extend(graphs)
         return "sample rows=8", 600
 
-    monkeypatch.setattr(compile_job, "_blocks_beside_graphs", blocks_beside)
+    monkeypatch.setattr(compile_fit, "_blocks_beside_graphs", blocks_beside)
+    monkeypatch.setattr(compile_fit, "_over_usable", lambda report, worker, records: ("decode", 0))
     report = sizing_report(str(tmp_path))
-    label = next(name for name in map(compile_job.graph_label, compile_job.BucketPlan.from_config(
+    label = next(name for name in map(compile_fit.graph_label, compile_fit.BucketPlan.from_config(
         report.config).graphs()) if name.startswith("sample"))
     worker = OutOfHbmWorker(label, room=600)
-    records, job = compile_job._compile_fitting(report, worker, model_steps_only=False, show_progress=False)
+    records, job = compile_fit.compile_fitting(report, worker, model_steps_only=False, show_progress=False)
     assert records == ["records"] and job is None and worker.compiled_over == [1000, 600]
-    assert [compile_job.graph_label(g) for g in probed] == [label]  # the graph that failed, probed alone
+    assert [compile_fit.graph_label(g) for g in probed] == [label]  # the graph that failed, probed alone
     assert report.num_blocks == 600 and "the cache shrank to the 600 blocks" in report.resized
 
     # Shrunk once, and still out of HBM: refused, naming what to change.
-    with pytest.raises(compile_job.DoesNotFit, match="To fit"):
-        compile_job._compile_fitting(sizing_report(str(tmp_path)), OutOfHbmWorker(label, room=10), False, False)
+    with pytest.raises(compile_fit.DoesNotFit, match="To fit"):
+        compile_fit.compile_fitting(sizing_report(str(tmp_path)), OutOfHbmWorker(label, room=10), False, False)
     # A cache the user sized is theirs: the job is refused rather than resized.
-    with pytest.raises(compile_job.DoesNotFit, match="RESOURCE_EXHAUSTED"):
-        compile_job._compile_fitting(sizing_report(str(tmp_path), num_blocks=1000), worker, False, False)
+    with pytest.raises(compile_fit.DoesNotFit, match="RESOURCE_EXHAUSTED"):
+        compile_fit.compile_fitting(sizing_report(str(tmp_path), num_blocks=1000), worker, False, False)
+
+
+def test_a_graph_that_compiles_but_peaks_over_the_usable_hbm_shrinks_the_cache_by_its_excess(tmp_path, monkeypatch):
+    """A graph without the cache among its inputs (prompt log-probs, a sampler) is not among the
+    probes' line; one that peaks over the usable HBM costs the cache its excess in blocks."""
+    from tpu_executor.entrypoints import compile_fit
+
+    report = sizing_report(str(tmp_path))
+    excess = iter([10 * report.block_bytes - 5, 0])
+    monkeypatch.setattr(compile_fit, "_over_usable", lambda report, worker, records: ("prompt log-probs", next(excess)))
+    worker = OutOfHbmWorker("none", room=10 ** 6)
+    records, _ = compile_fit.compile_fitting(report, worker, model_steps_only=False, show_progress=False)
+    assert worker.compiled_over == [1000, 990] and report.num_blocks == 990
+    assert report.resized.startswith("graph 'prompt log-probs' peaked") and "shrank to 990 blocks" in report.resized
