@@ -12,20 +12,10 @@ import logging
 from dataclasses import replace
 from typing import Dict, Tuple
 
-from tpu_executor.core.buckets import BucketPlan, PromptLogprobsGraph, graph_label
+from tpu_executor.core.buckets import BucketPlan, DecodeGraph, PrefillGraph, PromptLogprobsGraph, graph_label
+from tpu_executor.core.config import fit_max_model_len
 from tpu_executor.core.tpu_slices import GIB
-from tpu_executor.entrypoints.compile_job import (
-    CompileReport,
-    DoesNotFit,
-    GraphFigures,
-    _context_length,
-    _keep_job,
-    _largest_graphs,
-    _min_blocks,
-    _model_steps,
-    _out_of_memory,
-    remedies,
-)
+from tpu_executor.entrypoints.compile_figures import CompileReport, DoesNotFit, GraphFigures, _min_blocks, remedies
 
 logger = logging.getLogger(__name__)
 
@@ -138,3 +128,46 @@ def _probe_peaks(worker, blocks: int, graphs, show_progress: bool) -> Dict[str, 
     records = worker.compile_plan(blocks, worker.config.max_model_len, show_progress, graphs=graphs)
     resident = worker.resident()
     return {r.label: GraphFigures.of(r, resident).peak for r in records}
+
+
+def _keep_job(report: CompileReport, worker):
+    """The AOT job the compile writes into (None without a cache directory)."""
+    from tpu_executor.kernels.registry import REGISTRY
+    from tpu_executor.worker.jax.aot import AotJob, job_parts
+
+    config = report.config
+    if config.compile.cache_dir is None:
+        return None
+    parts = job_parts(config, worker.jax, REGISTRY.fingerprint(jax_path=True))
+    job = AotJob.create(config.compile.cache_dir, parts, report.num_blocks, report.max_model_len, report.target.name)
+    worker.keep_in(job)
+    report.job_path = job.path
+    return job
+
+
+def _model_steps(report: CompileReport) -> list:
+    """The prefill and decode graphs alone, of the plan at the context length the cache holds
+    (``--model-steps-only``: the fit's; the host compiles the rest)."""
+    plan = BucketPlan.from_config(replace(report.config, max_model_len=report.max_model_len))
+    return [g for g in plan.graphs() if isinstance(g, (PrefillGraph, DecodeGraph))]
+
+
+def _out_of_memory(report: CompileReport, err: Exception) -> str:
+    """The compiler's own out-of-memory report, with what to change."""
+    first = str(err).split("\n")[0]
+    copies = ("; a graph whose ops fall back to their reference (see the kernel warnings) may copy the KV cache: "
+              f"give --num-blocks below {report.num_blocks // 2}" if report.config.cache.num_blocks is None else "")
+    return (f"{report.target.name}: {first}{copies}. To fit: {remedies()}")
+
+
+def _largest_graphs(graphs) -> list:
+    prefill = max((g for g in graphs if isinstance(g, PrefillGraph)), key=lambda g: (g.num_tokens, g.keys))
+    decode = max((g for g in graphs if isinstance(g, DecodeGraph)), key=lambda g: (g.num_rows, g.context_blocks))
+    return [prefill, decode]
+
+
+def _context_length(report: CompileReport) -> int:
+    """The context length the engine serves with ``report.num_blocks`` blocks (a default one is
+    lowered to what they hold, as the TPU host's engine would)."""
+    fitted = fit_max_model_len(report.config, report.num_blocks)
+    return fitted.max_model_len

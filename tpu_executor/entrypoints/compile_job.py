@@ -16,111 +16,23 @@ the plan is then checked against the usable HBM, and the manifest is written onl
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
-from tpu_executor.core.buckets import BucketPlan, DecodeGraph, PrefillGraph, graph_label
-from tpu_executor.core.config import EngineConfig, fit_max_model_len, resolve_dtype
+from tpu_executor.core.buckets import graph_label
+from tpu_executor.core.config import EngineConfig, resolve_dtype
 from tpu_executor.core.tpu_slices import GIB, Target
+from tpu_executor.entrypoints.compile_figures import (
+    CompileReport,
+    DoesNotFit,
+    GraphFigures,
+    _min_blocks,
+    remedies,
+    state_holders,
+)
+from tpu_executor.entrypoints.compile_fit import blocks_that_fit, compile_fitting
 
 logger = logging.getLogger(__name__)
-
-
-class DoesNotFit(ValueError):
-    """The job cannot fit the slice's HBM; the message says by how much and what to change."""
-
-
-@dataclass(frozen=True)
-class GraphFigures:
-    """One compiled graph as the compiler accounts it, per chip; ``inputs``: its arguments that
-    do not stay resident, ``resident``: the bytes that stay beside it (``TargetWorker.resident``)."""
-
-    name: str
-    function: str
-    compile_seconds: float
-    arguments: int
-    outputs: int
-    temp: int
-    code: int
-    alias: int
-    flops: float
-    bytes_accessed: float
-    pallas_kernels: Tuple[str, ...]
-    providers: Tuple[Tuple[str, str], ...]  # (op, provider) of every op the graph calls
-    inputs: int = 0
-    resident: int = 0
-
-    @property
-    def peak(self) -> int:
-        """Bytes live at once while it runs: what stays resident, its other inputs, its outputs
-        not written in place, its scratch and its code."""
-        return self.resident + self.inputs + self.outputs - self.alias + self.temp + self.code
-
-    @classmethod
-    def of(cls, record, resident) -> "GraphFigures":
-        """``record`` (``graphs.CompileRecord``) beside ``resident`` (``target.Resident``)."""
-        memory = record.compiled.memory_analysis()
-        cost = record.compiled.cost_analysis() or {}
-        cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
-        kernels = record.program.kernels
-        pallas = tuple(sorted({k.op for k in kernels if k.pallas}))
-        return cls(record.label, record.function, record.seconds, memory.argument_size_in_bytes,
-                   memory.output_size_in_bytes, memory.temp_size_in_bytes, memory.generated_code_size_in_bytes,
-                   memory.alias_size_in_bytes, float(cost.get("flops", 0.0)),
-                   float(cost.get("bytes accessed", 0.0)), pallas, tuple(sorted({(k.op, k.provider) for k in kernels})),
-                   sum(size for tensor, size in record.inputs if tensor not in resident.state_ids), resident.bytes)
-
-
-@dataclass
-class CompileReport:
-    """What ``compile_job`` found: the figures of every graph and the fit."""
-
-    target: Target
-    libtpu: str
-    config: EngineConfig
-    weight_bytes: int
-    block_bytes: int
-    usable_bytes: int
-    num_blocks: int
-    max_model_len: int
-    draft_weight_bytes: int = 0  # the draft model's or EAGLE-3 head's share of weight_bytes
-    resident_bytes: int = 0  # weights, KV caches and state at num_blocks (``TargetWorker.resident``)
-    graphs: List[GraphFigures] = field(default_factory=list)
-    kernel_warnings: List[str] = field(default_factory=list)
-    weight_copies: List[str] = field(default_factory=list)  # ``weight_copies``
-    resized: str = ""  # why the cache shrank below what the probes sized (``compile_fit``)
-    job_path: Optional[str] = None
-
-    @property
-    def peak_graph(self) -> GraphFigures:
-        return max(self.graphs, key=lambda g: g.peak)
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.peak_graph.peak if self.graphs else self.resident_bytes
-
-    @property
-    def fits(self) -> bool:
-        return self.peak_bytes <= self.usable_bytes
-
-    @property
-    def verdict(self) -> str:
-        if self.fits:
-            return "fits"
-        over = self.peak_bytes - self.usable_bytes
-        return (f"does not fit: graph '{self.peak_graph.name}' needs {self.peak_bytes / GIB:.2f} GiB per chip "
-                f"({self.resident_bytes / GIB:.2f} GiB of it resident), {over / GIB:.2f} GiB ({over} bytes) over the "
-                f"{self.usable_bytes / GIB:.2f} GiB usable; " + remedies() + self._fewer_blocks(over))
-
-    def _fewer_blocks(self, over: int) -> str:
-        """``, or --num-blocks N``: a cache that leaves the graph room, where one is long enough."""
-        blocks = self.num_blocks - -(-over // max(1, self.block_bytes))
-        return f", or --num-blocks {blocks}" if blocks >= _min_blocks(self.config) else ""
-
-
-def remedies() -> str:
-    return ("lower --max-num-seqs or --max-model-len or the largest bucket, use more chips (a larger --target), "
-            "or --quantization int8")
+__all__ = ["CompileReport", "DoesNotFit", "GraphFigures", "compile_job", "engine_config", "remedies", "state_holders"]
 
 
 def engine_config(checkpoint: str, target: Target, options: Dict[str, Any], platform: str = "tpu") -> EngineConfig:
@@ -145,7 +57,7 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
     devices to compile for than the slice's (this process's CPU devices prove the load path
     here, with the slice's HBM figures). ``model_steps_only``: the prefill and decode graphs
     alone (the fit's; the host compiles the rest)."""
-    from tpu_executor.entrypoints.compile_fit import blocks_that_fit, compile_fitting
+
     from tpu_executor.worker.jax.runtime import libtpu_version
     from tpu_executor.worker.jax.target import target_devices
 
@@ -167,36 +79,6 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
     return report
 
 
-def _keep_job(report: CompileReport, worker):
-    """The AOT job the compile writes into (None without a cache directory)."""
-    from tpu_executor.kernels.registry import REGISTRY
-    from tpu_executor.worker.jax.aot import AotJob, job_parts
-
-    config = report.config
-    if config.compile.cache_dir is None:
-        return None
-    parts = job_parts(config, worker.jax, REGISTRY.fingerprint(jax_path=True))
-    job = AotJob.create(config.compile.cache_dir, parts, report.num_blocks, report.max_model_len, report.target.name)
-    worker.keep_in(job)
-    report.job_path = job.path
-    return job
-
-
-def _model_steps(report: CompileReport) -> list:
-    """The prefill and decode graphs alone, of the plan at the context length the cache holds
-    (``--model-steps-only``: the fit's; the host compiles the rest)."""
-    plan = BucketPlan.from_config(replace(report.config, max_model_len=report.max_model_len))
-    return [g for g in plan.graphs() if isinstance(g, (PrefillGraph, DecodeGraph))]
-
-
-def _out_of_memory(report: CompileReport, err: Exception) -> str:
-    """The compiler's own out-of-memory report, with what to change."""
-    first = str(err).split("\n")[0]
-    copies = ("; a graph whose ops fall back to their reference (see the kernel warnings) may copy the KV cache: "
-              f"give --num-blocks below {report.num_blocks // 2}" if report.config.cache.num_blocks is None else "")
-    return (f"{report.target.name}: {first}{copies}. To fit: {remedies()}")
-
-
 def _shapes_worker(config: EngineConfig, devices):
     """A started worker of the slice with the model's shapes placed (its runner is replaced
     when the cache is allocated)."""
@@ -213,12 +95,6 @@ def _empty_report(config: EngineConfig, target: Target, worker, libtpu: str) -> 
     return CompileReport(target, libtpu, config, worker.weight_bytes, worker.cache_block_bytes_per_chip(), usable,
                          num_blocks=0, max_model_len=config.max_model_len,
                          draft_weight_bytes=worker.draft_weight_bytes_per_chip())
-
-
-def _min_blocks(config: EngineConfig) -> int:
-    """The fewest blocks a job may run with: one sequence of the context length the user set
-    (a default one is lowered to what fits), plus the null block."""
-    return config.max_blocks_per_seq + 1 if config.model.max_model_len is not None else 2
 
 
 def _refuse_early(report: CompileReport, worker) -> None:
@@ -241,11 +117,6 @@ def _refuse_early(report: CompileReport, worker) -> None:
             + (", or a shorter --max-model-len" if config.model.max_model_len is not None else ""))
 
 
-def state_holders(report: CompileReport) -> str:
-    """Who keeps device state beside the KV cache, as messages name them."""
-    return "the sampler's and the drafter's state" if report.draft_weight_bytes else "the sampler's state"
-
-
 def _larger_slice(report: CompileReport, needed_per_chip: int) -> str:
     """`` (e.g. --target v6e-8)``: the smallest slice of the same chips whose share would fit,
     counting every byte as split over the chips (replicated ones make it a lower bound)."""
@@ -257,19 +128,6 @@ def _larger_slice(report: CompileReport, needed_per_chip: int) -> str:
         if chips > target.num_chips and total / chips <= report.usable_bytes:
             return f" (at least --target {Target(target.chip, chips).name})"
     return ""
-
-
-def _largest_graphs(graphs) -> list:
-    prefill = max((g for g in graphs if isinstance(g, PrefillGraph)), key=lambda g: (g.num_tokens, g.keys))
-    decode = max((g for g in graphs if isinstance(g, DecodeGraph)), key=lambda g: (g.num_rows, g.context_blocks))
-    return [prefill, decode]
-
-
-def _context_length(report: CompileReport) -> int:
-    """The context length the engine serves with ``report.num_blocks`` blocks (a default one is
-    lowered to what they hold, as the TPU host's engine would)."""
-    fitted = fit_max_model_len(report.config, report.num_blocks)
-    return fitted.max_model_len
 
 
 def in_plan_order(records, plan) -> list:

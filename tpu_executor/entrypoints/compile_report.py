@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 from tpu_executor.core.tpu_slices import GIB, Chip
-from tpu_executor.entrypoints.compile_job import CompileReport, GraphFigures, state_holders
+from tpu_executor.entrypoints.compile_figures import CompileReport, GraphFigures, state_holders
 
 MIB = 1 << 20
 COLUMNS = ("graph", "compile s", "args MiB", "out MiB", "temp MiB", "code MiB", "peak GiB", "GFLOP", "GB accessed",

@@ -29,7 +29,8 @@ def model_graph_kernels(target_name: str, architectures, root: str, quantization
     scheme to quantize at load, or a published checkpoint's ``quantization_config``."""
     from tpu_executor.core.buckets import BucketPlan
     from tpu_executor.core.tpu_slices import Target
-    from tpu_executor.entrypoints.compile_job import _largest_graphs, engine_config, weight_copies
+    from tpu_executor.entrypoints.compile_fit import _largest_graphs
+    from tpu_executor.entrypoints.compile_job import engine_config, weight_copies
     from tpu_executor.tools.random_checkpoint import write_config
     from tpu_executor.worker.jax.target import TargetWorker, target_devices
 

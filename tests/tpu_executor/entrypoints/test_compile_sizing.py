@@ -58,7 +58,8 @@ class OutOfHbmWorker:
 
 def sizing_report(root: str, **options):
     from tpu_executor.core.tpu_slices import Target
-    from tpu_executor.entrypoints.compile_job import CompileReport, engine_config
+    from tpu_executor.entrypoints.compile_figures import CompileReport
+    from tpu_executor.entrypoints.compile_job import engine_config
     from tpu_executor.tools.random_checkpoint import write_config
 
     target = Target.parse("v5e-1")
