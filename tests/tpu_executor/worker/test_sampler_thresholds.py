@@ -146,9 +146,10 @@ def test_compiled_paths_draw_the_eager_tokens_without_a_sort():
     import jax
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as metrics
-    import torchax
     from jax.experimental import enable_x64
     from torchax import interop
+
+    from tpu_executor.kernels.binding import torchax_env
 
     args = tie_heavy_rows(64, 1000, seed=5)
     expected = sample(*args, num_logprobs=0, all_greedy=False).token_ids
@@ -164,7 +165,7 @@ def test_compiled_paths_draw_the_eager_tokens_without_a_sort():
     keys = torch.compile(_order_keys, backend="openxla", fullgraph=True, dynamic=False)
     assert torch.equal(keys(values.to(device)).cpu(), _order_keys(values))
 
-    env = torchax.default_env()
+    env = torchax_env()  # usable from this thread whichever engine built torchax's environment
 
     def program(*arrays):
         with env:
