@@ -47,10 +47,13 @@ def compile_fitting(report: CompileReport, worker, model_steps_only: bool, show_
         if over <= 0 or not resizable or fewer < _min_blocks(report.config):
             return records, job
         # Every block freed lowers every graph's peak by at least a block's bytes.
-        report.resized = (f"graph '{label}' peaked {over / GIB:.2f} GiB over the usable HBM beside the "
-                          f"{report.num_blocks} KV blocks the probes left; the cache shrank to {fewer} blocks")
-        logger.warning("%s", report.resized)
-        report.num_blocks = fewer
+        _resize(report, fewer, f"graph '{label}' peaked {over / GIB:.2f} GiB over the usable HBM beside the "
+                               f"{report.num_blocks} KV blocks the probes left; the cache shrank to {fewer} blocks")
+
+
+def _resize(report: CompileReport, blocks: int, why: str) -> None:
+    report.resized, report.num_blocks = why, blocks
+    logger.warning("%s", why)
 
 
 def _over_usable(report: CompileReport, worker, records) -> Tuple[str, int]:
@@ -62,17 +65,14 @@ def _over_usable(report: CompileReport, worker, records) -> Tuple[str, int]:
 
 def _shrink_for(report: CompileReport, worker, label: str, show_progress: bool) -> None:
     """Size the cache beside graph ``label`` (which ran out of HBM beside it) and say so."""
-    plan = BucketPlan.from_config(replace(report.config, max_model_len=report.max_model_len))
-    graph = next((g for g in plan.graphs() if graph_label(g) == label), None)
+    graph = next((g for g in plan_at_context(report).graphs() if graph_label(g) == label), None)
     if graph is None:
         raise DoesNotFit(f"{report.target.name}: graph '{label}' does not fit beside {report.num_blocks} KV blocks. "
                          f"To fit: {remedies()}")
     name, blocks = _blocks_beside_graphs(report, worker, [graph], show_progress)
     blocks = min(blocks, report.num_blocks - 1)
-    report.resized = (f"graph '{name}' did not fit beside the {report.num_blocks} KV blocks the largest graphs "
-                      f"left; the cache shrank to the {blocks} blocks it leaves")
-    logger.warning("%s", report.resized)
-    report.num_blocks = blocks
+    _resize(report, blocks, f"graph '{name}' did not fit beside the {report.num_blocks} KV blocks the largest "
+                            f"graphs left; the cache shrank to the {blocks} blocks it leaves")
 
 
 def blocks_that_fit(report: CompileReport, worker, show_progress: bool) -> int:
@@ -148,8 +148,12 @@ def _keep_job(report: CompileReport, worker):
 def _model_steps(report: CompileReport) -> list:
     """The prefill and decode graphs alone, of the plan at the context length the cache holds
     (``--model-steps-only``: the fit's; the host compiles the rest)."""
-    plan = BucketPlan.from_config(replace(report.config, max_model_len=report.max_model_len))
-    return [g for g in plan.graphs() if isinstance(g, (PrefillGraph, DecodeGraph))]
+    return [g for g in plan_at_context(report).graphs() if isinstance(g, (PrefillGraph, DecodeGraph))]
+
+
+def plan_at_context(report: CompileReport) -> BucketPlan:
+    """The job's bucket plan at the context length its cache holds."""
+    return BucketPlan.from_config(replace(report.config, max_model_len=report.max_model_len))
 
 
 def _out_of_memory(report: CompileReport, err: Exception) -> str:

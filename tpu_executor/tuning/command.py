@@ -154,15 +154,14 @@ def _step_floors(compiled, shape) -> List[List]:
     """``[graph, the compiler's floor, the cost model's roofline]`` (seconds) per model step:
     the floor from the compiler's own bytes and FLOPs (``compile_report.floor_seconds``), the
     roofline from the model's shape as ``tune`` ranks buckets with it. Both lower bounds."""
-    from dataclasses import replace
-
-    from tpu_executor.core.buckets import BucketPlan, DecodeGraph, PrefillGraph, graph_label
+    from tpu_executor.core.buckets import DecodeGraph, PrefillGraph, graph_label
+    from tpu_executor.entrypoints.compile_fit import plan_at_context
     from tpu_executor.entrypoints.compile_report import floor_seconds
     from tpu_executor.tuning.tuner import target_cost
 
     config = compiled.config
     cost = target_cost(shape, compiled.target, config.parallel.tensor_parallel_size, config)
-    plan = BucketPlan.from_config(replace(config, max_model_len=compiled.max_model_len))
+    plan = plan_at_context(compiled)
     by_label = {graph_label(g): g for g in plan.graphs() if isinstance(g, (PrefillGraph, DecodeGraph))}
     rows = []
     for figures in compiled.graphs:

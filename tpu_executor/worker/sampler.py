@@ -156,11 +156,15 @@ def _top_p_mask(keys: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, top_
     return above | (tied_ids <= last)
 
 
+def _temperature_scaled(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Logits over each row's temperature (greedy rows, at 0, unscaled)."""
+    return logits / torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None]
+
+
 def _filtered_logits(logits, temperature, top_k, top_p, min_p):
     """Temperature-scaled logits ``[B, V]`` with the tokens top-k, top-p and min-p filter out at
     -inf, in token-id order (no sort: each boundary found by search, see the module docstring)."""
-    safe_temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    scaled = logits / safe_temp[:, None]
+    scaled = _temperature_scaled(logits, temperature)
     keys = _order_keys(scaled)
     ids = torch.arange(scaled.shape[-1], device=scaled.device, dtype=torch.int32)[None, :]
     keep = _top_k_mask(keys, ids, top_k)
@@ -176,8 +180,7 @@ def _filtered_logits_by_sort(logits, temperature, top_k, top_p, min_p):
     (a compiler is the other way round: libtpu took 245 s to compile the sort at a 128K
     vocabulary, 13 s the searches)."""
     vocab_size = logits.shape[-1]
-    safe_temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    scaled = logits / safe_temp[:, None]
+    scaled = _temperature_scaled(logits, temperature)
     sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab_size))
     keep = torch.arange(vocab_size, device=logits.device)[None, :] < k[:, None]

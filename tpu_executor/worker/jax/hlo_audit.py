@@ -8,6 +8,7 @@ temp figure does not show them at tiny shapes; the scheduled HLO does, at any si
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Dict, Iterable, List, Tuple
 
@@ -33,7 +34,7 @@ def weight_shapes_per_chip(model: torch.nn.Module, min_bytes: int = 1 << 16) -> 
     for name, tensor in model.named_parameters():
         array = tensor.jax()
         dims = tuple(array.sharding.shard_shape(tuple(array.shape)))
-        if len(dims) >= 2 and array.dtype.itemsize * _count(dims) >= min_bytes:
+        if len(dims) >= 2 and array.dtype.itemsize * math.prod(dims) >= min_bytes:
             shapes.setdefault((_HLO_TYPES.get(array.dtype.name, array.dtype.name), dims), name)
     return shapes
 
@@ -98,9 +99,3 @@ def _arrays(shape_text: str) -> Iterable[Tuple[str, Tuple[int, ...], str, int]]:
         yield (element, tuple(int(d) for d in dims.split(",") if d), layout.split(":")[0],
                int(space.group(1)) if space else 0)
 
-
-def _count(dims: Tuple[int, ...]) -> int:
-    count = 1
-    for d in dims:
-        count *= d
-    return count
