@@ -23,17 +23,17 @@ setup(
     package_dir={prefixed: folder for folder, prefixed in MAPPED_FOLDERS.items()},
     package_data={"tpu_executor.kernels": ["*.h"], **{f"tpu_executor.kernels.{op}": ["*.c"] for op in C_KERNEL_OPS}},
     install_requires=[
-        # torch_xla 2.9 is the last release; it needs exactly torch 2.9.0 and jax 0.7.1. Its
-        # wheels are x86-64 Linux only: elsewhere the package installs for the JAX and native
-        # paths, and device "xla" says what is missing.
+        # torch_xla 2.9 is the last release; it needs exactly torch 2.9.0. Its wheels are x86-64
+        # Linux only: elsewhere the package installs for the JAX and native paths, and device
+        # "xla" says what is missing. Its core is installed without its `pallas`/`tpu` extras,
+        # whose jax 0.7.1 and libtpu 0.0.21 pins cannot describe a v7x (docs/tpu.md).
         "torch==2.9.0",
         "torch_xla==2.9.0; platform_machine == 'x86_64' and sys_platform == 'linux'",
-        "jax==0.7.1",
-        "jaxlib==0.7.1",
-        # call_jax (JAX kernels inside torch_xla graphs) goes through torchax, which imports
-        # flax; 0.12.0 is the newest flax that accepts jax 0.7.1.
+        "jax==0.10.2",
+        "jaxlib==0.10.2",
+        # call_jax (JAX kernels inside torch_xla graphs) goes through torchax, which imports flax.
         "torchax==0.0.13",
-        "flax==0.12.0",
+        "flax==0.12.8",
         # The JAX path keeps its traced programs (jax.export's serialization needs flatbuffers).
         "flatbuffers>=24.3",
         # Ray runs the per-chip workers; its Serve library runs the replicas behind one endpoint.
@@ -59,15 +59,15 @@ setup(
     ],
     extras_require={
         # The tests compile for TPU slices with libtpu, the TPU's compiler (it runs without a
-        # TPU): the very version torch_xla[tpu]==2.9.0 pins, so one libtpu serves both paths.
+        # TPU): the very version jax[tpu]==0.10.2 pins, so the compiler matches jaxlib's XLA.
         # ruff is pinned: CI runs `ruff check` before the tests, and its rules move between versions.
         # peft is the oracle the LoRA tests compare with (transformers + peft, fp32);
         # compressed-tensors writes the quantized test checkpoints transformers reads back (its
         # later releases require a newer torch than the 2.9.0 pinned here).
-        "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40", "libtpu==0.0.21", "ruff==0.17.6", "peft==0.21.2",
+        "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40", "libtpu==0.0.42.1", "ruff==0.17.6", "peft==0.21.2",
                  "compressed-tensors==0.15.0.1"],
-        # On a TPU VM, and to compile for one (`tpu-executor compile`): libtpu 0.0.21.
-        "tpu": ["torch_xla[tpu]==2.9.0"],
+        # On a TPU VM, and to compile for one (`tpu-executor compile`): jax's own libtpu.
+        "tpu": ["libtpu==0.0.42.1"],
     },
     entry_points={"console_scripts": ["tpu-executor = tpu_executor.cli:main"]},
 )

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from tpu_executor.kernels.registry import Provider
-from tpu_executor.kernels.tpu_layout import pin_mosaic_ir_version
 
 
 def on_tpu() -> bool:
@@ -172,24 +171,35 @@ def call_exported_kernel(jax_fn: Callable, static: Tuple, *arrays):
 
     The JAX path traces its programs with 64-bit mode on (64-bit seeds and token ids), and
     Pallas TPU kernels cannot be lowered under it (Mosaic's int64 -> int32 conversion rule
-    recurses without end). Lowering the kernel for export also pins its Mosaic IR version to
-    the forward-compatible one (``pin_mosaic_ir_version``). One export per kernel, static
-    arguments and operand shapes (every layer's call shares it)."""
+    recurses without end). One export per kernel, static arguments and operand shapes (every
+    layer's call shares it)."""
     import jax
     from jax import export
-    from jax.experimental import disable_x64
 
     mesh = _mesh()
     if (mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()) != "tpu":
         return jax_fn(*arrays, **dict(static))  # TPU interpret mode on a CPU: plain HLO, no Mosaic
     key = (jax_fn, static, tuple((a.shape, a.dtype) for a in arrays))
     if key not in _EXPORTED_KERNELS:
-        pin_mosaic_ir_version()
         shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
-        with disable_x64():
+        with jax.enable_x64(False), _one_chip_of(mesh):
             kernel = jax.jit(functools.partial(jax_fn, **dict(static)))
             _EXPORTED_KERNELS[key] = export.export(kernel, platforms=("tpu",))(*shapes)
     return _EXPORTED_KERNELS[key].call(*arrays)
+
+
+def _one_chip_of(mesh):
+    """A one-device abstract mesh of ``mesh``'s chip kind, unless a mesh context is already
+    set (inside ``shard_map``): Pallas's TPU lowering reads the chip it lowers for from the
+    mesh context, and a kernel exported apart has none of its own."""
+    import contextlib
+
+    import jax
+
+    if mesh is None or not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    chip = jax.sharding.AbstractMesh((1,), ("tp",), abstract_device=mesh.abstract_mesh.abstract_device)
+    return jax.sharding.use_abstract_mesh(chip)
 
 
 @functools.lru_cache(maxsize=None)
@@ -208,7 +218,6 @@ def jax_backed_op(name: str, schema: str, jax_fn: Callable, fake: Callable):
     def xla_impl(*args, **kwargs):
         from torch_xla.core.xla_builder import call_jax
 
-        pin_mosaic_ir_version()
         return call_jax(jax_fn, args, kwargs, name=name)
 
     def fake_impl(*args, interpret=False, **kwargs):
@@ -244,9 +253,9 @@ def torch_to_host(tensor: torch.Tensor):
 
 def torch_to_jax(tensor: torch.Tensor):
     """A CPU torch tensor as a JAX array of the same dtype."""
-    import jax.numpy as jnp
+    import jax
 
-    return jnp.asarray(torch_to_host(tensor))
+    return jax.device_put(torch_to_host(tensor))
 
 
 def jax_to_torch(array) -> torch.Tensor:

@@ -63,20 +63,3 @@ def check_attention_shapes(op: str, q_shape, pages_shape, dtype_name: str) -> No
                          f"head_dim must match and heads must be a multiple of kv_heads")
     if head_dim % LANES:
         raise ValueError(f"{op}: head_dim={head_dim} must be a multiple of {LANES} (TPU lanes)")
-
-
-# The Mosaic IR version every Pallas TPU kernel is lowered as. One libtpu serves both paths:
-# torch_xla[tpu]==2.9.0 pins libtpu 0.0.21, which reads up to version 7. jax 0.7.1 emits 7 only
-# when lowering for export (the JAX path's programs) and otherwise 8, judging by the runtime's
-# build date, which 0.0.21 rejects ("expected <= 7 but got 8").
-MOSAIC_IR_VERSION = 7
-
-
-def pin_mosaic_ir_version() -> None:
-    """Make every TPU lowering in this process forward compatible (jax 0.7.1's switch for
-    Mosaic IR version 7), as export lowering is: torch_xla's ``call_jax`` and plain
-    ``jax.jit(...).lower()`` emit version 7 too, whatever JAX infers from the runtime. Called
-    where a kernel is traced, before anything lowers it."""
-    from jax._src import xla_bridge
-
-    xla_bridge.FORCE_FORWARD_COMPAT_LOWERING_PLATFORMS.add("tpu")

@@ -43,7 +43,6 @@ from tpu_executor.kernels.tpu_layout import (
     check_vmem,
     gmm_row_tile,
     itemsize,
-    pin_mosaic_ir_version,
     sublanes,
 )
 from tpu_executor.kernels.w8a16_matmul.kernel import scaled_dot
@@ -258,7 +257,6 @@ def _call(lhs, rhs, side, schedule, n, tiling, transpose_rhs, interpret, form, g
         out_specs=pl.BlockSpec((tm, tn), lambda n_i, v, k_i, o, g, t: (t[v], n_i)),
         scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)])
     kernel = functools.partial(_gmm_kernel, tm=tm, transpose_rhs=transpose_rhs, form=form, group=group)
-    pin_mosaic_ir_version()
     return pl.pallas_call(
         kernel, grid_spec=spec,
         out_shape=jax.ShapeDtypeStruct((lhs.shape[0], n), lhs.dtype),

@@ -42,7 +42,6 @@ from tpu_executor.kernels.tpu_layout import (
     check_attention_shapes,
     check_vmem,
     itemsize,
-    pin_mosaic_ir_version,
     sublanes,
 )
 
@@ -195,7 +194,7 @@ def _call(q, lens, tables, *, k_pages, v_pages, scale, soft_cap, sliding_window,
     q4 = q.reshape(batch, queries, kv_heads, heads // kv_heads, head_dim).transpose(0, 2, 1, 3, 4)
     q4 = q4.reshape(batch, kv_heads, rows, head_dim)
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, c, lens, tables: (b, h, 0, 0))
-    any_spec = pl.BlockSpec(memory_space=pltpu.ANY)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
     spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2, grid=(batch, kv_heads, width // ppc),
         in_specs=[q_spec, any_spec, any_spec], out_specs=q_spec,
@@ -207,7 +206,6 @@ def _call(q, lens, tables, *, k_pages, v_pages, scale, soft_cap, sliding_window,
                         pltpu.VMEM((rows, head_dim), jnp.float32)])
     kernel = functools.partial(_kernel, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
                                pages_per_chunk=ppc, width=width, queries=queries)
-    pin_mosaic_ir_version()
     out = pl.pallas_call(
         kernel, grid_spec=spec, out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(

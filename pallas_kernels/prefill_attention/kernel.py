@@ -48,7 +48,6 @@ from tpu_executor.kernels.tpu_layout import (
     check_attention_shapes,
     check_vmem,
     itemsize,
-    pin_mosaic_ir_version,
     sublanes,
 )
 
@@ -217,7 +216,7 @@ def _call(needed, pages, qg, k_pages, v_pages, q_pos, q_seg, k_pos, k_seg, block
     block_size = k_pages.shape[2]
     keys_p = k_pos.shape[0]
     q_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda h, i, j, needed, pages: (h, 0, i, 0))
-    any_spec = pl.BlockSpec(memory_space=pltpu.ANY)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
     q_meta = pl.BlockSpec((block_q, LANES), lambda h, i, j, needed, pages: (i, 0))
     k_meta = pl.BlockSpec((SUBLANES, block_k), lambda h, i, j, needed, pages: (0, j))
     rows = group * block_q
@@ -232,7 +231,6 @@ def _call(needed, pages, qg, k_pages, v_pages, q_pos, q_seg, k_pos, k_seg, block
                         pltpu.VMEM((rows, head_dim), jnp.float32)])
     lanes = lambda x: jnp.broadcast_to(x[:, None], (x.shape[0], LANES))  # noqa: E731
     sublanes = lambda x: jnp.broadcast_to(x[None, :], (SUBLANES, x.shape[0]))  # noqa: E731
-    pin_mosaic_ir_version()
     return pl.pallas_call(
         functools.partial(_kernel, **options), grid_spec=spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, qg.dtype),

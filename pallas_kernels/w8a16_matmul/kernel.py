@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpu_executor.kernels.tpu_layout import LANES, VMEM_BUDGET_BYTES, pin_mosaic_ir_version
+from tpu_executor.kernels.tpu_layout import LANES, VMEM_BUDGET_BYTES
 
 
 def _divisor_tile(dim: int, multiple: int, largest: int) -> Optional[int]:
@@ -158,7 +158,6 @@ def quantized_matmul(x: jax.Array, weight: jax.Array, scale: jax.Array, zero: Op
     tm, tk, tn = tiles(m, k_rows, n, group, x.dtype.itemsize)
     operands, in_specs = _inputs(x, weight, scale, zero, (tm, tk, tn), group, halves)
     kernel = functools.partial(_kernel, bits=bits, group=group, per_channel=per_channel, has_zero=zero is not None)
-    pin_mosaic_ir_version()
     return pl.pallas_call(
         kernel, grid=(m // tm, n // tn, k_rows // tk), in_specs=in_specs,
         out_specs=pl.BlockSpec((tm, tn), lambda i, j, s: (i, j)),

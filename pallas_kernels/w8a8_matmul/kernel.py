@@ -17,7 +17,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpu_executor.kernels.tpu_layout import pin_mosaic_ir_version
 from tpu_executor.kernels.w8a16_matmul.kernel import problem, tiles
 
 
@@ -50,7 +49,6 @@ def w8a8_matmul(x: jax.Array, weight: jax.Array, scale: jax.Array, *, interpret:
         raise ValueError(f"w8a8_matmul: {reason}")
     tm, tk, tn = tiles(m, k, n, k, 1)
     x_q, x_scale = quantize_per_token(x)
-    pin_mosaic_ir_version()
     return pl.pallas_call(
         _kernel, grid=(m // tm, n // tn, k // tk),
         in_specs=[pl.BlockSpec((tm, tk), lambda i, j, s: (i, s)), pl.BlockSpec((tk, tn), lambda i, j, s: (s, j)),

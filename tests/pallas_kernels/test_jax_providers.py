@@ -26,7 +26,6 @@ def jax_provider(op: str):
 def run_traced(provider, case):
     """``provider`` on the case's tensors as torchax tensors, traced and compiled by jax.jit."""
     import jax
-    from jax.experimental import enable_x64
     from jax.experimental.pallas import tpu as pltpu
     from torchax import interop
 
@@ -39,7 +38,7 @@ def run_traced(provider, case):
         with env:
             return interop.jax_view(provider.fn(*interop.torch_view(arrays), **case.kwargs))
 
-    with enable_x64(), pltpu.force_tpu_interpret_mode():
+    with jax.enable_x64(True), pltpu.force_tpu_interpret_mode():
         return jax_to_torch(jax.jit(program)(*tensors))
 
 
@@ -127,7 +126,6 @@ def run_over_two_chips(op: str) -> dict:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     import jax
     import numpy as np
-    from jax.experimental import enable_x64
     from jax.sharding import Mesh
     from torchax import interop
 
@@ -147,7 +145,7 @@ def run_over_two_chips(op: str) -> dict:
                 return interop.jax_view(module.SPEC.reference(*interop.torch_view(arrays), **case.kwargs))
 
         split = HEADS.wrap(functools.partial(reference), mesh, case.args, case.kwargs)
-        with enable_x64():
+        with jax.enable_x64(True):
             got = jax_to_torch(jax.jit(split)(*[torch_to_jax(a) for a in case.args]))
         module.SPEC.assert_close(got, case.run(module.SPEC.reference), case.label)
         checked[kind] += 1

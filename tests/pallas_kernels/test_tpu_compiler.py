@@ -1,8 +1,7 @@
 """Every Pallas kernel compiled by the TPU compiler itself (libtpu, ahead of time, no TPU),
 lowered as each path lowers it: a plain ``jax.jit(...).lower()`` (what torch_xla's
-``call_jax`` does) and the JAX path's exported kernel call inside a 64-bit program. The
-installed libtpu is the one ``torch_xla[tpu]`` pins, and it reads Mosaic IR version 7 only:
-these compile because every lowering is pinned to it (``tpu_layout.pin_mosaic_ir_version``)."""
+``call_jax`` does) and the JAX path's exported kernel call inside a 64-bit program, for a v5e
+chip and for one TensorCore of a v7x. The installed libtpu is the one ``jax[tpu]`` pins."""
 import importlib.metadata
 
 import pytest
@@ -11,13 +10,12 @@ from tests.pallas_kernels.kernel_cases import in_fresh_process
 
 pytestmark = pytest.mark.slow  # libtpu's compiler, in a fresh interpreter
 
-LIBTPU = "0.0.21"  # torch_xla[tpu]==2.9.0's exact pin: one libtpu for both paths
+LIBTPU = "0.0.42.1"  # jax[tpu]==0.10.2's pin: the compiler built with jaxlib's XLA
 
 
-def test_the_installed_libtpu_is_the_one_torch_xla_pins():
+def test_the_installed_libtpu_is_the_one_jax_pins():
     assert importlib.metadata.version("libtpu") == LIBTPU
-    requirements = importlib.metadata.requires("torch_xla")
-    assert f'libtpu=={LIBTPU}; extra == "tpu"' in requirements
+    assert 'libtpu==0.0.42.*; extra == "tpu"' in importlib.metadata.requires("jax")
 
 
 def kernel_calls():
@@ -50,33 +48,35 @@ def kernel_calls():
     ]
 
 
-def compile_each_way() -> dict:
-    """{kernel: (plain lowering compiled, exported call compiled)} for one v5e chip."""
+def compile_each_way(target: str) -> dict:
+    """{kernel: (plain lowering compiled, exported call compiled)} for the first device of
+    ``target``."""
     import jax
     import numpy as np
-    from jax.experimental import enable_x64
 
     from tpu_executor.core.tpu_slices import Target
     from tpu_executor.kernels.binding import call_exported_kernel, torchax_env
     from tpu_executor.worker.jax.target import target_devices
 
-    mesh = jax.sharding.Mesh(np.array(target_devices(Target.parse("v5e-1"))), ("tp",))
+    mesh = jax.sharding.Mesh(np.array(target_devices(Target.parse(target))[:1]), ("tp",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     results = {}
     for name, fn, shapes in kernel_calls():
         placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in shapes]
-        plain = jax.jit(fn).lower(*placed).compile()
-        # As the JAX path traces (64-bit mode on, the mesh set): the kernel is exported apart.
-        with enable_x64(), torchax_env().override_property(mesh=mesh):
+        with jax.set_mesh(mesh):  # Pallas lowers for the chip of the mesh in context
+            plain = jax.jit(fn).lower(*placed).compile()
+        # As the JAX path traces (64-bit mode on, the mesh on torchax): the kernel is exported apart.
+        with jax.enable_x64(True), torchax_env().override_property(mesh=mesh):
             exported = jax.jit(lambda *a, fn=fn: call_exported_kernel(fn, (), *a)).lower(*placed).compile()
         results[name] = ("tpu_custom_call" in plain.as_text(), "tpu_custom_call" in exported.as_text())
     return results
 
 
-def test_every_kernel_compiles_for_a_tpu_both_ways():
-    assert in_fresh_process(compile_each_way) == {name: (True, True) for name in
-                                                  ("paged_attention", "paged_attention verify",
-                                                   "prefill_attention", "gmm", "gmm int8", "gmm int4")}
+@pytest.mark.parametrize("target", ["v5e-1", "tpu7x-8"])
+def test_every_kernel_compiles_for_a_tpu_both_ways(target):
+    assert in_fresh_process(compile_each_way, target) == {
+        name: (True, True) for name in ("paged_attention", "paged_attention verify", "prefill_attention",
+                                        "gmm", "gmm int8", "gmm int4")}
 
 
 def compile_quantized_experts() -> dict:
@@ -105,7 +105,8 @@ def compile_quantized_experts() -> dict:
                               shape((128, k // 128, n), jnp.float32))}
             for form, weights in forms.items():
                 operands = (shape((512, k), jnp.bfloat16), weights[0], shape((128,), jnp.int32), *weights[1:])
-                text = jax.jit(gmm).lower(*operands).compile().as_text()
+                with jax.set_mesh(mesh):
+                    text = jax.jit(gmm).lower(*operands).compile().as_text()
                 results[(target, form, name)] = "tpu_custom_call" in text
     return results
 

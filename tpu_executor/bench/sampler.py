@@ -87,8 +87,8 @@ def grammar_step_ms(rows: int, tokenizer, vocab: int, steps: int) -> float:
 
 def measure(rows: int, vocab: int, device: torch.device, steps: int):
     """(plain ms, processed ms, host ms) per call at ``rows`` rows."""
-    from tpu_executor.worker.inputs import to_device
     from tpu_executor.worker.logits_processing import ProcessingRows, ProcessingSlots
+    from tpu_executor.worker.transfer import to_device
 
     work = processed_work(rows, vocab)
     slots = ProcessingSlots(rows, vocab, device)

@@ -37,15 +37,15 @@ __all__ = ["CompileReport", "DoesNotFit", "GraphFigures", "compile_job", "engine
 
 def engine_config(checkpoint: str, target: Target, options: Dict[str, Any], platform: str = "tpu") -> EngineConfig:
     """The JAX path's config for ``target``: ``dtype="auto"`` as on its platform (bf16 on a
-    TPU), tensor parallelism over the slice's chips unless given."""
+    TPU), tensor parallelism over the slice's devices unless given."""
     from tpu_executor.engine.options import build_engine_config
 
     options = {name: value for name, value in options.items() if name != "device"}  # the JAX path's, always
     options["dtype"] = resolve_dtype(options.get("dtype", "auto"), None, platform)
-    options.setdefault("tensor_parallel_size", target.num_chips)
+    options.setdefault("tensor_parallel_size", target.num_devices)
     tp = options["tensor_parallel_size"]
-    if target.num_chips % tp:
-        raise ValueError(f"--tensor-parallel-size {tp} does not divide {target.name}'s {target.num_chips} chips")
+    if target.num_devices % tp:
+        raise ValueError(f"--tensor-parallel-size {tp} does not divide {target.name}'s {target.num_devices} devices")
     return build_engine_config(checkpoint, device="jax", **options)
 
 
@@ -125,8 +125,9 @@ def _larger_slice(report: CompileReport, needed_per_chip: int) -> str:
     target = report.target
     total = needed_per_chip * report.config.parallel.tensor_parallel_size
     for chips in sorted(GRIDS_3D if target.is_3d else GRIDS_2D):
-        if chips > target.num_chips and total / chips <= report.usable_bytes:
-            return f" (at least --target {Target(target.chip, chips).name})"
+        larger = Target(target.chip, chips)
+        if chips > target.num_chips and total / larger.num_devices <= report.usable_bytes:
+            return f" (at least --target {larger.name})"
     return ""
 
 

@@ -40,11 +40,9 @@ def lower_graphs(graphs: Sequence[Graph], model: ModelShape, tp: int, block_size
     import jax
     import jax.numpy as jnp
 
-    from tpu_executor.kernels.tpu_layout import pin_mosaic_ir_version
     from tpu_executor.worker.jax.runtime import cpu_runtime
 
     cpu_runtime()  # lowering needs no TPU runtime; starting one would hold libtpu
-    pin_mosaic_ir_version()
 
     dt = jnp.dtype(dtype)
     heads, kv_heads = model.heads // tp, max(1, model.kv_heads // tp)

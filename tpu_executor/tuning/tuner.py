@@ -138,7 +138,7 @@ def _arrival_clock(config: EngineConfig, trace: Sequence[TraceRequest], target: 
     either, every request arrives at once (the saturated case)."""
     if target is None or shape is None or any(r.arrival_s is None for r in trace):
         return None
-    cost, bs = target_cost(shape, target, target.num_chips, config), config.cache.block_size
+    cost, bs = target_cost(shape, target, target.num_devices, config), config.cache.block_size
 
     def step_seconds(calls) -> float:
         return sum(cost.prefill_seconds(c.graph) if isinstance(c, PrefillCall) else
@@ -149,7 +149,7 @@ def _arrival_clock(config: EngineConfig, trace: Sequence[TraceRequest], target: 
 def _check_on_target(report: TuneReport, config: EngineConfig, shape: ModelShape, show_progress: bool) -> None:
     """Lower the chosen buckets' kernels for the TPU (dropping any that fail), size the HBM,
     and estimate each candidate's throughput on the target."""
-    target, tp = report.target, report.target.num_chips
+    target, tp = report.target, report.target.num_devices
     unsupported = kernel_support(shape, tp)
     if unsupported:
         report.lowering_notes.append(unsupported)

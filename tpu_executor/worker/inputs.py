@@ -124,14 +124,3 @@ def check_sampling_row(sampling: SamplingMeta) -> None:
             row_arrays(sampling.processing)
         except (OverflowError, TypeError, ValueError, IndexError) as err:
             raise ValueError(f"logits processing of this request does not fit the device's rows: {err}") from None
-
-
-def to_device(tensors: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
-    """The host tensors of one call on ``device``. On XLA they go in one batched transfer:
-    one ``.to()`` per tensor costs a round through the runtime each (about 35 us here, for a
-    dozen tensors per call)."""
-    if device.type == "xla":
-        import torch_xla.core.xla_model as xm  # only on the XLA path
-
-        return xm.send_cpu_data_to_device(tensors, device)
-    return {name: t.to(device) for name, t in tensors.items()}

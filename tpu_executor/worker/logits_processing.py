@@ -26,6 +26,7 @@ import torch
 
 from tpu_executor.core.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_ENTRIES
 from tpu_executor.core.step import ENTRY_ALLOWED, ENTRY_BANNED, ENTRY_BIAS, ENTRY_STOP, LogitsProcessing
+from tpu_executor.worker.transfer import tensor_to_device
 
 RECENT = MAX_BAD_WORD_TOKENS - 1  # outputs a bad word's prefix is matched against
 ANY_TOKEN = -2  # a prefix position before the word's first token (matches anything)
@@ -162,9 +163,9 @@ class ProcessingSlots:
         self.discard = num_slots
         self.bitmask_words = (vocab_size + 31) // 32
         self._bitmasks: Mapping[str, np.ndarray] = {}
-        self.counts = torch.zeros(num_slots + 1, vocab_size).to(device)
-        self.prompt_seen = torch.zeros(num_slots + 1, vocab_size).to(device)
-        self.recent = torch.full((num_slots + 1, RECENT), -1, dtype=torch.int64).to(device)
+        self.counts = tensor_to_device(torch.zeros(num_slots + 1, vocab_size), device)
+        self.prompt_seen = tensor_to_device(torch.zeros(num_slots + 1, vocab_size), device)
+        self.recent = tensor_to_device(torch.full((num_slots + 1, RECENT), -1, dtype=torch.int64), device)
         self._slots: Dict[str, int] = {}
         self._rows: Dict[str, Dict[str, np.ndarray]] = {}
         self._free: List[int] = list(range(num_slots))

@@ -44,11 +44,12 @@ from tpu_executor.core.step import DecodeWork, PaddingStats, PrefillWork, Sampli
 from tpu_executor.kernels import REGISTRY
 from tpu_executor.worker.compile_guard import CompileGuard, jax_compile_events, raise_dynamo_limits
 from tpu_executor.worker.decode_batch import PersistentDecodeBatch
-from tpu_executor.worker.inputs import mixed_inputs, prefill_inputs, sampling_tensors, to_device
+from tpu_executor.worker.inputs import mixed_inputs, prefill_inputs, sampling_tensors
 from tpu_executor.worker.launched_step import LaunchedCall, LaunchedStep
 from tpu_executor.worker.model_steps import ModelSteps
 from tpu_executor.worker.prompt_logprobs import groups, owed_positions, padding_group, prompt_logprobs_step
 from tpu_executor.worker.sampling_runner import SampleSteps, SamplingRunner
+from tpu_executor.worker.transfer import tensor_to_device, to_device
 from tpu_executor.worker.verify import verify_positions, verify_query_inputs, verify_rows, verify_step
 
 logger = logging.getLogger(__name__)
@@ -406,7 +407,7 @@ class ModelRunner:
         return self._prefill_logits(dummy, graph, self.kv_caches)[0]
 
     def _dummy_prompt_logprobs(self, graph: PromptLogprobsGraph) -> torch.Tensor:
-        hidden = torch.zeros(graph.num_tokens, self.model.config.hidden_size).to(self.device)
+        hidden = tensor_to_device(torch.zeros(graph.num_tokens, self.model.config.hidden_size), self.device)
         return self._run_fn(self._prompt_logprobs_fn, padding_group(graph.num_rows), "prefill", hidden=hidden,
                             num_logprobs=max(1, self.config.compile.max_logprobs))[0]
 

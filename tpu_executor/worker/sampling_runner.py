@@ -32,6 +32,7 @@ from tpu_executor.worker.logits_processing import (
 )
 from tpu_executor.worker.sampler import sample
 from tpu_executor.worker.token_feed import TokenFeed, write_slots
+from tpu_executor.worker.transfer import tensor_to_device
 
 HostInputs = Dict[str, torch.Tensor]
 
@@ -132,7 +133,7 @@ class SamplingRunner:
             tensors = fill_tensors([], self.plan.max_prefill_seqs, graph.num_tokens, self.processing.discard)
             return self._fill_fn(state=self.processing.state, **self.put(tensors))
         rows = graph.num_rows
-        logits = torch.zeros(rows, self.vocab_size).to(self.device)  # device data, as in serving
+        logits = tensor_to_device(torch.zeros(rows, self.vocab_size), self.device)  # device data, as in serving
         tensors = dict(sampling_tensors([], rows), slots=self.feed.assign([], rows))
         fn = self._sample_fn
         if graph.processing:

@@ -20,6 +20,8 @@ from typing import Dict, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
+from tpu_executor.worker.transfer import tensor_to_device
+
 NO_FEED = -1  # a decode row whose input token is on the host already
 
 
@@ -51,7 +53,7 @@ class TokenFeed:
         # slot and no request's slot is remembered (host work saved on every step).
         self.in_use = in_use
         # Made on the host, then copied: the graphs take device data, never a pending computation.
-        self.written_tokens = torch.zeros(max_sampled_rows + 1, dtype=torch.int64).to(device)
+        self.written_tokens = tensor_to_device(torch.zeros(max_sampled_rows + 1, dtype=torch.int64), device)
         self.read_tokens = self.written_tokens
         self._written: Dict[str, int] = {}
         self._previous: Mapping[str, int] = {}

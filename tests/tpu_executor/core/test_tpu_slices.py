@@ -12,12 +12,22 @@ from tpu_executor.core.tpu_slices import GIB, Target
     ("v6e-256", 256, "v6e:16x16", (2, 2, 1), 64),
     ("v5p-8", 4, "v5p:2x2x1", (2, 2, 1), 1),
     ("v4-16", 8, "v4:2x2x2", (2, 2, 1), 2),
+    ("tpu7x-8", 4, "tpu7x:2x2x1", (2, 2, 1), 1),
+    ("tpu7x-32", 16, "tpu7x:2x2x4", (2, 2, 1), 4),
 ])
 def test_a_slice_name_gives_its_layout(name, chips, topology, per_host, hosts):
     target = Target.parse(name)
     assert (target.num_chips, target.topology_name, target.chips_per_host_bounds, target.num_hosts) == \
         (chips, topology, per_host, hosts)
     assert target.name == name
+
+
+def test_a_v7x_chip_is_two_devices_with_half_its_memory_each():
+    """Ironwood's TensorCores are devices of their own: the mesh of tpu7x-8 (4 chips) holds 8."""
+    target = Target.parse("tpu7x-8")
+    assert (target.num_chips, target.num_devices, target.device_kind) == (4, 8, "TPU7x")
+    assert target.chip.hbm_bytes == int(94.74 * GIB) and target.chip_config_name == "default"
+    assert [Target.parse(name).num_devices for name in ("v5p-8", "v6e-8", "v4-8")] == [4, 8, 4]
 
 
 def test_hbm_per_chip_is_what_the_compiler_allows_in_bytes():

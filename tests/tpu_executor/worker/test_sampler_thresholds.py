@@ -146,7 +146,6 @@ def test_compiled_paths_draw_the_eager_tokens_without_a_sort():
     import jax
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as metrics
-    from jax.experimental import enable_x64
     from torchax import interop
 
     from tpu_executor.kernels.binding import torchax_env
@@ -175,7 +174,7 @@ def test_compiled_paths_draw_the_eager_tokens_without_a_sort():
         with env:
             return interop.jax_view(_order_keys(interop.torch_view(array)))
 
-    with enable_x64():
+    with jax.enable_x64(True):
         arrays = [jax.device_put(a.numpy(), jax.devices("cpu")[0]) for a in args]
         lowered = jax.jit(program).lower(*arrays)
         assert "stablehlo.sort" not in lowered.as_text()

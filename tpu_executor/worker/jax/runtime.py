@@ -183,11 +183,6 @@ class JaxRuntime:
         self.mesh = Mesh(np.array(devices[:tensor_parallel_size]), ("tp",))
         self.ranks = tensor_parallel_size
         self.platform = devices[0].platform
-        if self.platform == "tpu":
-            # libtpu 0.0.21's Shardy import aborts the process on the sampler's programs
-            # ("import_shardy_attrs.cc: Check failed: funcResultSharding.getNumOperands() == 1");
-            # its GSPMD partitioner compiles every graph of the plan.
-            jax.config.update("jax_use_shardy_partitioner", False)
         self.device = torch.device("jax")
         self._spec, self._named = PartitionSpec, NamedSharding
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -218,13 +213,13 @@ class JaxRuntime:
         """Where the JAX path's torch code runs: torchax's environment, with 64-bit integers on
         (the sampler hashes 64-bit seeds; token ids are int64 as on every path). Both are
         scoped, not process-wide: the torch_xla path in the same process keeps JAX's defaults."""
-        from jax.experimental import enable_x64
+        import jax
 
         from tpu_executor.kernels.binding import torchax_env
 
         torchax_env()  # this thread's share of torchax's state
         # The mesh rides on torchax's runtime properties: kernel providers read it (binding.py).
-        with enable_x64(), self.env, self.env.override_property(mesh=self.mesh):
+        with jax.enable_x64(True), self.env, self.env.override_property(mesh=self.mesh):
             yield
 
     def sharding(self, shape: Tuple[int, ...], dim: Optional[int]):
