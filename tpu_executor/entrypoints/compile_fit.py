@@ -100,14 +100,19 @@ def _blocks_beside_prompt_logprobs(report: CompileReport, worker, graphs) -> int
 
 
 def _blocks_beside_graphs(report: CompileReport, worker, graphs, show_progress: bool) -> Tuple[str, int]:
-    """(the binding graph, the blocks that fit beside it): ``graphs`` compiled over two small
-    caches. A graph's peak (with all that stays resident: the draft's weights, its KV cache and
-    scratch blocks, the buffers) grows with the cache by at least a block of the target and one
-    of the draft per block (more where a graph copies the cache), so the line through the two
-    gives the blocks each chip's usable HBM holds beside each graph; the fewest bind."""
+    """(the binding graph, the blocks that fit beside it): ``graphs`` compiled over a small cache
+    and one a quarter of the room the first leaves. A graph's peak (with all that stays
+    resident: the draft's weights, its KV cache and scratch blocks, the buffers) grows with the
+    cache by at least a block of the target and one of the draft per block (more where a graph
+    copies the cache), so the line through the two gives the blocks each chip's usable HBM holds
+    beside each graph; the fewest bind. Probes far apart keep the compiler's alignment of small
+    buffers out of the line's slope (two small caches made it 5% steeper than a block)."""
     config = report.config
-    small, large = _min_blocks(config), 2 * _min_blocks(config) + 64
-    peaks = [_probe_peaks(worker, blocks, graphs, show_progress) for blocks in (small, large)]
+    small = _min_blocks(config)
+    peaks = [_probe_peaks(worker, small, graphs, show_progress)]
+    room = (report.usable_bytes - max(peaks[0].values())) // report.block_bytes
+    large = small + max(64, int(room) // 4)
+    peaks.append(_probe_peaks(worker, large, graphs, show_progress))
 
     def blocks_beside(name: str) -> int:
         per_block = max(report.block_bytes, (peaks[1][name] - peaks[0][name]) / (large - small))

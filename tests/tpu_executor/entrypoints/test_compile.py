@@ -1,6 +1,7 @@
 """``tpu-executor compile``: a job compiled by libtpu for TPU slices on this CPU machine, every
 architecture's graphs holding their Pallas kernels, the report's keys, the fit check (a job
 refused before any compile), the kernel refusals, and ``dtype="auto"``."""
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -59,11 +60,13 @@ def model_graph_kernels(target_name: str, architectures, root: str, quantization
 
 
 # Every architecture on one chip; over four chips (each kernel split over the chips by
-# shard_map) the two that split differently: one KV head replicated, experts cut in four. No
+# shard_map) the two that split differently: one KV head replicated, experts cut in four; over
+# a v7x's eight TensorCores (four chips, both cores of each a device of the mesh). No
 # graph may copy a weight: each is read in the layout it is stored in (the embedding's lookup
 # and the tied LM head's matmul from one table included).
 @pytest.mark.slow  # libtpu compiles 2 graphs of each architecture (about 2 minutes for all)
-@pytest.mark.parametrize("target,architectures", [("v5e-1", ARCHITECTURES), ("v6e-4", ("gemma3", "qwen3_moe"))])
+@pytest.mark.parametrize("target,architectures", [("v5e-1", ARCHITECTURES), ("v6e-4", ("gemma3", "qwen3_moe")),
+                                                  ("tpu7x-8", ("qwen3", "qwen3_moe"))])
 def test_architectures_compile_for_a_tpu_with_their_pallas_kernels(target, architectures, tmp_path):
     found = in_fresh_process(model_graph_kernels, target, architectures, str(tmp_path))
     for arch in architectures:
@@ -112,7 +115,7 @@ def test_the_command_compiles_every_graph_and_reports_them(method, tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert {"target", "libtpu", "fits", "hbm_per_chip_bytes", "peak_bytes_per_chip", "kv_cache_blocks",
             "graphs"} <= set(report)
-    assert (report["target"], report["libtpu"], report["fits"]) == ("v5e-1", "0.0.21", True)
+    assert (report["target"], report["libtpu"], report["fits"]) == ("v5e-1", importlib.metadata.version("libtpu"), True)
     config = engine_config(checkpoint, Target.parse("v5e-1"), dict(
         max_model_len=512, max_num_seqs=8, prefill_buckets=(128,), decode_buckets=(8,),
         decode_context_buckets=(512,), max_logprobs=2, speculative_config=SpeculativeConfig.parse(speculative)))

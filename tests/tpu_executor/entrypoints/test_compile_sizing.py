@@ -35,9 +35,9 @@ def test_more_chips_than_kv_heads_keep_the_pallas_kernels_and_one_head_a_chip(tm
         assert kernels == (["prefill_attention"] if name.startswith("prefill") else ["paged_attention"]), name
     # A block on one chip: K and V of every layer, one KV head (2 heads, each held by 4 chips).
     assert job["block"] == 2 * job["layers"] * 1 * 16 * 128 * 2
-    # The cache takes about what the binding graph leaves (the two probes' line is steeper than
-    # one block a block here: 4% of the HBM is left over).
-    assert job["resident"] < max(job["peaks"]) <= job["usable"] < 1.05 * max(job["peaks"])
+    # The cache takes what the binding graph leaves, to within 0.1% of the HBM (probes close
+    # together left 5% over: the compiler's alignment of small buffers steepened their line).
+    assert job["resident"] < max(job["peaks"]) <= job["usable"] < 1.001 * max(job["peaks"])
 
 
 class OutOfHbmWorker:
