@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tpu_executor.kernels.registry import Provider
+from tpu_executor.kernels.tpu_layout import lowering_chip
 
 
 def on_tpu() -> bool:
@@ -198,8 +199,8 @@ def _one_chip_of(mesh):
 
     if mesh is None or not jax.sharding.get_abstract_mesh().empty:
         return contextlib.nullcontext()
-    chip = jax.sharding.AbstractMesh((1,), ("tp",), abstract_device=mesh.abstract_mesh.abstract_device)
-    return jax.sharding.use_abstract_mesh(chip)
+    chip = mesh.abstract_mesh.abstract_device
+    return lowering_chip(chip.device_kind, chip.num_cores)
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,6 +24,17 @@ def gmm_row_tile(m: int, dtype_name: str) -> int:
     return min(256, -(-m // row) * row)
 
 
+def lowering_chip(device_kind: str, num_cores: int = 1):
+    """A context in which Pallas lowers for ``device_kind`` (JAX's name, e.g. "TPU v6 lite"):
+    its TPU lowering reads the chip from the mesh context, and a lowering on this CPU (no TPU
+    devices, no libtpu) has none. A one-device abstract mesh of that chip names it."""
+    import jax
+    from jax._src.mesh import AbstractDevice  # no public constructor: jax 0.10's Pallas reads it
+
+    chip = AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="tpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("tp",), abstract_device=chip))
+
+
 def torch_dtype_name(tensor) -> str:
     """``"float32"`` for a torch float32 tensor: the names the checks here take."""
     return str(tensor.dtype).removeprefix("torch.")

@@ -24,6 +24,7 @@ from tests.pallas_kernels.kernel_cases import in_fresh_process
 from tpu_executor.kernels.gmm import kernel as gmm_kernel
 from tpu_executor.kernels.paged_attention import kernel as paged_kernel
 from tpu_executor.kernels.prefill_attention import kernel as prefill_kernel
+from tpu_executor.kernels.tpu_layout import lowering_chip
 
 
 @dataclasses.dataclass
@@ -252,14 +253,16 @@ def test_gmm_with_empty_experts_fetches_less_than_it_declares():
     assert walked[0] < declared[0] and walked[1] < declared[1]
 
 
-_GAP = r"(?:\\22|\W)+"  # the backend config is JSON in a string: quotes print as \22
-ESTIMATE = re.compile(_GAP.join(("cost_estimate", "bytes_accessed", r"(\d+)", "flops", r"(\d+)", "transcendentals",
-                                 r"(\d+)")))
+_GAP = r"(?:\\22|\\0A|\W)+"  # the backend config is JSON in a string: quotes print as \22, newlines as \0A
+# jaxlib 0.10 writes remote_bytes_transferred (0 for a kernel without remote DMAs) between them.
+ESTIMATE = re.compile(_GAP.join(("cost_estimate", "bytes_accessed", r"(\d+)", "flops", r"(\d+)",
+                                 r"(?:remote_bytes_transferred" + _GAP + "0)?", "transcendentals", r"(\d+)")))
 
 
 def lowered_estimates(fn, *args, **kwargs) -> list:
     """The cost estimates in the program ``fn`` lowers to for a TPU (no TPU needed)."""
-    text = jax.jit(functools.partial(fn, **kwargs)).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    with lowering_chip("TPU v6 lite"):
+        text = jax.jit(functools.partial(fn, **kwargs)).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     return [tuple(int(x) for x in found) for found in ESTIMATE.findall(text)]
 
 
@@ -294,11 +297,12 @@ def compiled_bytes_with_and_without_the_estimate() -> dict:
             for a in paged_args(64, 1, 32, 8, 16, 32, jnp.bfloat16)]
     fn = functools.partial(paged_kernel.paged_attention, scale=128 ** -0.5)
     declared = recorded_calls(fn, *paged_args(64, 1, 32, 8, 16, 32, jnp.bfloat16))[0].estimate.bytes_accessed
-    found = {"declared": declared, "with": jax.jit(fn).lower(*args).compile().cost_analysis()["bytes accessed"]}
-    jax.clear_caches()  # the kernel's jitted trace holds the estimate it was traced with
-    zero = pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=0)
-    with mock.patch.object(paged_kernel, "cost_estimate", lambda *a, **k: zero):
-        found["without"] = jax.jit(fn).lower(*args).compile().cost_analysis()["bytes accessed"]
+    with jax.set_mesh(mesh):  # Pallas lowers for the mesh's chip
+        found = {"declared": declared, "with": jax.jit(fn).lower(*args).compile().cost_analysis()["bytes accessed"]}
+        jax.clear_caches()  # the kernel's jitted trace holds the estimate it was traced with
+        zero = pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=0)
+        with mock.patch.object(paged_kernel, "cost_estimate", lambda *a, **k: zero):
+            found["without"] = jax.jit(fn).lower(*args).compile().cost_analysis()["bytes accessed"]
     return found
 
 

@@ -99,10 +99,11 @@ def run(args: argparse.Namespace) -> None:
     mesh = jax.sharding.Mesh(np.array(target_devices(Target.parse(args.target))[:1]), ("tp",))
     placed = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     totals = {}
-    for form, (fn, weight_shapes) in forms().items():
-        per_layer = sum(compiled_bytes(fn, [((args.rows, k), jnp.bfloat16), *weight_shapes(k, n)], placed)
-                        for _, k, n in projections(config))
-        totals[form] = per_layer * config["num_hidden_layers"]
+    with jax.set_mesh(mesh):  # Pallas lowers for the chip of the mesh in context
+        for form, (fn, weight_shapes) in forms().items():
+            per_layer = sum(compiled_bytes(fn, [((args.rows, k), jnp.bfloat16), *weight_shapes(k, n)], placed)
+                            for _, k, n in projections(config))
+            totals[form] = per_layer * config["num_hidden_layers"]
     print(f"{args.model} on {args.target}, one chip, a decode step of {args.rows} rows, bf16 activations; bytes "
           "the compiler counts for the linear layers (LM head and embedding excluded)")
     print("\n| form | GB per decode step | against bf16 |\n|---|---|---|")

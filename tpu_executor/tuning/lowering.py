@@ -35,11 +35,13 @@ def kernel_support(model: ModelShape, tp: int) -> Optional[str]:
 
 
 def lower_graphs(graphs: Sequence[Graph], model: ModelShape, tp: int, block_size: int,
-                 dtype: str = "bfloat16") -> List[LoweringResult]:
-    """Lower the attention kernel of each prefill and decode graph for the TPU."""
+                 dtype: str = "bfloat16", device_kind: str = "TPU v5 lite") -> List[LoweringResult]:
+    """Lower the attention kernel of each prefill and decode graph for a TPU chip of
+    ``device_kind`` (JAX's name for it)."""
     import jax
     import jax.numpy as jnp
 
+    from tpu_executor.kernels.tpu_layout import lowering_chip
     from tpu_executor.worker.jax.runtime import cpu_runtime
 
     cpu_runtime()  # lowering needs no TPU runtime; starting one would hold libtpu
@@ -48,11 +50,12 @@ def lower_graphs(graphs: Sequence[Graph], model: ModelShape, tp: int, block_size
     heads, kv_heads = model.heads // tp, max(1, model.kv_heads // tp)
     pages = jax.ShapeDtypeStruct((kv_heads, PAGES, block_size, model.head_dim), dt)
     results = []
-    for graph in graphs:
-        if isinstance(graph, PrefillGraph):
-            results.append(_lower_prefill(graph, heads, pages, model.head_dim, dt))
-        elif isinstance(graph, DecodeGraph):
-            results.append(_lower_decode(graph, heads, pages, model.head_dim, dt))
+    with lowering_chip(device_kind):
+        for graph in graphs:
+            if isinstance(graph, PrefillGraph):
+                results.append(_lower_prefill(graph, heads, pages, model.head_dim, dt))
+            elif isinstance(graph, DecodeGraph):
+                results.append(_lower_decode(graph, heads, pages, model.head_dim, dt))
     return results
 
 

@@ -170,7 +170,7 @@ def _drop_unlowerable(report: TuneReport, config: EngineConfig, shape: ModelShap
     engine_plan = BucketPlan.from_config(with_buckets(config, chosen.plan))
     graphs = [g for g in engine_plan.graphs() if isinstance(g, (PrefillGraph, DecodeGraph))]
     results = lower_graphs(tqdm(graphs, desc="lowering kernels for TPU", disable=not show_progress), shape, tp,
-                           config.cache.block_size)
+                           config.cache.block_size, device_kind=report.target.device_kind)
     failed = [r for r in results if r.error]
     report.lowering_notes.append(f"{len(results) - len(failed)} of {len(results)} graphs' kernels lower for the TPU")
     bs, plan = config.cache.block_size, chosen.plan
