@@ -72,6 +72,21 @@ def test_second_start_compiles_nothing_and_changes_miss(checkpoints, tmp_path, m
     other_kernels.shutdown()
 
 
+def test_the_jax_path_runs_after_torch_xla_turned_shardy_off(checkpoints, tmp_path):
+    """torch_xla's ``call_jax`` sets JAX's partitioner to GSPMD process-wide; a JAX engine in the
+    same process (as in this suite) still exports, lowers and compiles its programs for Shardy."""
+    import jax
+    from torch_xla._internal.jax_workarounds import maybe_get_jax
+
+    maybe_get_jax()  # what every torch_xla kernel call does first
+    assert not jax.config.jax_use_shardy_partitioner
+    llm, tokens = start(checkpoints["llama"], tmp_path)
+    native = LLM(model=checkpoints["llama"], **tiny_engine_options())
+    assert tokens == greedy_tokens(native, PROMPTS, 24) and all(len(set(t)) > 4 for t in tokens)
+    for engine in (llm, native):
+        engine.shutdown()
+
+
 def test_a_corrupt_cache_entry_is_compiled_again_with_a_warning(checkpoints, tmp_path):
     path = checkpoints["llama"]
     first, expected = start(path, tmp_path)
@@ -102,7 +117,7 @@ SPMD_RUN = textwrap.dedent("""
         model = llm.engine.core.executor.workers[0].model
         layer = model.model.layers[0]
         mlp = layer.mlp.experts.w13 if hasattr(layer.mlp, "experts") else layer.mlp.gate_up_proj.weight
-        shardings = [str(t.jax().sharding.spec) for t in (layer.self_attn.o_proj.weight, mlp,
+        shardings = [list(t.jax().sharding.spec) for t in (layer.self_attn.o_proj.weight, mlp,
                                                            model.model.embed_tokens.weight)]
         runner = llm.engine.core.executor.workers[0].runner
         texts = [executable.as_text() for executable, _ in runner._decode_fn.executables.values()]
@@ -127,9 +142,8 @@ def test_spmd_tensor_parallel_equals_one_device(checkpoints, arch):
     runs = json.loads(result.stdout.strip().splitlines()[-1])
     assert runs["2"]["tokens"] == runs["4"]["tokens"] == runs["1"]["tokens"]
     assert all(len(set(t)) > 4 for t in runs["1"]["tokens"])
-    assert runs["1"]["shardings"] == ["PartitionSpec()"] * 3
-    split = ["PartitionSpec('tp', None)", "PartitionSpec(None, None, 'tp')" if arch == "qwen3_moe"
-             else "PartitionSpec(None, 'tp')", "PartitionSpec('tp', None)"]
+    assert runs["1"]["shardings"] == [[]] * 3  # each dimension's mesh axis (None: not split)
+    split = [["tp", None], [None, None, "tp"] if arch == "qwen3_moe" else [None, "tp"], ["tp", None]]
     assert runs["2"]["shardings"] == runs["4"]["shardings"] == split
     assert runs["2"]["all_reduce"] and runs["4"]["all_reduce"] and not runs["1"]["all_reduce"]
     assert all(run["after"] == 0 for run in runs.values())

@@ -103,6 +103,14 @@ def _split(kwargs: Dict[str, Any]) -> _Call:
     return _Call(CallSignature(treedef, static, shapes), leaves, positions)
 
 
+def use_shardy() -> None:
+    """Partition with Shardy, which the JAX path's programs are exported and compiled for (under
+    GSPMD StableHLO's verifier rejects an exported call's shardings). Set before each export,
+    lowering and compile, process-wide (a compile runs on a pool thread): torch_xla's
+    ``call_jax`` turns it off process-wide for its own XLA, which expects GSPMD shardings."""
+    jax.config.update("jax_use_shardy_partitioner", True)
+
+
 def _split_donated(arrays: Sequence[Any], donated: Sequence[int]) -> Tuple[List[Any], List[Any]]:
     return [a for k, a in enumerate(arrays) if k not in donated], [arrays[k] for k in donated]
 
@@ -210,6 +218,7 @@ class JaxFunction:
         if pending is None:
             return
         start = time.perf_counter()
+        use_shardy()
         try:
             compiled = pending.lowered.compile()
         except Exception as err:  # noqa: BLE001 - named by its graph, raised as the compiler's error
@@ -252,6 +261,7 @@ class JaxFunction:
 
     def _lower(self, call: _Call) -> Pending:
         """The call's program, read back or traced (and kept), lowered for its inputs."""
+        use_shardy()
         self._onto_mesh(call)
         key = program_key(self.name, call.signature)
         program = self.graphs.store.load(key)

@@ -202,11 +202,8 @@ class JaxRuntime:
     @property
     def target(self) -> Dict[str, str]:
         """What the executables compiled for these devices depend on besides the program
-        (``target_parts``)."""
-        import jax
-
-        partitioner = "shardy" if jax.config.jax_use_shardy_partitioner else "gspmd"
-        return target_parts(self.platform, self.mesh.devices.flat[0].device_kind, self.mesh.size, partitioner)
+        (``target_parts``); the partitioner is always Shardy (``graphs.use_shardy``)."""
+        return target_parts(self.platform, self.mesh.devices.flat[0].device_kind, self.mesh.size, "shardy")
 
     @contextlib.contextmanager
     def context(self):
