@@ -22,8 +22,14 @@ HEAVY = (
     "tests/tpu_executor/engine/test_engine.py::test_speculation_changes_no_output_and_compiles_nothing_after_warmup"
     "[[]jax-eagle3]",
     "tests/tpu_executor/engine/test_speculative_eagle3.py::test_drafts_equal_an_independent_implementation[[]llama-xla]",
+    "tests/tpu_executor/engine/test_speculative_eagle3.py::test_drafts_equal_an_independent_implementation[[]llama-jax]",
+    "tests/tpu_executor/engine/test_cache_donation.py::test_step_time_does_not_grow_with_cache_size[[]jax]",
+    "tests/tpu_executor/engine/test_engine.py::test_warmup_compiles_exactly_the_graphs_of_the_bucket_plan[[]xla]",
+    "tests/models/test_parity.py::test_greedy_matches_transformers[[]gemma2-xla]",
     "tests/tpu_executor/worker/test_aot_load.py::test_the_draft_models_executables_are_kept_in_the_job_and_loaded",
     "tests/tpu_executor/entrypoints/test_compile.py::test_the_command_compiles_every_graph_and_reports_them[[]eagle3]",
+    "tests/tpu_executor/entrypoints/test_compile.py::test_the_fit_counts_the_draft_model_and_every_graph_beside_*",
+    "tests/tpu_executor/entrypoints/test_compile.py::test_quantized_models_compile_with_their_kernels[[]gptq]",
     "tests/tpu_executor/worker/test_jax_path.py::test_spmd_drafters_at_tp2_equal_the_plain_engine",
     "tests/tpu_executor/engine/test_lora.py::test_jax_spmd_at_tp2_equals_one_device",
     "tests/tpu_executor/engine/test_lora.py::test_compiled_paths_equal_the_native_path_and_compile_nothing_after_warmup"

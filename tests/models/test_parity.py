@@ -31,8 +31,9 @@ NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no
 
 # Every architecture runs on the native path (CPU, and a GPU where there is one). The compiled
 # paths share the model code and differ in their kernels, so each runs the two architectures
-# that reach the most kernel features: XLA Gemma-2 (sliding windows, soft-capping) and Mixtral
-# (experts), JAX Gemma-3 (one KV head, per-layer-type RoPE) and Qwen3-MoE (experts, q/k norms).
+# that reach the most kernel features: XLA Gemma-2 (sliding windows, soft-capping; in the heavy
+# tier) and Mixtral (experts), JAX Gemma-3 (one KV head, sliding windows, per-layer-type RoPE)
+# and Qwen3-MoE (experts, q/k norms).
 COMPILED_PATHS = {"xla": ("gemma2", "mixtral"), "jax": ("gemma3", "qwen3_moe")}
 CASES = [(arch, device) for arch in ARCHITECTURES for device in ("cpu", "cuda")] + [
     (arch, device) for device, archs in COMPILED_PATHS.items() for arch in archs]

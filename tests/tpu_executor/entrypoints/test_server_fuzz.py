@@ -17,7 +17,7 @@ from tpu_executor.engine.llm_engine import LLMEngine
 from tpu_executor.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tpu_executor.tools.lora_adapter import write_random_lora_adapter
 
-EXAMPLES_PER_ROUTE = 700
+EXAMPLES_PER_ROUTE = 400
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOL = {"type": "function", "function": {"name": "weather", "description": "the weather in a city",
                                          "parameters": SCHEMA}}
