@@ -80,6 +80,11 @@ class Target:
         return self.num_chips * self.chip.devices_per_chip
 
     @property
+    def device_noun(self) -> str:
+        """What one device of the slice is, for reports: "chip", or "TensorCore" on tpu7x."""
+        return "TensorCore" if self.chip.devices_per_chip > 1 else "chip"
+
+    @property
     def is_3d(self) -> bool:
         return self.chip.name in ("v4", "v5p", "tpu7x")
 

@@ -39,8 +39,9 @@ def print_table(graphs: List[GraphFigures], chip: Chip) -> None:
 def print_report(report: CompileReport, wall_seconds: float) -> None:
     """The table, the kernel warnings, the fit and where the executables went."""
     print_table(report.graphs, report.target.chip)
-    print(f"floor ms: the compiler's bytes at {report.target.chip.hbm_bytes_per_s / 1e9:.0f} GB/s of HBM (or its FLOPs "
-          f"at {report.target.chip.peak_flops / 1e12:.0f} TFLOP/s), a lower bound on each step's time per chip")
+    chip = report.target.chip
+    print(f"floor ms: the compiler's bytes at {chip.hbm_bytes_per_s / 1e9:.0f} GB/s of HBM (or its FLOPs at "
+          f"{chip.peak_flops / 1e12:.0f} TFLOP/s), a lower bound on each step's time per {report.target.device_noun}")
     for line in report.kernel_warnings:
         print(f"warning: Pallas kernel refused: {line}")
     if report.resized:
@@ -54,8 +55,8 @@ def print_report(report: CompileReport, wall_seconds: float) -> None:
           f"{config.parallel.tensor_parallel_size}, {config.model.dtype}) in {wall_seconds:.0f} s "
           f"({compile_seconds:.0f} s of compiler time)")
     draft = f" (the drafter's {report.draft_weight_bytes / GIB:.2f} GiB)" if report.draft_weight_bytes else ""
-    print(f"per chip: weights {report.weight_bytes / GIB:.2f} GiB{draft} + KV cache {report.num_blocks} blocks x "
-          f"{report.block_bytes / MIB:.2f} MiB = {report.num_blocks * report.block_bytes / GIB:.2f} GiB; resident "
+    print(f"per {target.device_noun}: weights {report.weight_bytes / GIB:.2f} GiB{draft} + KV cache "
+          f"{report.num_blocks} blocks x {report.block_bytes / MIB:.2f} MiB = {report.num_blocks * report.block_bytes / GIB:.2f} GiB; resident "
           f"with {state_holders(report)} {report.resident_bytes / GIB:.2f} GiB; "
           f"peak {report.peak_bytes / GIB:.2f} GiB in '{report.peak_graph.name}' of "
           f"{report.usable_bytes / GIB:.2f} GiB usable ({config.cache.memory_utilization:.0%} of "
