@@ -56,8 +56,9 @@ def print_report(report: CompileReport, wall_seconds: float) -> None:
           f"({compile_seconds:.0f} s of compiler time)")
     draft = f" (the drafter's {report.draft_weight_bytes / GIB:.2f} GiB)" if report.draft_weight_bytes else ""
     print(f"per {target.device_noun}: weights {report.weight_bytes / GIB:.2f} GiB{draft} + KV cache "
-          f"{report.num_blocks} blocks x {report.block_bytes / MIB:.2f} MiB = {report.num_blocks * report.block_bytes / GIB:.2f} GiB; resident "
-          f"with {state_holders(report)} {report.resident_bytes / GIB:.2f} GiB; "
+          f"{report.num_blocks} blocks x {report.block_bytes / MIB:.2f} MiB = "
+          f"{report.num_blocks * report.block_bytes / GIB:.2f} GiB; resident with {state_holders(report)} "
+          f"{report.resident_bytes / GIB:.2f} GiB; "
           f"peak {report.peak_bytes / GIB:.2f} GiB in '{report.peak_graph.name}' of "
           f"{report.usable_bytes / GIB:.2f} GiB usable ({config.cache.memory_utilization:.0%} of "
           f"{target.chip.hbm_bytes / GIB:.1f} GiB HBM): {report.verdict}")
