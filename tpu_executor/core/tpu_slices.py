@@ -45,10 +45,10 @@ TPUS: Dict[str, Chip] = {
     # Per TensorCore: half of 7,380 GB/s, 2,307 TFLOP/s and 1,200 GB/s of ICI a chip.
     "tpu7x": Chip("tpu7x", int(94.74 * GIB), 3690e9, 1153.5e12, 600e9, cores_per_chip=2, devices_per_chip=2),
 }
-# Chips -> the slice's 2-D grid (v5e, v6e) or 3-D grid (v4, v5p).
+# Chips -> the slice's 2-D grid (v5e, v6e) or 3-D grid (v4, v5p, tpu7x).
 GRIDS_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
 GRIDS_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8)}
-# The device names JAX gives each generation's chips (``device_kind``).
+# The names JAX gives each generation's devices (``device_kind``).
 DEVICE_KINDS = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite", "tpu7x": "TPU7x"}
 
 
