@@ -111,7 +111,7 @@ def _blocks_beside_graphs(report: CompileReport, worker, graphs, show_progress: 
     small = _min_blocks(config)
     peaks = [_probe_peaks(worker, small, graphs, show_progress)]
     room = (report.usable_bytes - max(peaks[0].values())) // report.block_bytes
-    large = small + max(64, int(room) // 4)
+    large = small + max(64, int(room // 4))
     peaks.append(_probe_peaks(worker, large, graphs, show_progress))
 
     def blocks_beside(name: str) -> int:

@@ -25,11 +25,10 @@ def tensor_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor
 
 
 def _to_jax(tensor: torch.Tensor) -> torch.Tensor:
-    """A host tensor as a torchax tensor, copied by ``jax.device_put``: torchax's own ``.to()``
-    goes through ``jnp.asarray``, which compiles a program per shape."""
-    import jax
+    """A host tensor as a torchax tensor, copied by ``jax.device_put`` (``torch_to_jax``):
+    torchax's own ``.to()`` goes through ``jnp.asarray``, which compiles a program per shape."""
     from torchax.tensor import Tensor as JaxTensor
 
-    from tpu_executor.kernels.binding import torch_to_host, torchax_env
+    from tpu_executor.kernels.binding import torch_to_jax, torchax_env
 
-    return JaxTensor(jax.device_put(torch_to_host(tensor)), torchax_env())
+    return JaxTensor(torch_to_jax(tensor), torchax_env())
