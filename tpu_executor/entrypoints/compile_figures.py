@@ -27,7 +27,8 @@ class GraphFigures:
     code: int
     alias: int
     flops: float
-    bytes_accessed: float
+    bytes_accessed: float  # libtpu's count, every memory space
+    hbm_bytes: float  # of it, the HBM traffic (``hlo_audit.hbm_bytes``)
     pallas_kernels: Tuple[str, ...]
     providers: Tuple[Tuple[str, str], ...]  # (op, provider) of every op the graph calls
     inputs: int = 0
@@ -42,15 +43,19 @@ class GraphFigures:
     @classmethod
     def of(cls, record, resident) -> "GraphFigures":
         """``record`` (``graphs.CompileRecord``) beside ``resident`` (``target.Resident``)."""
+        from tpu_executor.worker.jax.hlo_audit import hbm_bytes
+
         memory = record.compiled.memory_analysis()
         cost = record.compiled.cost_analysis() or {}
         cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
         kernels = record.program.kernels
         pallas = tuple(sorted({k.op for k in kernels if k.pallas}))
+        accessed = float(cost.get("bytes accessed", 0.0))
         return cls(record.label, record.function, record.seconds, memory.argument_size_in_bytes,
                    memory.output_size_in_bytes, memory.temp_size_in_bytes, memory.generated_code_size_in_bytes,
-                   memory.alias_size_in_bytes, float(cost.get("flops", 0.0)),
-                   float(cost.get("bytes accessed", 0.0)), pallas, tuple(sorted({(k.op, k.provider) for k in kernels})),
+                   memory.alias_size_in_bytes, float(cost.get("flops", 0.0)), accessed,
+                   hbm_bytes(accessed, record.compiled.as_text()), pallas,
+                   tuple(sorted({(k.op, k.provider) for k in kernels})),
                    sum(size for tensor, size in record.inputs if tensor not in resident.state_ids), resident.bytes)
 
 

@@ -1,10 +1,19 @@
-"""Weight-sized buffers in a compiled graph: what a step allocates beside the weights it reads.
+"""What a compiled graph's HLO says beyond its analyses: the weight-sized buffers a step
+allocates beside the weights it reads, and the bytes it moves in HBM.
 
 XLA picks a layout for every operand; when an op reads a weight in another layout than the one
 it is stored in (a lookup gathering columns of a table stored by rows, say), the compiled graph
 copies the whole weight at every step: its bytes read and written once more, and its size held
 as scratch HBM the KV cache could have had. libtpu places small copies in VMEM, so the graph's
 temp figure does not show them at tiny shapes; the scheduled HLO does, at any size.
+
+libtpu's ``bytes accessed`` counts every buffer access in every memory space. Its memory-space
+assignment prefetches weights from HBM into VMEM ahead of the matmul that reads them (a
+``copy-start``/``copy-done`` pair, or a weight cut into ``slice`` s that a ``ConcatBitcast``
+joins) and evicts the other way; the figure counts each such move four times (three for the
+sliced form) on top of the consumer's read of the moved buffer, which stands for the one HBM
+access the move is. ``hbm_bytes`` takes those counts away (``tests/.../test_hlo_audit.py``
+checks the rule against graphs whose traffic is known).
 """
 from __future__ import annotations
 
@@ -22,6 +31,11 @@ _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\](?:\{([^}]*)\})?"
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 # Opcodes that allocate nothing: views of buffers that exist already.
 _NO_BUFFER = frozenset({"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "after-all"})
+# How many times libtpu's cost analysis counts the bytes of one move between memory spaces
+# beyond the read of the moved buffer: a copy pair (its operand, its output tuple's two
+# buffers, the done's output) and a sliced prefetch (the slices in and out, the join).
+_COUNTS_PER_COPY, _COUNTS_PER_SLICED_COPY = 4, 3
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
 
 Shape = Tuple[str, Tuple[int, ...]]
 
@@ -99,3 +113,42 @@ def _arrays(shape_text: str) -> Iterable[Tuple[str, Tuple[int, ...], str, int]]:
         yield (element, tuple(int(d) for d in dims.split(",") if d), layout.split(":")[0],
                int(space.group(1)) if space else 0)
 
+
+def hbm_bytes(bytes_accessed: float, hlo_text: str) -> float:
+    """A compiled graph's bytes read and written in HBM: libtpu's ``bytes accessed`` less what
+    it counts for the moves between HBM and VMEM beyond the one access each stands for (module
+    docstring). An upper bound still: a buffer made and read inside VMEM counts as accessed."""
+    copied, sliced = memory_space_moves(hlo_text)
+    return bytes_accessed - _COUNTS_PER_COPY * copied - _COUNTS_PER_SLICED_COPY * sliced
+
+
+def memory_space_moves(hlo_text: str) -> Tuple[int, int]:
+    """Bytes a compiled graph moves between memory spaces: by ``copy-start`` (prefetches and
+    evictions), and by asynchronous slices into another memory space than HBM (a sliced
+    prefetch's pieces)."""
+    copied, sliced, slice_roots, starts, computation = 0, 0, {}, [], ""
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and " = " not in line:
+            computation = header.group(1)
+            continue
+        instruction = _INSTRUCTION.match(line)
+        if instruction is None:
+            continue
+        _, shape_text, opcode = instruction.groups()
+        arrays = list(_arrays(shape_text))
+        if opcode == "copy-start" and arrays:
+            copied += _array_bytes(arrays[0])
+        elif opcode == "slice-start" and len(arrays) > 1 and arrays[1][3] != 0:  # ((operand), piece, context)
+            sliced += _array_bytes(arrays[1])
+        elif opcode == "slice" and line.lstrip().startswith("ROOT") and arrays and arrays[0][3] != 0:
+            slice_roots[computation] = _array_bytes(arrays[0])
+        elif opcode == "async-start":  # the unsugared form of a slice-start (XLA's dumps print it)
+            starts += _CALLS.findall(line)
+    return copied, sliced + sum(slice_roots.get(name, 0) for name in starts)
+
+
+def _array_bytes(array: Tuple[str, Tuple[int, ...], str, int]) -> int:
+    element, dims = array[0], array[1]
+    width = re.match(r"[a-z]+(\d+)", element)  # bf16, s4, f8e4m3fn; pred is a byte
+    return math.prod(dims) * (int(width.group(1)) if width else 8) // 8
