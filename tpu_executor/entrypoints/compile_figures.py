@@ -77,6 +77,7 @@ class CompileReport:
     kernel_warnings: List[str] = field(default_factory=list)
     weight_copies: List[str] = field(default_factory=list)  # ``weight_copies``
     resized: str = ""  # why the cache shrank below what the probes sized (``compile_fit``)
+    compile_threads: int = 1  # graphs libtpu compiled at once
     job_path: Optional[str] = None
 
     @property

@@ -69,6 +69,7 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
     _refuse_early(report, worker)
     report.num_blocks = config.cache.num_blocks or blocks_that_fit(report, worker, show_progress)
     records, job = compile_fitting(report, worker, model_steps_only, show_progress)
+    report.compile_threads = worker.runner.compile_threads
     resident = worker.resident()
     report.resident_bytes = resident.bytes
     report.graphs = [GraphFigures.of(r, resident) for r in in_plan_order(records, worker.runner.plan)]

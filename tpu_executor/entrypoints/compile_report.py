@@ -54,7 +54,7 @@ def print_report(report: CompileReport, wall_seconds: float) -> None:
     print(f"{len(report.graphs)} graphs compiled by libtpu {report.libtpu} for {target.name} "
           f"({target.topology_name}, {target.num_hosts} host(s), tensor_parallel_size "
           f"{config.parallel.tensor_parallel_size}, {config.model.dtype}) in {wall_seconds:.0f} s "
-          f"({compile_seconds:.0f} s of compiler time)")
+          f"({compile_seconds:.0f} s of compiler time, {report.compile_threads} graph(s) at a time)")
     draft = f" (the drafter's {report.draft_weight_bytes / GIB:.2f} GiB)" if report.draft_weight_bytes else ""
     print(f"per {target.device_noun}: weights {report.weight_bytes / GIB:.2f} GiB{draft} + KV cache "
           f"{report.num_blocks} blocks x {report.block_bytes / MIB:.2f} MiB = "
@@ -85,6 +85,7 @@ def report_json(report: CompileReport) -> Dict:
         "tensor_parallel_size": report.config.parallel.tensor_parallel_size, "dtype": report.config.model.dtype,
         "executables": report.job_path if report.fits else None, "kernel_warnings": report.kernel_warnings,
         "weight_copies": report.weight_copies, "kv_cache_resized": report.resized or None,
+        "compile_threads": report.compile_threads,
         "graphs": [{"name": g.name, "function": g.function, "compile_seconds": g.compile_seconds,
                     "hbm": {"arguments": g.arguments, "outputs": g.outputs, "temp": g.temp, "code": g.code},
                     "peak_bytes": g.peak, "floor_seconds": floor_seconds(g, report.target.chip),

@@ -380,8 +380,9 @@ class ModelRunner:
     def compile_threads(self) -> int:
         """XLA compiles at once on the JAX path's warm-up."""
         if self.jax_graphs is not None and self.jax_graphs.platform == "tpu":
-            # libtpu 0.0.21 crashes the process (SIGSEGV) now and then when two of its compiles
-            # run at once; one at a time it compiled every graph of every architecture.
+            # libtpu crashes the process now and then when two of its compiles run at once
+            # (0.0.21: SIGSEGV; 0.0.42.1: a stack overflow in the SparseCore code generator for
+            # v6e and v7x); one at a time it compiles every graph of every architecture.
             return 1
         return self.config.compile.compile_threads or os.cpu_count() or 1
 

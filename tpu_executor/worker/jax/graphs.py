@@ -115,6 +115,16 @@ def _split_donated(arrays: Sequence[Any], donated: Sequence[int]) -> Tuple[List[
     return [a for k, a in enumerate(arrays) if k not in donated], [arrays[k] for k in donated]
 
 
+def _exported_shardings(donated: Sequence[Any]) -> Tuple[None, List[Any]]:
+    """The shardings an exported program pins on its outputs: only those of state split over
+    the mesh (a KV cache over its heads); the call that lowers it places every output.
+
+    Why: libtpu 0.0.42.1 aborts compiling an SPMD program whose exported call returns a 64-bit
+    integer with a sharding pinned (its 64-bit rewrite splits the value that Shardy's
+    ``FuncResultSharding`` marks in two), as the sampler's token ids and seeds are."""
+    return None, [None if a.sharding.is_fully_replicated else a.sharding for a in donated]
+
+
 class JaxGraphs:
     """The compiled functions of one model runner: the weights they read, the torchax
     environment they trace in, where traced programs are kept, and the mesh placement of
@@ -285,8 +295,8 @@ class JaxFunction:
         donated = self._updated_inputs(call, weights, arrays)
         kept, donated_arrays = _split_donated(arrays, donated)
         structure: List[OutputStructure] = []
-        out_shardings = (self.graphs.replicated, [a.sharding for a in donated_arrays])
-        jitted = jax.jit(self._program(call, donated, structure), donate_argnums=(2,), out_shardings=out_shardings)
+        jitted = jax.jit(self._program(call, donated, structure), donate_argnums=(2,),
+                         out_shardings=_exported_shardings(donated_arrays))
         with self.graphs.lock, REGISTRY.recording() as selections:
             exported = export.export(jitted, platforms=(self.graphs.platform,))(weights, kept, donated_arrays)
         # The refusals that matter here are the JAX path's own kernels' (the C and eager
