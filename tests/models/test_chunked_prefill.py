@@ -34,7 +34,8 @@ def reference(path, prompts):
 # Sliding windows (Gemma-2, Gemma-3, Mistral: 32 tokens) far shorter than the chunks. On XLA
 # (about a minute a case) Llama runs with and without prefix caching, and Gemma-3 (sliding and
 # global layers) stands for the windowed families, with prefix caching.
-XLA_CASES = [("llama", True), ("llama", False)]  # every architecture chunks on the native path
+# every architecture chunks on the native path; on XLA (the heavy tier) Llama with and without prefix caching
+XLA_CASES = [("llama", True), ("llama", False)]
 CASES = [(arch, "cpu", caching) for arch in ("llama", "gemma2", "gemma3", "mistral") for caching in (True, False)]
 CASES += [(arch, "xla", caching) for arch, caching in XLA_CASES]
 
