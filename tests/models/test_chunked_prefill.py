@@ -31,10 +31,9 @@ def reference(path, prompts):
     return _references[path]
 
 
-# Sliding windows (Gemma-2, Gemma-3, Mistral: 32 tokens) far shorter than the chunks. On XLA
-# (about a minute a case) Llama runs with and without prefix caching, and Gemma-3 (sliding and
-# global layers) stands for the windowed families, with prefix caching.
-# every architecture chunks on the native path; on XLA (the heavy tier) Llama with and without prefix caching
+# Sliding windows (Gemma-2, Gemma-3, Mistral: 32 tokens) far shorter than the chunks, each with
+# and without prefix caching on the native path. On XLA (about a minute a case; the heavy tier,
+# as test_engine's XLA cases chunk prompts at a 96-token budget) Llama with and without it.
 XLA_CASES = [("llama", True), ("llama", False)]
 CASES = [(arch, "cpu", caching) for arch in ("llama", "gemma2", "gemma3", "mistral") for caching in (True, False)]
 CASES += [(arch, "xla", caching) for arch, caching in XLA_CASES]

@@ -35,7 +35,6 @@ _NO_BUFFER = frozenset({"parameter", "get-tuple-element", "bitcast", "tuple", "c
 # beyond the read of the moved buffer: a copy pair (its operand, its output tuple's two
 # buffers, the done's output) and a sliced prefetch (the slices in and out, the join).
 _COUNTS_PER_COPY, _COUNTS_PER_SLICED_COPY = 4, 3
-_CALLS = re.compile(r"calls=%?([\w.\-]+)")
 
 Shape = Tuple[str, Tuple[int, ...]]
 
@@ -123,29 +122,21 @@ def hbm_bytes(bytes_accessed: float, hlo_text: str) -> float:
 
 
 def memory_space_moves(hlo_text: str) -> Tuple[int, int]:
-    """Bytes a compiled graph moves between memory spaces: by ``copy-start`` (prefetches and
-    evictions), and by asynchronous slices into another memory space than HBM (a sliced
-    prefetch's pieces)."""
-    copied, sliced, slice_roots, starts, computation = 0, 0, {}, [], ""
+    """Bytes a compiled graph (``compiled.as_text()``) moves between memory spaces: by
+    ``copy-start`` (prefetches and evictions), and by ``slice-start`` into another memory space
+    than HBM (a sliced prefetch's pieces)."""
+    copied = sliced = 0
     for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header and " = " not in line:
-            computation = header.group(1)
-            continue
         instruction = _INSTRUCTION.match(line)
         if instruction is None:
             continue
         _, shape_text, opcode = instruction.groups()
         arrays = list(_arrays(shape_text))
-        if opcode == "copy-start" and arrays:
+        if opcode == "copy-start" and arrays:  # (destination, source, context)
             copied += _array_bytes(arrays[0])
         elif opcode == "slice-start" and len(arrays) > 1 and arrays[1][3] != 0:  # ((operand), piece, context)
             sliced += _array_bytes(arrays[1])
-        elif opcode == "slice" and line.lstrip().startswith("ROOT") and arrays and arrays[0][3] != 0:
-            slice_roots[computation] = _array_bytes(arrays[0])
-        elif opcode == "async-start":  # the unsugared form of a slice-start (XLA's dumps print it)
-            starts += _CALLS.findall(line)
-    return copied, sliced + sum(slice_roots.get(name, 0) for name in starts)
+    return copied, sliced
 
 
 def _array_bytes(array: Tuple[str, Tuple[int, ...], str, int]) -> int:
