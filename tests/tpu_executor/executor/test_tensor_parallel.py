@@ -69,7 +69,7 @@ def assert_all_chips_come_back(timeout_s: float = 20.0) -> None:
     assert ray.available_resources().get("TPU") == 4
 
 
-# On XLA, tp=2 replicates Gemma-3's single KV head and splits Qwen3-MoE's experts; tp=4 (each
+# On XLA (the heavy tier), tp=2 replicates Gemma-3's single KV head and splits Qwen3-MoE's experts; tp=4 (each
 # of two KV heads on two ranks, experts in quarters) runs on the native path below, whose ranks
 # compile nothing. (Every architecture runs at tp=1 in the parity tests.)
 @pytest.mark.parametrize("arch,tp", [("gemma3", 2), ("qwen3_moe", 2)])
