@@ -152,7 +152,7 @@ def _compile_chosen(args, model_dir: str, options: Dict, report, shape) -> Optio
 
 def _step_floors(compiled, shape) -> List[List]:
     """``[graph, the compiler's floor, the cost model's roofline]`` (seconds) per model step:
-    the floor from the compiler's own bytes and FLOPs (``compile_report.floor_seconds``), the
+    the floor from the compiler's HBM bytes and FLOPs (``compile_report.floor_seconds``), the
     roofline from the model's shape as ``tune`` ranks buckets with it. Both lower bounds."""
     from tpu_executor.core.buckets import DecodeGraph, PrefillGraph, graph_label
     from tpu_executor.entrypoints.compile_fit import plan_at_context
@@ -186,7 +186,7 @@ def _print_compiled(compiled: Optional[Dict]) -> None:
           f"roofline per chip: {pairs}; KV blocks that fit {compiled['kv_blocks'][0]} vs {compiled['kv_blocks'][1]} "
           f"(largest graph: {compiled['peak_graph']}): {'fits' if compiled['fits'] else 'DOES NOT FIT'}")
     for name, floor, roofline in compiled["step_seconds"]:
-        print(f"  {name}: {floor * 1e3:.3g} ms from the compiler's bytes and FLOPs, {roofline * 1e3:.3g} ms by the "
+        print(f"  {name}: {floor * 1e3:.3g} ms from the compiler's HBM bytes and FLOPs, {roofline * 1e3:.3g} ms by the "
               "roofline (both lower bounds on the step's time)")
 
 

@@ -302,4 +302,4 @@ def test_tune_compile_prints_the_compilers_figures_beside_the_roofline(tmp_path)
     steps = compiled["step_seconds"]
     assert {name.split()[0] for name, _, _ in steps} == {"prefill", "decode"}
     assert all(floor > 0 and estimate > 0 for _, floor, estimate in steps), steps
-    assert sum("ms from the compiler's bytes and FLOPs" in line for line in printed.splitlines()) == len(steps)
+    assert sum("ms from the compiler's HBM bytes and FLOPs" in line for line in printed.splitlines()) == len(steps)
