@@ -78,12 +78,17 @@ def forms() -> Dict[str, Tuple[Callable, Callable]]:
 
 
 def compiled_bytes(fn: Callable, shapes, placed) -> float:
-    """The compiler's bytes accessed of ``fn`` over operands of ``shapes``."""
+    """The HBM bytes of ``fn`` over operands of ``shapes`` as the compiler accounts them
+    (``hlo_audit.hbm_bytes``: without its own prefetches into VMEM counted again)."""
     import jax
 
+    from tpu_executor.worker.jax.hlo_audit import hbm_bytes
+
     operands = [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
-    analysis = jax.jit(fn).lower(*operands).compile().cost_analysis()
-    return float((analysis[0] if isinstance(analysis, list) else analysis)["bytes accessed"])
+    compiled = jax.jit(fn).lower(*operands).compile()
+    analysis = compiled.cost_analysis()
+    return hbm_bytes(float((analysis[0] if isinstance(analysis, list) else analysis)["bytes accessed"]),
+                     compiled.as_text())
 
 
 def run(args: argparse.Namespace) -> None:
