@@ -32,7 +32,8 @@ def layer_bytes() -> dict:
 def test_the_kernels_read_the_quantized_bytes_where_the_int4_reference_unpacks():
     found = in_fresh_process(layer_bytes)
     weight = 2048 * 4096 * 2  # the bf16 weight's bytes
-    assert found["bf16"] >= weight
+    # the weight once (not again for the compiler's prefetch into VMEM), and the activations
+    assert weight <= found["bf16"] <= 1.05 * (weight + 64 * (2048 + 4096) * 2)
     assert found["INT8 kernel"] <= 0.6 * found["bf16"] and found["INT4 kernel"] <= 0.35 * found["bf16"]
     assert found["INT4 reference"] > found["bf16"]  # XLA materializes the unpacked weight
     assert found["FP8 reference"] <= 0.6 * found["bf16"]  # XLA's convert reads the FP8 bytes in the dot
