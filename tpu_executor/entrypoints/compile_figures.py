@@ -28,11 +28,11 @@ class GraphFigures:
     alias: int
     flops: float
     bytes_accessed: float  # libtpu's count, every memory space
-    hbm_bytes: float  # of it, the HBM traffic (``hlo_audit.hbm_bytes``)
     pallas_kernels: Tuple[str, ...]
     providers: Tuple[Tuple[str, str], ...]  # (op, provider) of every op the graph calls
     inputs: int = 0
     resident: int = 0
+    hbm_bytes: Optional[float] = None  # of bytes_accessed, the HBM traffic; None where the HLO was not read
 
     @property
     def peak(self) -> int:
@@ -41,8 +41,9 @@ class GraphFigures:
         return self.resident + self.inputs + self.outputs - self.alias + self.temp + self.code
 
     @classmethod
-    def of(cls, record, resident) -> "GraphFigures":
-        """``record`` (``graphs.CompileRecord``) beside ``resident`` (``target.Resident``)."""
+    def of(cls, record, resident, hlo_text: Optional[str] = None) -> "GraphFigures":
+        """``record`` (``graphs.CompileRecord``) beside ``resident`` (``target.Resident``);
+        with its compiled text, its HBM bytes too (``hlo_audit.hbm_bytes``)."""
         from tpu_executor.worker.jax.hlo_audit import hbm_bytes
 
         memory = record.compiled.memory_analysis()
@@ -53,10 +54,10 @@ class GraphFigures:
         accessed = float(cost.get("bytes accessed", 0.0))
         return cls(record.label, record.function, record.seconds, memory.argument_size_in_bytes,
                    memory.output_size_in_bytes, memory.temp_size_in_bytes, memory.generated_code_size_in_bytes,
-                   memory.alias_size_in_bytes, float(cost.get("flops", 0.0)), accessed,
-                   hbm_bytes(accessed, record.compiled.as_text()), pallas,
+                   memory.alias_size_in_bytes, float(cost.get("flops", 0.0)), accessed, pallas,
                    tuple(sorted({(k.op, k.provider) for k in kernels})),
-                   sum(size for tensor, size in record.inputs if tensor not in resident.state_ids), resident.bytes)
+                   sum(size for tensor, size in record.inputs if tensor not in resident.state_ids), resident.bytes,
+                   None if hlo_text is None else hbm_bytes(accessed, hlo_text))
 
 
 @dataclass

@@ -64,7 +64,7 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
     devices = list(devices) if devices is not None else target_devices(target)
     config = engine_config(checkpoint, target, options, devices[0].platform)
     devices = devices[:config.parallel.tensor_parallel_size]
-    worker = _shapes_worker(config, devices)
+    worker = shapes_worker(config, devices)
     report = _empty_report(config, target, worker, libtpu_version())
     _refuse_early(report, worker)
     report.num_blocks = config.cache.num_blocks or blocks_that_fit(report, worker, show_progress)
@@ -72,15 +72,17 @@ def compile_job(checkpoint: str, target: Target, options: Dict[str, Any], show_p
     report.compile_threads = worker.runner.compile_threads
     resident = worker.resident()
     report.resident_bytes = resident.bytes
-    report.graphs = [GraphFigures.of(r, resident) for r in in_plan_order(records, worker.runner.plan)]
+    records = in_plan_order(records, worker.runner.plan)
+    texts = [r.compiled.as_text() for r in records]  # read once: the HBM bytes and the copy audit
+    report.graphs = [GraphFigures.of(r, resident, text) for r, text in zip(records, texts)]
     report.kernel_warnings = kernel_warnings(records)
-    report.weight_copies = weight_copies(records, worker)
+    report.weight_copies = weight_copies(records, worker, texts)
     if job is not None and report.fits:
         job.write_manifest(worker.jax)
     return report
 
 
-def _shapes_worker(config: EngineConfig, devices):
+def shapes_worker(config: EngineConfig, devices):
     """A started worker of the slice with the model's shapes placed (its runner is replaced
     when the cache is allocated)."""
     from tpu_executor.worker.jax.target import TargetWorker
@@ -145,12 +147,14 @@ def kernel_warnings(records) -> List[str]:
     return refusal_lines(choice for record in records for choice in record.program.kernels)
 
 
-def weight_copies(records, worker) -> List[str]:
+def weight_copies(records, worker, texts: Optional[List[str]] = None) -> List[str]:
     """``"<graph>: <buffer>"`` for every buffer of a weight's shape a graph allocates
-    (``hlo_audit``): a copy of that weight made at every step."""
+    (``hlo_audit``): a copy of that weight made at every step. ``texts``: the records'
+    compiled texts, where the caller has read them."""
     from tpu_executor.worker.jax.hlo_audit import weight_shapes_per_chip, weight_sized_buffers
 
     models = [worker.model] + ([worker.drafter.model] if worker.drafter is not None else [])
     shapes = {key: name for model in models for key, name in weight_shapes_per_chip(model).items()}
-    return [f"{record.label}: {buffer}" for record in records
-            for buffer in weight_sized_buffers(record.compiled.as_text(), shapes)]
+    texts = texts if texts is not None else [record.compiled.as_text() for record in records]
+    return [f"{record.label}: {buffer}" for record, text in zip(records, texts)
+            for buffer in weight_sized_buffers(text, shapes)]

@@ -31,9 +31,9 @@ def model_graph_kernels(target_name: str, architectures, root: str, quantization
     from tpu_executor.core.buckets import BucketPlan
     from tpu_executor.core.tpu_slices import Target
     from tpu_executor.entrypoints.compile_fit import _largest_graphs
-    from tpu_executor.entrypoints.compile_job import engine_config, weight_copies
+    from tpu_executor.entrypoints.compile_job import engine_config, shapes_worker, weight_copies
     from tpu_executor.tools.random_checkpoint import write_config
-    from tpu_executor.worker.jax.target import TargetWorker, target_devices
+    from tpu_executor.worker.jax.target import target_devices
 
     target = Target.parse(target_name)
     devices = target_devices(target)
@@ -49,9 +49,7 @@ def model_graph_kernels(target_name: str, architectures, root: str, quantization
             max_model_len=512, max_num_seqs=8, prefill_buckets=(128,), decode_buckets=(8,),
             decode_context_buckets=(512,), cache_dir=None,
             quantization=None if isinstance(quantization, dict) else quantization))
-        worker = TargetWorker(config, devices)
-        worker.init_device()
-        worker.load_model()
+        worker = shapes_worker(config, devices)
         graphs = _largest_graphs(BucketPlan.from_config(config).graphs())
         records = worker.compile_plan(64, config.max_model_len, show_progress=False, graphs=graphs)
         found[arch] = {r.label: sorted({k.op for k in r.program.kernels if k.pallas}) for r in records}
@@ -81,17 +79,15 @@ def state_graphs_over(target_name: str, root: str) -> list:
     prompt log-probs), each compiled by libtpu for ``target_name`` over the slice's chips."""
     from tpu_executor.core.buckets import BucketPlan, graph_label
     from tpu_executor.core.tpu_slices import Target
-    from tpu_executor.entrypoints.compile_job import engine_config
+    from tpu_executor.entrypoints.compile_job import engine_config, shapes_worker
     from tpu_executor.tools.random_checkpoint import write_config
-    from tpu_executor.worker.jax.target import TargetWorker, target_devices
+    from tpu_executor.worker.jax.target import target_devices
 
     target = Target.parse(target_name)
     config = engine_config(write_config(os.path.join(root, "llama"), "llama"), target, dict(
         max_model_len=512, max_num_seqs=8, prefill_buckets=(128,), decode_buckets=(8,),
         decode_context_buckets=(512,), max_logprobs=2, cache_dir=None))
-    worker = TargetWorker(config, target_devices(target))
-    worker.init_device()
-    worker.load_model()
+    worker = shapes_worker(config, target_devices(target))
     graphs = [g for g in BucketPlan.from_config(config).graphs()
               if not graph_label(g).startswith(("prefill", "decode"))]
     return [record.label for record in worker.compile_plan(64, config.max_model_len, show_progress=False,

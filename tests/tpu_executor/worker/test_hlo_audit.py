@@ -29,9 +29,9 @@ def mlp_chain_bytes(layers: int) -> dict:
                                         jax.sharding.PartitionSpec())
     shapes = [(16, 4096)] + [(4096, 8192), (8192, 4096)] * layers
     compiled = jax.jit(mlps).lower(*[jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=placed) for s in shapes]).compile()
-    accessed = compiled.cost_analysis()["bytes accessed"]
-    return {"accessed": accessed, "hbm": hbm_bytes(accessed, compiled.as_text()),
-            "moves": memory_space_moves(compiled.as_text()), "weights": sum(2 * a * b for a, b in shapes[1:]),
+    accessed, text = compiled.cost_analysis()["bytes accessed"], compiled.as_text()
+    return {"accessed": accessed, "hbm": hbm_bytes(accessed, text), "moves": memory_space_moves(text),
+            "weights": sum(2 * a * b for a, b in shapes[1:]),
             "activations": 2 * 16 * (4096 + 8192) * 2 * layers}
 
 
@@ -51,25 +51,22 @@ def decode_bytes(root: str) -> dict:
     of which it gathers 16 rows) and the K and V pages its rows read."""
     from tpu_executor.core.buckets import BucketPlan, graph_label
     from tpu_executor.core.tpu_slices import Target
-    from tpu_executor.entrypoints.compile_job import engine_config
+    from tpu_executor.entrypoints.compile_job import engine_config, shapes_worker
     from tpu_executor.tools.published_models import MODEL_SHAPES
     from tpu_executor.worker.jax.hlo_audit import hbm_bytes, memory_space_moves
-    from tpu_executor.worker.jax.target import TargetWorker, target_devices
+    from tpu_executor.worker.jax.target import target_devices
 
     with open(os.path.join(root, "config.json"), "w") as handle:
         json.dump({**MODEL_SHAPES["llama-3.1-8b"], "num_hidden_layers": 2}, handle)
     target = Target.parse("v6e-1")
     config = engine_config(root, target, dict(max_model_len=512, max_num_seqs=16, prefill_buckets=(128,),
                                               decode_buckets=(16,), decode_context_buckets=(512,), max_logprobs=0))
-    worker = TargetWorker(config, target_devices(target))
-    worker.init_device()
-    worker.load_model()
+    worker = shapes_worker(config, target_devices(target))
     graphs = [g for g in BucketPlan.from_config(config).graphs() if graph_label(g) == "decode rows=16 blocks=32"]
     (record,) = worker.compile_plan(256, config.max_model_len, show_progress=False, graphs=graphs)
-    accessed = record.compiled.cost_analysis()["bytes accessed"]
+    accessed, text = record.compiled.cost_analysis()["bytes accessed"], record.compiled.as_text()
     table = worker.model.get_parameter("model.embed_tokens.weight")
-    return {"hbm": hbm_bytes(accessed, record.compiled.as_text()), "accessed": accessed,
-            "moves": memory_space_moves(record.compiled.as_text()),
+    return {"hbm": hbm_bytes(accessed, text), "accessed": accessed, "moves": memory_space_moves(text),
             "weights": worker.weight_bytes_per_chip() - table.numel() * table.element_size(),
             "kv": 16 * 32 * worker.cache_block_bytes_per_chip()}
 
